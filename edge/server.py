@@ -1,0 +1,142 @@
+"""omni-edge, the front door: checks requests, forwards /v1/* to omnid, relays answers.
+
+Errors from omnid pass through unchanged; the edge itself answers only what
+it can judge alone (size limit, malformed JSON, missing model, its own health).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from omni.api.errors import ApiError, error_middleware, json_response
+from omni.api.proxy import relay
+from omni.logs import setup_logging
+
+log = logging.getLogger("omni-edge")
+
+DEFAULT_MAX_BODY = 4 << 20
+INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+
+
+async def read_body(request: web.Request, limit: int) -> bytes:
+    """The request body, or a 413 as soon as it passes `limit` bytes."""
+    too_large = ApiError(
+        413, f"Request body exceeds the {limit}-byte limit.", code="request_too_large"
+    )
+    if request.content_length is not None and request.content_length > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.content.iter_any():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    return bytes(body)
+
+
+def check_inference_body(body: bytes) -> None:
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise ApiError(400, "Request body is not valid JSON.", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "Request body must be a JSON object.", code="invalid_value")
+    model = data.get("model")
+    if not isinstance(model, str) or not model:
+        raise ApiError(
+            400, "Missing required parameter: 'model'.", param="model", code="invalid_value"
+        )
+
+
+def edge_app(upstream: str, max_body: int) -> web.Application:
+    app = web.Application(middlewares=[error_middleware], client_max_size=max_body)
+    upstream = upstream.rstrip("/")
+
+    async def start_session(app: web.Application) -> None:
+        app["session"] = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+        )
+
+    async def close_session(app: web.Application) -> None:
+        await app["session"].close()
+
+    app.on_startup.append(start_session)
+    app.on_cleanup.append(close_session)
+
+    async def forward(request: web.Request) -> web.StreamResponse:
+        body = None
+        if request.method == "POST":
+            body = await read_body(request, max_body)
+            check_inference_body(body)
+        return await relay(
+            request, request.app["session"], upstream + request.path_qs, body, upstream_name="omnid"
+        )
+
+    async def healthz(request: web.Request) -> web.Response:
+        try:
+            async with request.app["session"].get(
+                upstream + "/healthz", timeout=aiohttp.ClientTimeout(total=2)
+            ) as resp:
+                ok = resp.status == 200
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            ok = False
+        if ok:
+            return json_response({"status": "ok"})
+        return json_response(
+            {"status": "degraded", "omnid": "unreachable"}, 503, {"Retry-After": "1"}
+        )
+
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/v1/models", forward)
+    for path in INFERENCE_PATHS:
+        app.router.add_post(path, forward)
+    return app
+
+
+async def run(args: argparse.Namespace) -> None:
+    runner = web.AppRunner(
+        edge_app(args.upstream, args.max_body_bytes), handler_cancellation=True, access_log=None
+    )
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    log.info("omni-edge listening on http://%s:%d -> %s", args.host, args.port, args.upstream)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    env = os.environ.get
+    parser = argparse.ArgumentParser(prog="omni-edge", description=__doc__)
+    parser.add_argument("--host", default=env("OMNI_EDGE_HOST", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(env("OMNI_EDGE_PORT", "8080")))
+    parser.add_argument(
+        "--upstream",
+        default=env("OMNI_UPSTREAM", "http://127.0.0.1:8081"),
+        help="omnid's inference endpoint",
+    )
+    parser.add_argument(
+        "--max-body-bytes", type=int, default=int(env("OMNI_MAX_BODY_BYTES", str(DEFAULT_MAX_BODY)))
+    )
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    setup_logging("omni-edge")
+    asyncio.run(run(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""Relay a request upstream and its response back, streaming included.
+
+Used by the edge (to omnid) and by omnid (to an instance). An upstream that
+fails before answering becomes a 503 with Retry-After; one that fails mid-stream
+ends the stream with an error event, since the status line is already sent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from .errors import error_body, unavailable
+
+log = logging.getLogger(__name__)
+
+# Hop-by-hop and framing headers are not relayed; aiohttp sets its own.
+_SKIP_HEADERS = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "content-length",
+    "host",
+    "content-encoding",
+    "upgrade",
+    "te",
+    "trailer",
+    "proxy-connection",
+}
+
+
+def relay_headers(headers) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in _SKIP_HEADERS}
+
+
+async def relay(
+    request: web.Request,
+    session: aiohttp.ClientSession,
+    url: str,
+    body: bytes | None,
+    *,
+    upstream_name: str,
+    retry_after_s: float = 1.0,
+) -> web.StreamResponse:
+    try:
+        upstream = await session.request(
+            request.method, url, data=body, headers=relay_headers(request.headers)
+        )
+    except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+        log.warning("%s unreachable: %s", upstream_name, exc)
+        raise unavailable(
+            f"{upstream_name} is unavailable; retry shortly.", retry_after_s
+        ) from None
+    async with upstream:
+        headers = relay_headers(upstream.headers)
+        if upstream.content_type != "text/event-stream":
+            try:
+                data = await upstream.read()
+            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+                log.warning("%s failed mid-response: %s", upstream_name, exc)
+                raise unavailable(
+                    f"{upstream_name} failed while answering; retry shortly.", retry_after_s
+                ) from None
+            return web.Response(body=data, status=upstream.status, headers=headers)
+        resp = web.StreamResponse(status=upstream.status, headers=headers)
+        await resp.prepare(request)
+        try:
+            async for chunk in upstream.content.iter_any():
+                await resp.write(chunk)
+        except ConnectionResetError:
+            pass  # our client left; leaving the `async with` drops the upstream too
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            log.warning("%s failed mid-stream: %s", upstream_name, exc)
+            err = error_body(f"{upstream_name} failed mid-stream", 503, code="unavailable")
+            with contextlib.suppress(ConnectionResetError):
+                await resp.write(b"data: " + orjson.dumps(err) + b"\n\n")
+        return resp

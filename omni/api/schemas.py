@@ -1,0 +1,166 @@
+"""OpenAI request schemas: one definition, checked by omnid and used by instances.
+
+Strict and closed: a wrong type or an unknown field is a 400 that names the
+field, instead of a silently ignored parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from .errors import ApiError
+
+MAX_STOP_SEQUENCES = 4
+MAX_EMBEDDING_INPUTS = 2048
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class StreamOptions(Strict):
+    include_usage: bool = False
+
+
+class GenerationFields(Strict):
+    """Parameters shared by chat and text completions."""
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    seed: int | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1, le=1)] = 1  # one choice per request for now
+    user: str | None = None
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_tokens
+
+
+class ChatCompletionRequest(GenerationFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    @property
+    def token_limit(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(GenerationFields):
+    prompt: (
+        str
+        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[str], Field(min_length=1, max_length=1)]
+    )
+
+    @field_validator("prompt")
+    @classmethod
+    def _not_empty(cls, value):
+        if value == "" or value == [""]:
+            raise ValueError("prompt must not be empty")
+        return value
+
+
+class EmbeddingRequest(Strict):
+    model: str
+    input: (
+        str
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[list[list[int]], Field(min_length=1, max_length=MAX_EMBEDDING_INPUTS)]
+    )
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: Annotated[int, Field(ge=1)] | None = None
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _no_empty_items(cls, value):
+        items = [value] if isinstance(value, str) else value
+        if any(len(item) == 0 for item in items if isinstance(item, str | list)):
+            raise ValueError("input must not contain empty strings or token lists")
+        return value
+
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+
+
+def parse_request(schema: type[ModelT], body: bytes) -> ModelT:
+    """Validate a JSON body; raise a 400 naming the first offending field."""
+    try:
+        return schema.model_validate_json(body)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        # Of a union's per-branch errors, a broken constraint says more than a type mismatch.
+        first = errors[0]["loc"][:1]
+        same_field = [e for e in errors if e["loc"][:1] == first]
+        err = next((e for e in same_field if not e["type"].endswith("_type")), errors[0])
+        if err["type"] == "json_invalid":
+            raise ApiError(400, "Request body is not valid JSON.", code="invalid_json") from None
+        param = _param_name(err["loc"])
+        if err["type"] == "extra_forbidden":
+            message = f"Unrecognized request argument supplied: {param}"
+        elif err["type"] == "missing":
+            message = f"Missing required parameter: '{param}'."
+        elif err["type"] == "model_type":
+            message = "Request body must be a JSON object."
+        else:
+            detail = err["msg"].removeprefix("Value error, ")
+            message = f"Invalid value for '{param}': {detail}."
+        raise ApiError(400, message, param=param or None, code="invalid_value") from None
+
+
+def _param_name(loc: tuple) -> str:
+    """('messages', 0, 'role') -> 'messages[0].role'; drops pydantic's union-branch labels."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif (
+            "[" in part
+            or part.startswith(("function-", "constrained-"))
+            or part
+            in {
+                "str",
+                "int",
+                "float",
+                "bool",
+                "list",
+            }
+        ):
+            continue  # union member tags such as 'list[str]'
+        else:
+            out += f".{part}" if out else part
+    return out

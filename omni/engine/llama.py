@@ -1,0 +1,254 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) in one readable file.
+
+Module names follow the HF checkpoints, so a state dict loads as it is. The
+KV cache is passed in by the caller; the model only writes and reads it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .checkpoint import Checkpoint, CheckpointError
+
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position: int
+    tie_embeddings: bool
+    attention_bias: bool  # Qwen2 has q/k/v biases
+    qk_norm: bool  # Qwen3 normalises q and k per head
+    rope_scaling: dict | None
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint) -> LlamaConfig:
+        c = ckpt.config
+        model_type = c.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise CheckpointError(
+                f"{ckpt.path / 'config.json'}: model_type {model_type!r} not supported "
+                f"({', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
+            )
+        try:
+            heads = int(c["num_attention_heads"])
+            hidden = int(c["hidden_size"])
+            return cls(
+                vocab_size=int(c["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(c["intermediate_size"]),
+                num_layers=int(c["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(c.get("num_key_value_heads") or heads),
+                head_dim=int(c.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(c.get("rope_theta", 10000.0)),
+                max_position=int(c.get("max_position_embeddings", 4096)),
+                tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+                attention_bias=bool(c.get("attention_bias", model_type == "qwen2")),
+                qk_norm=model_type == "qwen3",
+                rope_scaling=c.get("rope_scaling"),
+            )
+        except KeyError as exc:
+            raise CheckpointError(f"{ckpt.path / 'config.json'}: missing key {exc}") from None
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Rotary frequencies, with Llama 3.1's frequency-dependent scaling when configured."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_ctx = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_ctx / low, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+        inv_freq = torch.where(medium, blended, scaled)
+    elif kind not in (None, "default"):
+        raise CheckpointError(f"rope_scaling type {kind!r} not supported")
+    return inv_freq.float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [tokens, heads, head_dim]; rotate-half convention."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+class KVCache:
+    """Contiguous K/V for one sequence; the seam where the paged cache plugs in."""
+
+    def __init__(self, cfg: LlamaConfig, capacity: int, dtype: torch.dtype, device):
+        shape = (cfg.num_layers, capacity, cfg.num_kv_heads, cfg.head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.length = 0  # tokens whose K/V are written in every layer
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[1]
+
+    def reserve(self, tokens: int) -> None:
+        """Make room for `tokens` in total, doubling so growth stays amortised."""
+        if tokens <= self.capacity:
+            return
+        new_capacity = max(tokens, 2 * self.capacity)
+        for name in ("k", "v"):
+            old = getattr(self, name)
+            new = old.new_empty((old.shape[0], new_capacity, *old.shape[2:]))
+            new[:, : self.length] = old[:, : self.length]
+            setattr(self, name, new)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache: KVCache) -> torch.Tensor:
+        cfg, n = self.cfg, x.shape[0]
+        q = self.q_proj(x).view(n, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        start = cache.length
+        cache.k[self.layer, start : start + n] = k
+        cache.v[self.layer, start : start + n] = v
+        keys = cache.k[self.layer, : start + n].transpose(0, 1)  # [kv_heads, ctx, d]
+        values = cache.v[self.layer, : start + n].transpose(0, 1)
+        mask = None
+        if n > 1:  # query i sees cached prefix + new tokens up to i
+            ctx = start + n
+            mask = torch.ones(n, ctx, dtype=torch.bool, device=x.device).tril(diagonal=start)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), keys, values, attn_mask=mask, enable_gqa=True
+        )
+        return self.o_proj(out.transpose(0, 1).reshape(n, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, cache: KVCache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Run `input_ids` (1-D) after the cached tokens; returns logits [tokens, vocab]."""
+        n = input_ids.shape[0]
+        cache.reserve(cache.length + n)
+        positions = torch.arange(cache.length, cache.length + n, device=input_ids.device)
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [tokens, 1, head_dim]
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache)
+        cache.length += n
+        return self.lm_head(self.model.norm(x)).float()
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(self.cfg, capacity, self.lm_head.weight.dtype, self.lm_head.weight.device)
+
+    @classmethod
+    def load(cls, ckpt: Checkpoint, device="cpu", dtype=torch.float32) -> LlamaForCausalLM:
+        cfg = LlamaConfig.from_checkpoint(ckpt)
+        with torch.device("meta"):
+            model = cls(cfg)
+        state = ckpt.load_tensors(device, dtype)
+        if cfg.tie_embeddings:
+            state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
+        expected = set(model.state_dict())
+        missing = sorted(expected - set(state))
+        if missing:
+            raise CheckpointError(f"{ckpt.path}: missing tensors {missing[:5]}")
+        extra = [k for k in state if k not in expected and "rotary_emb" not in k]
+        if extra:
+            raise CheckpointError(f"{ckpt.path}: unexpected tensors {sorted(extra)[:5]}")
+        for name, param in model.state_dict().items():
+            if state[name].shape != param.shape:
+                raise CheckpointError(
+                    f"{ckpt.path}: tensor {name} has shape {tuple(state[name].shape)}, "
+                    f"config says {tuple(param.shape)}"
+                )
+        model.load_state_dict({k: state[k] for k in expected}, assign=True)
+        model.inv_freq = rope_inv_freq(cfg).to(device)
+        return model.eval()

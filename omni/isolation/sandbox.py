@@ -1,0 +1,96 @@
+"""The one interface through which omnid starts and stops model instances.
+
+`SandboxSpec` says what an instance needs (its command, model directory,
+socket directory, resource limits); a `Sandbox` runs it. `ProcessSandbox` is a
+plain subprocess in its own session; the isolating sandbox (cgroups,
+namespaces, a read-only filesystem view) implements the same interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+from omni.proc import die_with_parent, kill_group
+
+
+@dataclass(frozen=True)
+class Limits:
+    memory_bytes: int | None = None
+    cpu_cores: float | None = None
+    pids: int | None = None
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    name: str
+    argv: list[str]
+    env: dict[str, str]
+    model_dir: Path  # the only model files the instance may read
+    socket_dir: Path  # where it listens; omnid's only channel to it
+    limits: Limits = field(default_factory=Limits)
+
+
+@dataclass(frozen=True)
+class ExitStatus:
+    returncode: int | None  # negative: killed by that signal
+    reason: str = "exited"  # "exited" | "killed" | "oom"
+
+    def describe(self) -> str:
+        if self.returncode is not None and self.returncode < 0:
+            try:
+                name = signal.Signals(-self.returncode).name
+            except ValueError:
+                name = f"signal {-self.returncode}"
+            return f"{self.reason} ({name})"
+        return f"{self.reason} (code {self.returncode})"
+
+
+class Sandbox(Protocol):
+    pid: int | None
+
+    async def start(self) -> None: ...
+
+    async def wait(self) -> ExitStatus: ...
+
+    async def stop(self, grace_s: float = 5.0) -> ExitStatus: ...
+
+
+class ProcessSandbox:
+    """A plain child process in its own session, killed with its whole process group."""
+
+    def __init__(self, spec: SandboxSpec):
+        self.spec = spec
+        self.pid: int | None = None
+        self._proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        self.spec.socket_dir.mkdir(parents=True, exist_ok=True)
+        self._proc = await asyncio.create_subprocess_exec(
+            *self.spec.argv,
+            env=self.spec.env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            preexec_fn=die_with_parent(signal.SIGKILL),
+        )
+        self.pid = self._proc.pid
+
+    async def wait(self) -> ExitStatus:
+        assert self._proc is not None, "not started"
+        code = await self._proc.wait()
+        kill_group(self._proc.pid)  # leftovers that stayed in its group
+        return ExitStatus(code, "killed" if code < 0 else "exited")
+
+    async def stop(self, grace_s: float = 5.0) -> ExitStatus:
+        assert self._proc is not None, "not started"
+        if self._proc.returncode is None:
+            kill_group(self._proc.pid, signal.SIGTERM)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._proc.wait()), grace_s)
+        kill_group(self._proc.pid, signal.SIGKILL)
+        return await self.wait()

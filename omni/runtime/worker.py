@@ -1,0 +1,93 @@
+"""The model instance process: loads one checkpoint and serves it on a Unix socket.
+
+omnid starts one of these per catalog model inside a sandbox and is its only
+client. `python -m omni.runtime.worker --name N --model-dir D --socket S`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+
+from aiohttp import web
+
+from omni.api.errors import error_middleware, json_response
+from omni.engine.checkpoint import Checkpoint
+from omni.logs import setup_logging
+
+log = logging.getLogger("omni.worker")
+
+
+def build_app(name: str, ckpt: Checkpoint) -> web.Application:
+    """Load the model behind the routes its kind serves."""
+    app = web.Application(middlewares=[error_middleware], client_max_size=64 << 20)
+    if ckpt.kind == "generate":
+        from omni.engine.engine import Engine
+        from omni.engine.llama import LlamaForCausalLM
+        from omni.engine.tokenizer import TextTokenizer
+
+        from .textgen import TextGenRoutes
+
+        engine = Engine(LlamaForCausalLM.load(ckpt), TextTokenizer(ckpt))
+        TextGenRoutes(engine, name).add_to(app)
+        app.on_shutdown.append(lambda _app: asyncio.to_thread(engine.shutdown))
+    else:
+        from omni.engine.bert import EmbeddingModel
+
+        from .embeddings import EmbeddingRoutes
+
+        EmbeddingRoutes(EmbeddingModel(ckpt), name).add_to(app)
+
+    started = time.time()
+
+    async def health(_request: web.Request) -> web.Response:
+        return json_response(
+            {"status": "ok", "model": name, "kind": ckpt.kind, "uptime_s": time.time() - started}
+        )
+
+    app.router.add_get("/health", health)
+    return app
+
+
+async def serve(name: str, model_dir: Path, socket_path: Path) -> None:
+    t0 = time.monotonic()
+    ckpt = Checkpoint.open(model_dir)
+    app = build_app(name, ckpt)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    socket_path.unlink(missing_ok=True)
+    site = web.UnixSite(runner, str(socket_path))
+    await site.start()
+    log.info(
+        "instance %s (%s) ready in %.2fs on %s", name, ckpt.kind, time.monotonic() - t0, socket_path
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--name", required=True)
+    parser.add_argument("--model-dir", required=True, type=Path)
+    parser.add_argument("--socket", required=True, type=Path)
+    args = parser.parse_args()
+    setup_logging(f"instance[{args.name}]")
+    threads = os.environ.get("OMNI_TORCH_THREADS")
+    if threads:
+        import torch
+
+        torch.set_num_threads(int(threads))
+    asyncio.run(serve(args.name, args.model_dir, args.socket))
+
+
+if __name__ == "__main__":
+    main()
