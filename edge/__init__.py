@@ -1,0 +1,1 @@
+"""omni-edge, the edge coordinator: the front door for every client request."""

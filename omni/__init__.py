@@ -1,0 +1,1 @@
+"""OMNI: a sandboxed multi-model inference runtime for GPU hosts."""

@@ -1,0 +1,1 @@
+"""What every OMNI server shares: OpenAI schemas, error bodies, the streaming relay."""

@@ -1,0 +1,1 @@
+"""The inference engine that model instances run (pure-torch CPU path today)."""

@@ -44,6 +44,9 @@ class LlamaConfig:
                 f"{ckpt.path / 'config.json'}: model_type {model_type!r} not supported "
                 f"({', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
             )
+        # transformers >= 5 writes `rope_parameters` (theta inside); older configs
+        # have `rope_theta` and `rope_scaling` at the top level.
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
         try:
             heads = int(c["num_attention_heads"])
             hidden = int(c["hidden_size"])
@@ -56,12 +59,12 @@ class LlamaConfig:
                 num_kv_heads=int(c.get("num_key_value_heads") or heads),
                 head_dim=int(c.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(c.get("rope_theta", 10000.0)),
+                rope_theta=float(c.get("rope_theta") or rope.get("rope_theta", 10000.0)),
                 max_position=int(c.get("max_position_embeddings", 4096)),
                 tie_embeddings=bool(c.get("tie_word_embeddings", False)),
                 attention_bias=bool(c.get("attention_bias", model_type == "qwen2")),
                 qk_norm=model_type == "qwen3",
-                rope_scaling=c.get("rope_scaling"),
+                rope_scaling=rope or None,
             )
         except KeyError as exc:
             raise CheckpointError(f"{ckpt.path / 'config.json'}: missing key {exc}") from None

@@ -1,0 +1,1 @@
+"""Sandboxes for model instances; `sandbox.Sandbox` is the interface omnid uses."""

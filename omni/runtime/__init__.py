@@ -1,0 +1,1 @@
+"""omnid, the per-node daemon, and the instance process it supervises."""

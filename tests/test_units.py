@@ -1,0 +1,120 @@
+"""Small pieces on their own: stop matching, streaming decode, sampling, backoff, config."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from omni.engine.checkpoint import Checkpoint
+from omni.engine.sampling import SamplingParams, make_generator, sample
+from omni.engine.stops import StopMatcher
+from omni.engine.tokenizer import TextTokenizer
+from omni.runtime.catalog import CatalogError, ModelEntry, load_config
+from omni.runtime.instance import Backoff
+
+
+def feed_all(stops: list[str], deltas: list[str]) -> tuple[str, bool, list[str]]:
+    matcher = StopMatcher(stops)
+    emitted = []
+    for delta in deltas:
+        text, hit = matcher.feed(delta)
+        emitted.append(text)
+        if hit:
+            return "".join(emitted), True, emitted
+    emitted.append(matcher.flush())
+    return "".join(emitted), False, emitted
+
+
+def test_stop_split_across_deltas_is_held_back():
+    text, hit, emitted = feed_all(["STOP"], ["abc S", "T", "OP xyz"])
+    assert (text, hit) == ("abc ", True)
+    assert emitted == ["abc ", "", ""]
+
+
+def test_false_alarm_prefix_is_released():
+    text, hit, emitted = feed_all(["STOP"], ["abc ST", "ART"])
+    assert (text, hit) == ("abc START", False)
+    assert emitted[0] == "abc "
+
+
+def test_earliest_of_several_stops_wins():
+    assert feed_all(["c", "ab"], ["xab", "c"])[:2] == ("x", True)
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text(alphabet="abcS", max_size=30), stops=st.lists(
+    st.text(alphabet="abcS", min_size=1, max_size=4), max_size=3),
+    cuts=st.lists(st.integers(0, 30), max_size=6))
+def test_stop_matching_equals_whole_string_search(text, stops, cuts):
+    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    deltas = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    out, hit, emitted = feed_all(stops, deltas)
+    hits = [i for s in stops if (i := text.find(s)) >= 0]
+    assert (out, hit) == ((text[: min(hits)], True) if hits else (text, False))
+    assert not any(s in "".join(emitted) for s in stops)
+
+
+def test_stream_decoder_reassembles_multibyte_text(text_model_dir):
+    tok = TextTokenizer(Checkpoint.open(text_model_dir))
+    text = "naïve café 🚀🚀 日本語のテキスト — done."
+    decoder = tok.stream_decoder()
+    deltas = [decoder.push(t) for t in tok.encode(text)]
+    assert "".join(deltas) == text
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_greedy_and_degenerate_filters_pick_argmax():
+    logits = torch.randn(1000)
+    best = int(torch.argmax(logits))
+    gen = make_generator(0)
+    assert sample(logits, SamplingParams(temperature=0), gen) == best
+    assert sample(logits, SamplingParams(temperature=1, top_k=1), gen) == best
+    assert sample(logits, SamplingParams(temperature=1, top_p=1e-6), gen) == best
+
+
+def test_seeded_sampling_repeats_and_follows_the_distribution():
+    logits = torch.tensor([0.0, 1.0, 2.0, -10.0])
+    params = SamplingParams(temperature=1.0)
+    draws = [sample(logits, params, make_generator(s)) for s in range(4000)]
+    assert draws[:50] == [sample(logits, params, make_generator(s)) for s in range(50)]
+    freq = torch.bincount(torch.tensor(draws), minlength=4).float() / len(draws)
+    torch.testing.assert_close(freq, torch.softmax(logits, 0), atol=0.03, rtol=0)
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    params = SamplingParams(temperature=1.0, top_p=0.7)  # nucleus: tokens 0 and 1
+    gen = make_generator(1)
+    assert {sample(logits, params, gen) for _ in range(500)} == {0, 1}
+
+
+def test_backoff_doubles_caps_and_resets_after_stable_uptime():
+    b = Backoff(initial_s=0.5, max_s=4, stable_s=60)
+    assert [b.next_delay(1) for _ in range(6)] == [0.5, 1, 2, 4, 4, 4]
+    assert b.next_delay(120) == 0.5
+
+
+@pytest.mark.parametrize(("toml", "message"), [
+    ("models = 3", "'models' must be an array"),
+    ("[[models]]\nname = 'x'", r"models\[0\].path: required string"),
+    ("[[models]]\nname = 'x'\npath = '/x'\nquota = 1", r"models\[0\]: unknown key 'quota'"),
+    ("default_models = 'yes'", "'default_models' must be true or false"),
+    ("listen = 1", "unknown key 'listen'"),
+    ("[[models]\n", "invalid TOML"),
+])
+def test_config_errors_name_the_key(tmp_path, toml, message):
+    path = tmp_path / "omnid.toml"
+    path.write_text(toml)
+    with pytest.raises(CatalogError, match=message):
+        load_config(path)
+
+
+def test_model_names_are_checked(text_model_dir):
+    assert ModelEntry.from_path("ok-name_1.0", text_model_dir, "admin").kind == "generate"
+    for bad in ("", "../escape", "a/b", "x" * 65, "-leading"):
+        with pytest.raises(CatalogError, match="is invalid"):
+            ModelEntry.from_path(bad, text_model_dir, "admin")
