@@ -118,3 +118,10 @@ def test_model_names_are_checked(text_model_dir):
     for bad in ("", "../escape", "a/b", "x" * 65, "-leading"):
         with pytest.raises(CatalogError, match="is invalid"):
             ModelEntry.from_path(bad, text_model_dir, "admin")
+
+
+def test_duplicate_config_names_are_refused(tmp_path):
+    path = tmp_path / "omnid.toml"
+    path.write_text("[[models]]\nname = 'a'\npath = '/x'\n[[models]]\nname = 'a'\npath = '/y'\n")
+    with pytest.raises(CatalogError, match=r"models\[1\]\.name: 'a' is already listed"):
+        load_config(path)

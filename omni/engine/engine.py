@@ -8,6 +8,7 @@ batching scheduler keeps.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -71,7 +72,12 @@ class Engine:
         """Yield the request's outputs; leaving early (client gone) cancels it."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
-        self.submit(request, lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out))
+
+        def emit(out: StepOutput) -> None:
+            with contextlib.suppress(RuntimeError):  # loop already closed: nobody listens
+                loop.call_soon_threadsafe(outputs.put_nowait, out)
+
+        self.submit(request, emit)
         try:
             while True:
                 out = await outputs.get()

@@ -39,7 +39,7 @@ class SandboxSpec:
 @dataclass(frozen=True)
 class ExitStatus:
     returncode: int | None  # negative: killed by that signal
-    reason: str = "exited"  # "exited" | "killed" | "oom"
+    reason: str = "exited"  # "exited" | "killed" | "oom" | "unhealthy" | "restarted"
 
     def describe(self) -> str:
         if self.returncode is not None and self.returncode < 0:

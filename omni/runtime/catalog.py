@@ -71,5 +71,7 @@ def load_config(path: Path) -> NodeConfig:
         for key in ("name", "path"):
             if not isinstance(item.get(key), str):
                 raise CatalogError(f"{where}.{key}: required string")
+        if any(item["name"] == name for name, _ in out):
+            raise CatalogError(f"{where}.name: {item['name']!r} is already listed")
         out.append((item["name"], item["path"]))
     return NodeConfig(defaults, out)

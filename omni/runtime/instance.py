@@ -177,11 +177,13 @@ class Instance:
         woken = asyncio.ensure_future(self._wake.wait())
         try:
             await asyncio.wait({exited, checker, woken}, return_when=asyncio.FIRST_COMPLETED)
-            if not exited.done():
-                if self._stopping:
-                    self.state = State.STOPPING
-                return await self._sandbox.stop()
-            return exited.result()
+            if exited.done():
+                return exited.result()
+            if self._stopping:
+                self.state = State.STOPPING
+            status = await self._sandbox.stop()
+            reason = "unhealthy" if checker.done() else "restarted"
+            return ExitStatus(status.returncode, reason)
         finally:
             for fut in (checker, woken):
                 fut.cancel()

@@ -186,6 +186,8 @@ async def run(args: argparse.Namespace) -> None:
     if args.defaults and (config is None or config.default_models):
         entries += await asyncio.to_thread(default_entries, data_dir)
     for name, path in config.models if config else []:
+        if any(e.name == name for e in entries):
+            raise CatalogError(f"{args.config}: model name {name!r} is taken by a default model")
         entries.append(ModelEntry.from_path(name, path, "config"))
 
     node = Node(runtime_dir, ready_wait_s=args.ready_wait)
