@@ -9,6 +9,7 @@ import threading
 import httpx
 import numpy as np
 import openai
+import psutil
 import pytest
 
 from .conftest import wait_until
@@ -146,8 +147,6 @@ def test_killed_instance_restarts_and_serves_again(client, server):
 
 
 def _busy(pid: int) -> bool:
-    import psutil
-
     return psutil.Process(pid).cpu_percent(interval=0.2) > 20
 
 
@@ -175,3 +174,27 @@ def test_unload_and_load_change_models(client, server, text_model_dir):
     assert server.omnictl("unload", "smol-copy").returncode == 0
     assert server.omnictl("load", TEXT, str(text_model_dir)).returncode == 0
     server.wait_ready([TEXT])
+
+
+def test_hung_instance_is_killed_by_health_checks(client, server):
+    before = server.instances()[EMBED]
+    os.kill(before["pid"], signal.SIGSTOP)  # alive, but answers nothing
+    after = wait_until(
+        lambda: (i := server.instances()[EMBED])["state"] == "ready" and i["pid"] != before[
+            "pid"] and i, 90, "hung instance replaced")
+    assert after["restarts"] == before["restarts"] + 1
+    assert after["last_exit"].startswith("unhealthy")
+    assert not psutil.pid_exists(before["pid"])
+    assert len(client.embeddings.create(model=EMBED, input="back").data[0].embedding) == 384
+
+
+def test_omnictl_restart(client, server):
+    before = server.instances()[EMBED]
+    result = server.omnictl("restart", EMBED)
+    assert result.returncode == 0 and f"restarting {EMBED}" in result.stdout
+    after = wait_until(
+        lambda: (i := server.instances()[EMBED])["state"] == "ready" and i["pid"] != before[
+            "pid"] and i, 60, "restarted instance")
+    assert after["restarts"] == before["restarts"] + 1
+    assert after["last_exit"].startswith("restarted")
+    assert client.embeddings.create(model=EMBED, input="again").data[0].index == 0
