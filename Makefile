@@ -25,6 +25,7 @@ serve: setup
 
 lint: setup
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: lint
 	$(VENV)/bin/pytest

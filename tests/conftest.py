@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +22,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 # Converted default models are reused across test runs on one machine.
 DATA_DIR = REPO / ".cache" / "test-data"
+DEFAULT_MODELS = ("smollm2-135m-instruct", "all-minilm-l6-v2")
 
 
 def free_port() -> int:
@@ -53,8 +57,11 @@ class Server:
         return self.runtime_dir / "omnid.sock"
 
     def admin(self) -> httpx.Client:
-        return httpx.Client(transport=httpx.HTTPTransport(uds=str(self.admin_socket)),
-                            base_url="http://omnid", timeout=30)
+        return httpx.Client(
+            transport=httpx.HTTPTransport(uds=str(self.admin_socket)),
+            base_url="http://omnid",
+            timeout=30,
+        )
 
     def instances(self) -> dict[str, dict]:
         with self.admin() as client:
@@ -74,7 +81,9 @@ class Server:
     def omnictl(self, *args: str) -> subprocess.CompletedProcess:
         return subprocess.run(
             [sys.executable, "-m", "omni.ctl", "--socket", str(self.admin_socket), *args],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
 
     def log(self) -> str:
@@ -94,12 +103,26 @@ class Server:
 
 def start_server(tmp: Path, *extra: str, env: dict | None = None) -> Server:
     port, omnid_port = free_port(), free_port()
-    runtime_dir = tmp / "run"
+    # Unix socket paths are limited to 107 bytes: keep the runtime dir short.
+    runtime_dir = Path(tempfile.mkdtemp(prefix="omni-", dir="/tmp")) / "run"
     log_path = tmp / "serve.log"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "omni.cli", "serve", "--port", str(port), "--omnid-port",
-         str(omnid_port), "--runtime-dir", str(runtime_dir), *extra],
-        stdout=log_path.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        [
+            sys.executable,
+            "-m",
+            "omni.cli",
+            "serve",
+            "--port",
+            str(port),
+            "--omnid-port",
+            str(omnid_port),
+            "--runtime-dir",
+            str(runtime_dir),
+            *extra,
+        ],
+        stdout=log_path.open("w"),
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
         env={**os.environ, "OMNI_DATA_DIR": str(DATA_DIR), **(env or {})},
     )
     server = Server(proc, port, omnid_port, runtime_dir, log_path)
@@ -116,16 +139,24 @@ def start_server(tmp: Path, *extra: str, env: dict | None = None) -> Server:
     return server
 
 
-@pytest.fixture(scope="session")
-def server(tmp_path_factory) -> Server:
-    """`omni serve` with the embedded default models, shared by the API tests."""
-    srv = start_server(tmp_path_factory.mktemp("serve"))
+@contextlib.contextmanager
+def running_server(tmp: Path, *extra: str, ready: tuple[str, ...] = ()) -> Iterator[Server]:
+    """A started server that is stopped (its processes reaped) however the test ends."""
+    srv = start_server(tmp, *extra)
     try:
-        srv.wait_ready(["smollm2-135m-instruct", "all-minilm-l6-v2"])
+        if ready:
+            srv.wait_ready(list(ready))
         yield srv
     finally:
         if srv.proc.poll() is None:
             srv.stop()
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory) -> Iterator[Server]:
+    """`omni serve` with the embedded default models, shared by the API tests."""
+    with running_server(tmp_path_factory.mktemp("serve"), ready=DEFAULT_MODELS) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="session")

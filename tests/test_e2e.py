@@ -20,8 +20,9 @@ EMBED = "all-minilm-l6-v2"
 
 @pytest.fixture
 def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0,
-                         timeout=120)
+    return openai.OpenAI(
+        base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120
+    )
 
 
 def test_models_lists_the_defaults(client):
@@ -46,12 +47,19 @@ def test_chat_completion(client):
 
 
 def test_streaming_chat_matches_non_streaming(client):
-    kwargs = dict(model=TEXT, messages=[{"role": "user", "content": "Name three colors."}],
-                  max_tokens=20, temperature=0)
+    kwargs = dict(
+        model=TEXT,
+        messages=[{"role": "user", "content": "Name three colors."}],
+        max_tokens=20,
+        temperature=0,
+    )
     whole_resp = client.chat.completions.create(**kwargs)
     whole = whole_resp.choices[0].message.content
-    chunks = list(client.chat.completions.create(
-        **kwargs, stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole
     assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3
@@ -62,23 +70,24 @@ def test_streaming_chat_matches_non_streaming(client):
 
 
 def test_completion_and_max_tokens(client):
-    resp = client.completions.create(model=TEXT, prompt="The capital of France is",
-                                     max_tokens=5, temperature=0)
+    resp = client.completions.create(
+        model=TEXT, prompt="The capital of France is", max_tokens=5, temperature=0
+    )
     assert resp.choices[0].finish_reason == "length"
     assert resp.usage.completion_tokens == 5
     assert "Paris" in resp.choices[0].text
 
 
 def test_streaming_completion(client):
-    stream = client.completions.create(model=TEXT, prompt="1, 2, 3, 4,", max_tokens=8,
-                                       temperature=0, stream=True)
+    stream = client.completions.create(
+        model=TEXT, prompt="1, 2, 3, 4,", max_tokens=8, temperature=0, stream=True
+    )
     text = "".join(c.choices[0].text for c in stream)
     assert "5" in text
 
 
 def test_seed_makes_sampling_repeatable(client):
-    kwargs = dict(model=TEXT, prompt="Once upon a time", max_tokens=16, temperature=1.0,
-                  top_p=0.95)
+    kwargs = dict(model=TEXT, prompt="Once upon a time", max_tokens=16, temperature=1.0, top_p=0.95)
     a = client.completions.create(**kwargs, seed=7).choices[0].text
     b = client.completions.create(**kwargs, seed=7).choices[0].text
     others = {client.completions.create(**kwargs, seed=s).choices[0].text for s in (8, 9, 10)}
@@ -87,8 +96,9 @@ def test_seed_makes_sampling_repeatable(client):
 
 
 def test_stop_string_is_not_in_output(client):
-    resp = client.completions.create(model=TEXT, prompt="1, 2, 3, 4,", max_tokens=20,
-                                     temperature=0, stop=[" 7"])
+    resp = client.completions.create(
+        model=TEXT, prompt="1, 2, 3, 4,", max_tokens=20, temperature=0, stop=[" 7"]
+    )
     assert resp.choices[0].finish_reason == "stop"
     assert "7" not in resp.choices[0].text and "6" in resp.choices[0].text
 
@@ -96,17 +106,21 @@ def test_stop_string_is_not_in_output(client):
 def test_embeddings_match_sentence_transformers(client, embedding_model_dir):
     from sentence_transformers import SentenceTransformer
 
-    texts = ["OMNI packs many models on one GPU.", "A cat sat on the mat.",
-             "word " * 300]  # past the 256-token limit: truncated like the reference
+    texts = [
+        "OMNI packs many models on one GPU.",
+        "A cat sat on the mat.",
+        "word " * 300,
+    ]  # past the 256-token limit: truncated like the reference
     resp = client.embeddings.create(model=EMBED, input=texts)  # client asks for base64
     ours = np.array([d.embedding for d in resp.data])
-    floats = httpx.post(f"{client.base_url}embeddings",
-                        json={"model": EMBED, "input": texts, "encoding_format": "float"}).json()
+    floats = httpx.post(
+        f"{client.base_url}embeddings",
+        json={"model": EMBED, "input": texts, "encoding_format": "float"},
+    ).json()
     reference = SentenceTransformer(str(embedding_model_dir), device="cpu").encode(texts)
     assert ours.shape == (3, 384)
     np.testing.assert_allclose(ours, reference, atol=1e-4)
-    np.testing.assert_allclose(np.array([d["embedding"] for d in floats["data"]]), ours,
-                               atol=1e-6)
+    np.testing.assert_allclose(np.array([d["embedding"] for d in floats["data"]]), ours, atol=1e-6)
     np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
     assert resp.usage.prompt_tokens == floats["usage"]["prompt_tokens"] > 256
 
@@ -119,16 +133,18 @@ def test_killed_instance_restarts_and_serves_again(client, server):
 
     def long_request():
         try:
-            client.completions.create(model=TEXT, prompt="Write a long story:", max_tokens=2000,
-                                      temperature=0)
+            client.completions.create(
+                model=TEXT, prompt="Write a long story:", max_tokens=2000, temperature=0
+            )
             errors.append(None)
         except openai.APIStatusError as exc:
             errors.append(exc)
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    wait_until(lambda: server.instances()[TEXT]["pid"] and _busy(before["pid"]), 30,
-               "generation in flight")
+    wait_until(
+        lambda: server.instances()[TEXT]["pid"] and _busy(before["pid"]), 30, "generation in flight"
+    )
     os.kill(before["pid"], signal.SIGKILL)
     thread.join(60)
     assert len(errors) == 1 and errors[0] is not None, "in-flight request did not fail"
@@ -136,13 +152,17 @@ def test_killed_instance_restarts_and_serves_again(client, server):
     assert int(errors[0].response.headers["retry-after"]) >= 1
     assert errors[0].body["code"] == "unavailable"
 
-    after = wait_until(lambda: (i := server.instances()[TEXT])["state"] == "ready" and i, 120,
-                       "restarted instance ready")
+    after = wait_until(
+        lambda: (i := server.instances()[TEXT])["state"] == "ready" and i,
+        120,
+        "restarted instance ready",
+    )
     assert after["pid"] != before["pid"]
     assert after["restarts"] == before["restarts"] + 1
     assert "SIGKILL" in after["last_exit"]
-    resp = client.completions.create(model=TEXT, prompt="The capital of France is",
-                                     max_tokens=5, temperature=0)
+    resp = client.completions.create(
+        model=TEXT, prompt="The capital of France is", max_tokens=5, temperature=0
+    )
     assert "Paris" in resp.choices[0].text
 
 
@@ -161,8 +181,9 @@ def test_unload_and_load_change_models(client, server, text_model_dir):
     result = server.omnictl("load", "smol-copy", str(text_model_dir))
     assert result.returncode == 0, result.stderr
     assert {m.id for m in client.models.list()} == {EMBED, "smol-copy"}
-    resp = client.completions.create(model="smol-copy", prompt="The capital of France is",
-                                     max_tokens=5, temperature=0)  # waits for it to be ready
+    resp = client.completions.create(
+        model="smol-copy", prompt="The capital of France is", max_tokens=5, temperature=0
+    )  # waits for it to be ready
     assert "Paris" in resp.choices[0].text
 
     table = server.omnictl("instances")
@@ -176,12 +197,20 @@ def test_unload_and_load_change_models(client, server, text_model_dir):
     server.wait_ready([TEXT])
 
 
+def wait_replaced(server, name: str, old_pid: int, timeout_s: float) -> dict:
+    """The instance once a new process of it is ready."""
+
+    def replaced():
+        inst = server.instances()[name]
+        return inst["state"] == "ready" and inst["pid"] not in (None, old_pid) and inst
+
+    return wait_until(replaced, timeout_s, f"{name} replaced and ready")
+
+
 def test_hung_instance_is_killed_by_health_checks(client, server):
     before = server.instances()[EMBED]
     os.kill(before["pid"], signal.SIGSTOP)  # alive, but answers nothing
-    after = wait_until(
-        lambda: (i := server.instances()[EMBED])["state"] == "ready" and i["pid"] != before[
-            "pid"] and i, 90, "hung instance replaced")
+    after = wait_replaced(server, EMBED, before["pid"], 90)
     assert after["restarts"] == before["restarts"] + 1
     assert after["last_exit"].startswith("unhealthy")
     assert not psutil.pid_exists(before["pid"])
@@ -192,9 +221,7 @@ def test_omnictl_restart(client, server):
     before = server.instances()[EMBED]
     result = server.omnictl("restart", EMBED)
     assert result.returncode == 0 and f"restarting {EMBED}" in result.stdout
-    after = wait_until(
-        lambda: (i := server.instances()[EMBED])["state"] == "ready" and i["pid"] != before[
-            "pid"] and i, 60, "restarted instance")
+    after = wait_replaced(server, EMBED, before["pid"], 60)
     assert after["restarts"] == before["restarts"] + 1
     assert after["last_exit"].startswith("restarted")
     assert client.embeddings.create(model=EMBED, input="again").data[0].index == 0

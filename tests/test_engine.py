@@ -23,8 +23,9 @@ TEXTS = ["Hello, world! 12345 café 🚀 naïve", "  two spaces\n\ttab", "def f(
 def hf_from_gguf():
     """transformers' own reading of the same GGUF file: an independent reference."""
     d = str(package_dir(SMOLLM_PACKAGE))
-    model = transformers.AutoModelForCausalLM.from_pretrained(d, gguf_file=SMOLLM_FILE,
-                                                              dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        d, gguf_file=SMOLLM_FILE, dtype=torch.float32
+    )
     tok = transformers.AutoTokenizer.from_pretrained(d, gguf_file=SMOLLM_FILE)
     return model.eval(), tok
 
@@ -38,7 +39,8 @@ def test_gguf_import_matches_transformers(text_model_dir, hf_from_gguf):
         assert tok.decode(tok.encode(text)) == text
     messages = [{"role": "user", "content": "hi"}]
     assert tok.apply_chat_template(messages) == hf_tok.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True)
+        messages, tokenize=False, add_generation_prompt=True
+    )
 
     model = LlamaForCausalLM.load(ckpt)
     ids = torch.tensor(tok.encode(TEXTS[0] + " " + TEXTS[2]))
@@ -61,17 +63,41 @@ def tiny_checkpoint(tmp_path, text_model_dir, config) -> Checkpoint:
 
 ARCHES = {
     "llama": lambda: transformers.LlamaConfig(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                      "high_freq_factor": 4.0, "original_max_position_embeddings": 16},
-        max_position_embeddings=256),
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+        max_position_embeddings=256,
+    ),
     "qwen2": lambda: transformers.Qwen2Config(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True),
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    ),
     "qwen3": lambda: transformers.Qwen3Config(
-        vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=1, head_dim=32, tie_word_embeddings=False),
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -84,8 +110,10 @@ def test_tiny_models_match_transformers(arch, tmp_path, text_model_dir):
         reference = hf(ids[None]).logits[0]
     # prefill in two chunks, then one token at a time: the cache must give the same logits
     cache = model.new_cache(8)
-    ours = torch.cat([model(ids[:17], cache), model(ids[17:30], cache)]
-                     + [model(ids[i : i + 1], cache) for i in range(30, 40)])
+    ours = torch.cat(
+        [model(ids[:17], cache), model(ids[17:30], cache)]
+        + [model(ids[i : i + 1], cache) for i in range(30, 40)]
+    )
     torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
 
 
@@ -129,10 +157,12 @@ def engine(text_model_dir):
 def test_greedy_generation_matches_transformers(engine, text_model_dir):
     hf = transformers.AutoModelForCausalLM.from_pretrained(text_model_dir, dtype=torch.float32)
     prompt = engine.tokenizer.encode_chat([{"role": "user", "content": "List three fruits."}])
-    text, steps = run_engine(engine, prompt, SamplingParams(max_tokens=24, temperature=0,
-                                                            ignore_eos=True))
-    reference = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                            eos_token_id=None)[0, len(prompt):].tolist()
+    text, steps = run_engine(
+        engine, prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    )
+    reference = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=24, do_sample=False, eos_token_id=None
+    )[0, len(prompt) :].tolist()
     assert [t for s in steps for t in s.token_ids] == reference
     assert text == engine.tokenizer.decode(reference)
     assert steps[-1].finish_reason == "length" and steps[-1].completion_tokens == 24
@@ -142,8 +172,9 @@ def test_stop_string_never_leaks(engine):
     prompt = engine.tokenizer.encode("1, 2, 3, 4,")
     full, _ = run_engine(engine, prompt, SamplingParams(max_tokens=20, temperature=0))
     assert " 7," in full
-    text, steps = run_engine(engine, prompt, SamplingParams(max_tokens=20, temperature=0,
-                                                            stop=[" 7,"]))
+    text, steps = run_engine(
+        engine, prompt, SamplingParams(max_tokens=20, temperature=0, stop=[" 7,"])
+    )
     assert text == full[: full.index(" 7,")]
     assert steps[-1].finish_reason == "stop"
     assert all(" 7" not in s.text for s in steps)
@@ -151,8 +182,10 @@ def test_stop_string_never_leaks(engine):
 
 def test_cancel_stops_generation(engine):
     outputs: queue.Queue = queue.Queue()
-    req = GenerationRequest(engine.tokenizer.encode("Tell me a story."),
-                            SamplingParams(max_tokens=500, temperature=0, ignore_eos=True))
+    req = GenerationRequest(
+        engine.tokenizer.encode("Tell me a story."),
+        SamplingParams(max_tokens=500, temperature=0, ignore_eos=True),
+    )
     engine.submit(req, outputs.put)
     outputs.get(timeout=60)
     req.cancelled.set()

@@ -33,78 +33,161 @@ def omnid(server) -> httpx.Client:
 
 CASES = [
     pytest.param(
-        "/v1/chat/completions", {**CHAT, "model": "nope"}, 404,
-        error("The model 'nope' does not exist or is not loaded.", param="model",
-              code="model_not_found"),
-        id="unknown-model"),
+        "/v1/chat/completions",
+        {**CHAT, "model": "nope"},
+        404,
+        error(
+            "The model 'nope' does not exist or is not loaded.",
+            param="model",
+            code="model_not_found",
+        ),
+        id="unknown-model",
+    ),
     pytest.param(
-        "/v1/chat/completions", {**CHAT, "temperature": 5}, 400,
-        error("Invalid value for 'temperature': Input should be less than or equal to 2.",
-              param="temperature", code="invalid_value"),
-        id="temperature-out-of-range"),
+        "/v1/chat/completions",
+        {**CHAT, "temperature": 5},
+        400,
+        error(
+            "Invalid value for 'temperature': Input should be less than or equal to 2.",
+            param="temperature",
+            code="invalid_value",
+        ),
+        id="temperature-out-of-range",
+    ),
     pytest.param(
-        "/v1/chat/completions", {**CHAT, "max_tokens": "10"}, 400,
-        error("Invalid value for 'max_tokens': Input should be a valid integer.",
-              param="max_tokens", code="invalid_value"),
-        id="max-tokens-wrong-type"),
+        "/v1/chat/completions",
+        {**CHAT, "max_tokens": "10"},
+        400,
+        error(
+            "Invalid value for 'max_tokens': Input should be a valid integer.",
+            param="max_tokens",
+            code="invalid_value",
+        ),
+        id="max-tokens-wrong-type",
+    ),
     pytest.param(
-        "/v1/chat/completions", {**CHAT, "top_p": 0}, 400,
-        error("Invalid value for 'top_p': Input should be greater than 0.",
-              param="top_p", code="invalid_value"),
-        id="top-p-zero"),
+        "/v1/chat/completions",
+        {**CHAT, "top_p": 0},
+        400,
+        error(
+            "Invalid value for 'top_p': Input should be greater than 0.",
+            param="top_p",
+            code="invalid_value",
+        ),
+        id="top-p-zero",
+    ),
     pytest.param(
-        "/v1/chat/completions", {**CHAT, "messages": [{"role": "robot", "content": "x"}]}, 400,
-        error("Invalid value for 'messages[0].role': Input should be 'system', 'developer', "
-              "'user', 'assistant' or 'tool'.", param="messages[0].role", code="invalid_value"),
-        id="bad-role"),
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "robot", "content": "x"}]},
+        400,
+        error(
+            "Invalid value for 'messages[0].role': Input should be 'system', 'developer', "
+            "'user', 'assistant' or 'tool'.",
+            param="messages[0].role",
+            code="invalid_value",
+        ),
+        id="bad-role",
+    ),
     pytest.param(
-        "/v1/chat/completions", {"model": TEXT}, 400,
+        "/v1/chat/completions",
+        {"model": TEXT},
+        400,
         error("Missing required parameter: 'messages'.", param="messages", code="invalid_value"),
-        id="missing-messages"),
+        id="missing-messages",
+    ),
     pytest.param(
-        "/v1/chat/completions", {**CHAT, "frobnicate": True}, 400,
-        error("Unrecognized request argument supplied: frobnicate", param="frobnicate",
-              code="invalid_value"),
-        id="unknown-argument"),
+        "/v1/chat/completions",
+        {**CHAT, "frobnicate": True},
+        400,
+        error(
+            "Unrecognized request argument supplied: frobnicate",
+            param="frobnicate",
+            code="invalid_value",
+        ),
+        id="unknown-argument",
+    ),
     pytest.param(
-        "/v1/chat/completions", {**CHAT, "n": 2}, 400,
-        error("Invalid value for 'n': Input should be less than or equal to 1.", param="n",
-              code="invalid_value"),
-        id="n-above-one"),
+        "/v1/chat/completions",
+        {**CHAT, "n": 2},
+        400,
+        error(
+            "Invalid value for 'n': Input should be less than or equal to 1.",
+            param="n",
+            code="invalid_value",
+        ),
+        id="n-above-one",
+    ),
     pytest.param(
-        "/v1/chat/completions", {**CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400,
-        error("Invalid value for 'stop': List should have at most 4 items after validation, "
-              "not 5.", param="stop", code="invalid_value"),
-        id="too-many-stops"),
+        "/v1/chat/completions",
+        {**CHAT, "stop": ["a", "b", "c", "d", "e"]},
+        400,
+        error(
+            "Invalid value for 'stop': List should have at most 4 items after validation, not 5.",
+            param="stop",
+            code="invalid_value",
+        ),
+        id="too-many-stops",
+    ),
     pytest.param(
-        "/v1/completions", {"model": TEXT, "prompt": "hi", "max_tokens": 9000}, 400,
-        error("max_tokens is 9000, but the prompt (1 tokens) leaves room for 8191 in this "
-              "model's 8192-token context.", param="max_tokens", code="context_length_exceeded"),
-        id="context-exceeded"),
+        "/v1/completions",
+        {"model": TEXT, "prompt": "hi", "max_tokens": 9000},
+        400,
+        error(
+            "max_tokens is 9000, but the prompt (1 tokens) leaves room for 8191 in this "
+            "model's 8192-token context.",
+            param="max_tokens",
+            code="context_length_exceeded",
+        ),
+        id="context-exceeded",
+    ),
     pytest.param(
-        "/v1/completions", {"model": TEXT, "prompt": [0, 10**9]}, 400,
+        "/v1/completions",
+        {"model": TEXT, "prompt": [0, 10**9]},
+        400,
         error("Token ids must be in [0, 49152).", param="prompt"),
-        id="token-id-out-of-vocab"),
+        id="token-id-out-of-vocab",
+    ),
     pytest.param(
-        "/v1/embeddings", {"model": TEXT, "input": "hi"}, 400,
-        error(f"Model '{TEXT}' does not serve /v1/embeddings.", param="model",
-              code="wrong_model_kind"),
-        id="embeddings-on-text-model"),
+        "/v1/embeddings",
+        {"model": TEXT, "input": "hi"},
+        400,
+        error(
+            f"Model '{TEXT}' does not serve /v1/embeddings.", param="model", code="wrong_model_kind"
+        ),
+        id="embeddings-on-text-model",
+    ),
     pytest.param(
-        "/v1/chat/completions", {**CHAT, "model": EMBED}, 400,
-        error(f"Model '{EMBED}' does not serve /v1/chat/completions.", param="model",
-              code="wrong_model_kind"),
-        id="chat-on-embedding-model"),
+        "/v1/chat/completions",
+        {**CHAT, "model": EMBED},
+        400,
+        error(
+            f"Model '{EMBED}' does not serve /v1/chat/completions.",
+            param="model",
+            code="wrong_model_kind",
+        ),
+        id="chat-on-embedding-model",
+    ),
     pytest.param(
-        "/v1/embeddings", {"model": EMBED, "input": ["ok", ""]}, 400,
-        error("Invalid value for 'input': input must not contain empty strings or token lists.",
-              param="input", code="invalid_value"),
-        id="empty-embedding-input"),
+        "/v1/embeddings",
+        {"model": EMBED, "input": ["ok", ""]},
+        400,
+        error(
+            "Invalid value for 'input': input must not contain empty strings or token lists.",
+            param="input",
+            code="invalid_value",
+        ),
+        id="empty-embedding-input",
+    ),
     pytest.param(
-        "/v1/embeddings", {"model": EMBED, "input": "x", "dimensions": 7}, 400,
-        error("This model returns 384 dimensions; 'dimensions' cannot change that.",
-              param="dimensions"),
-        id="embedding-dimensions"),
+        "/v1/embeddings",
+        {"model": EMBED, "input": "x", "dimensions": 7},
+        400,
+        error(
+            "This model returns 384 dimensions; 'dimensions' cannot change that.",
+            param="dimensions",
+        ),
+        id="embedding-dimensions",
+    ),
 ]
 
 
@@ -121,8 +204,9 @@ def test_bad_request_through_edge_and_omnid(edge, omnid, path, body, status, exp
 
 @pytest.mark.parametrize("content", [b"{not json", b'{"model": "x",', b"\xff\xfe"])
 def test_malformed_json(edge, content):
-    resp = edge.post("/v1/chat/completions", content=content,
-                     headers={"content-type": "application/json"})
+    resp = edge.post(
+        "/v1/chat/completions", content=content, headers={"content-type": "application/json"}
+    )
     assert resp.status_code == 400
     assert resp.json() == error("Request body is not valid JSON.", code="invalid_json")
 
@@ -137,8 +221,9 @@ def test_body_must_be_an_object(edge, content):
 def test_missing_model(edge):
     resp = edge.post("/v1/chat/completions", json={"messages": CHAT["messages"]})
     assert resp.status_code == 400
-    assert resp.json() == error("Missing required parameter: 'model'.", param="model",
-                                code="invalid_value")
+    assert resp.json() == error(
+        "Missing required parameter: 'model'.", param="model", code="invalid_value"
+    )
 
 
 def test_body_over_limit_is_413(edge):
@@ -181,9 +266,19 @@ def test_omnictl_load_errors(server, tmp_path):
 
 def test_edge_without_omnid_answers_503():
     port, dead = free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "edge.server", "--port", str(port),
-                             "--upstream", f"http://127.0.0.1:{dead}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "edge.server",
+            "--port",
+            str(port),
+            "--upstream",
+            f"http://127.0.0.1:{dead}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         base = f"http://127.0.0.1:{port}"
 
@@ -198,8 +293,9 @@ def test_edge_without_omnid_answers_503():
         resp = httpx.post(f"{base}/v1/chat/completions", json=CHAT, timeout=10)
         assert resp.status_code == 503
         assert resp.headers["retry-after"] == "1"
-        assert resp.json() == error("omnid is unavailable; retry shortly.",
-                                    "service_unavailable_error", code="unavailable")
+        assert resp.json() == error(
+            "omnid is unavailable; retry shortly.", "service_unavailable_error", code="unavailable"
+        )
     finally:
         proc.terminate()
         proc.wait(10)

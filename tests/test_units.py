@@ -46,9 +46,11 @@ def test_earliest_of_several_stops_wins():
 
 
 @settings(max_examples=300, deadline=None)
-@given(text=st.text(alphabet="abcS", max_size=30), stops=st.lists(
-    st.text(alphabet="abcS", min_size=1, max_size=4), max_size=3),
-    cuts=st.lists(st.integers(0, 30), max_size=6))
+@given(
+    text=st.text(alphabet="abcS", max_size=30),
+    stops=st.lists(st.text(alphabet="abcS", min_size=1, max_size=4), max_size=3),
+    cuts=st.lists(st.integers(0, 30), max_size=6),
+)
 def test_stop_matching_equals_whole_string_search(text, stops, cuts):
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
     deltas = [text[a:b] for a, b in itertools.pairwise(bounds)]
@@ -98,14 +100,17 @@ def test_backoff_doubles_caps_and_resets_after_stable_uptime():
     assert b.next_delay(120) == 0.5
 
 
-@pytest.mark.parametrize(("toml", "message"), [
-    ("models = 3", "'models' must be an array"),
-    ("[[models]]\nname = 'x'", r"models\[0\].path: required string"),
-    ("[[models]]\nname = 'x'\npath = '/x'\nquota = 1", r"models\[0\]: unknown key 'quota'"),
-    ("default_models = 'yes'", "'default_models' must be true or false"),
-    ("listen = 1", "unknown key 'listen'"),
-    ("[[models]\n", "invalid TOML"),
-])
+@pytest.mark.parametrize(
+    ("toml", "message"),
+    [
+        ("models = 3", "'models' must be an array"),
+        ("[[models]]\nname = 'x'", r"models\[0\].path: required string"),
+        ("[[models]]\nname = 'x'\npath = '/x'\nquota = 1", r"models\[0\]: unknown key 'quota'"),
+        ("default_models = 'yes'", "'default_models' must be true or false"),
+        ("listen = 1", "unknown key 'listen'"),
+        ("[[models]\n", "invalid TOML"),
+    ],
+)
 def test_config_errors_name_the_key(tmp_path, toml, message):
     path = tmp_path / "omnid.toml"
     path.write_text(toml)

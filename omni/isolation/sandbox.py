@@ -21,8 +21,9 @@ from omni.proc import die_with_parent, kill_group
 
 @dataclass(frozen=True)
 class Limits:
-    memory_bytes: int | None = None
-    cpu_cores: float | None = None
+    memory_bytes: int | None = None  # no swap beyond it
+    cpu_cores: float | None = None  # CPU quota
+    cpu_weight: int = 100  # share under contention (1-10000)
     pids: int | None = None
 
 
@@ -34,12 +35,16 @@ class SandboxSpec:
     model_dir: Path  # the only model files the instance may read
     socket_dir: Path  # where it listens; omnid's only channel to it
     limits: Limits = field(default_factory=Limits)
+    hide: tuple[Path, ...] = ()  # other models' files that must stay out of view
+    gpus: tuple[int, ...] | None = None  # GPU indices whose device nodes it gets
+    extra_ro: tuple[Path, ...] = ()  # more read-only paths it needs
+    log_path: Path | None = None  # its stdout and stderr; None: omnid's own
 
 
 @dataclass(frozen=True)
 class ExitStatus:
     returncode: int | None  # negative: killed by that signal
-    reason: str = "exited"  # "exited" | "killed" | "oom" | "unhealthy" | "restarted"
+    reason: str = "exited"  # exited | killed | oom | unhealthy | restarted | setup-failed
 
     def describe(self) -> str:
         if self.returncode is not None and self.returncode < 0:
@@ -48,6 +53,8 @@ class ExitStatus:
             except ValueError:
                 name = f"signal {-self.returncode}"
             return f"{self.reason} ({name})"
+        if self.returncode is None:
+            return self.reason
         return f"{self.reason} (code {self.returncode})"
 
 
@@ -61,6 +68,10 @@ class Sandbox(Protocol):
     async def stop(self, grace_s: float = 5.0) -> ExitStatus: ...
 
 
+def open_log(path: Path | None):
+    return None if path is None else path.open("ab")
+
+
 class ProcessSandbox:
     """A plain child process in its own session, killed with its whole process group."""
 
@@ -71,13 +82,20 @@ class ProcessSandbox:
 
     async def start(self) -> None:
         self.spec.socket_dir.mkdir(parents=True, exist_ok=True)
-        self._proc = await asyncio.create_subprocess_exec(
-            *self.spec.argv,
-            env=self.spec.env,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=die_with_parent(signal.SIGKILL),
-        )
+        log = open_log(self.spec.log_path)
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *self.spec.argv,
+                env=self.spec.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=log,
+                start_new_session=True,
+                preexec_fn=die_with_parent(signal.SIGKILL),
+            )
+        finally:
+            if log is not None:
+                log.close()
         self.pid = self._proc.pid
 
     async def wait(self) -> ExitStatus:

@@ -28,6 +28,20 @@ log = logging.getLogger(__name__)
 SandboxFactory = Callable[[SandboxSpec], Sandbox]
 
 
+ENV_PASSED = {"PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH"}
+ENV_PREFIXES_PASSED = ("OMNI_", "CUDA_", "NVIDIA_", "TRITON_", "TORCH_", "OMP_", "HF_")
+
+
+def instance_env() -> dict[str, str]:
+    """What an instance inherits from omnid's environment: runtime settings, no secrets."""
+    env = {
+        k: v for k, v in os.environ.items() if k in ENV_PASSED or k.startswith(ENV_PREFIXES_PASSED)
+    }
+    env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
+    env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    return env
+
+
 class State(enum.StrEnum):
     STARTING = "starting"
     READY = "ready"
@@ -65,11 +79,10 @@ class Instance:
         backoff: Backoff | None = None,
     ):
         self.entry = entry
-        self.socket_path = socket_dir / f"{entry.name}.sock"
+        self.socket_path = socket_dir / entry.name / "sock"
         self._factory = sandbox_factory
         self._backoff = backoff or Backoff()
         self.state = State.STOPPED
-        self.pid: int | None = None
         self.started_at: float | None = None  # when it last became ready
         self.restarts = 0
         self.last_exit: str | None = None
@@ -83,6 +96,11 @@ class Instance:
             connector=aiohttp.UnixConnector(path=str(self.socket_path)),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
         )
+
+    @property
+    def pid(self) -> int | None:
+        """The model process's host pid, while it runs."""
+        return self._sandbox.pid if self._sandbox is not None else None
 
     @property
     def name(self) -> str:
@@ -141,22 +159,28 @@ class Instance:
             "--socket",
             str(self.socket_path),
         ]
+        env = instance_env()
+        if self.entry.limits.memory_bytes:
+            env["OMNI_MEMORY_LIMIT_BYTES"] = str(self.entry.limits.memory_bytes)
         return SandboxSpec(
-            self.name, argv, dict(os.environ), self.entry.path, self.socket_path.parent
+            self.name, argv, env, self.entry.path, self.socket_path.parent, self.entry.limits
         )
 
     async def _supervise(self) -> None:
         while not self._stopping:
             self.state = State.STARTING
             self._wake.clear()
-            self._sandbox = self._factory(self._spec())
             t0 = time.monotonic()
-            await self._sandbox.start()
-            self.pid = self._sandbox.pid
-            log.info("instance %s started (pid %s)", self.name, self.pid)
-            exit_status = await self._run_until_exit()
+            try:
+                self._sandbox = self._factory(self._spec())
+                await self._sandbox.start()
+            except Exception as exc:  # could not even start: back off like a crash
+                log.exception("instance %s failed to start", self.name)
+                exit_status = ExitStatus(None, f"setup-failed: {exc}")
+            else:
+                exit_status = await self._run_until_exit()
             self._ready.clear()
-            self.pid = None
+            self._sandbox = None
             if self._stopping:
                 break
             self.restarts += 1
@@ -177,10 +201,10 @@ class Instance:
         woken = asyncio.ensure_future(self._wake.wait())
         try:
             await asyncio.wait({exited, checker, woken}, return_when=asyncio.FIRST_COMPLETED)
+            self._ready.clear()  # route nothing more to it
             if exited.done():
                 return exited.result()
-            if self._stopping:
-                self.state = State.STOPPING
+            self.state = State.STOPPING
             status = await self._sandbox.stop()
             reason = "unhealthy" if checker.done() else "restarted"
             return ExitStatus(status.returncode, reason)
@@ -208,7 +232,7 @@ class Instance:
         self.state = State.READY
         self.started_at = time.time()
         self._ready.set()
-        log.info("instance %s ready", self.name)
+        log.info("instance %s ready (pid %s)", self.name, self.pid)
         failures = 0
         while failures < self.HEALTH_FAILURES:
             await asyncio.sleep(self.HEALTH_INTERVAL_S)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import logging
 import os
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from aiohttp import web
@@ -26,15 +28,18 @@ from omni.api.schemas import (
     parse_request,
 )
 from omni.engine.checkpoint import CheckpointError
-from omni.isolation.sandbox import ProcessSandbox
+from omni.isolation.cgroups import CgroupError, CgroupManager
+from omni.isolation.isolated import IsolatedSandbox
+from omni.isolation.sandbox import ProcessSandbox, SandboxSpec
 from omni.logs import setup_logging
 
 from .catalog import CatalogError, ModelEntry, load_config
-from .defaults import default_entries
-from .instance import Instance
+from .defaults import MINILM_PACKAGE, SMOLLM_PACKAGE, default_entries, package_dir
+from .instance import Instance, SandboxFactory
 
 log = logging.getLogger("omnid")
 
+MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 # endpoint -> (schema, model kind that serves it)
 ENDPOINTS = {
     "/v1/chat/completions": (ChatCompletionRequest, "generate"),
@@ -51,13 +56,29 @@ class Node:
         self.ready_wait_s = ready_wait_s
         self.instances: dict[str, Instance] = {}
         self.started = int(time.time())
+        self.sandbox_factory: SandboxFactory = ProcessSandbox
+
+    def hidden_paths(self) -> tuple[Path, ...]:
+        """Every model's files: each sandbox must see its own model only."""
+        sources = [package_dir(SMOLLM_PACKAGE), package_dir(MINILM_PACKAGE)]
+        return tuple(i.entry.path for i in self.instances.values()) + tuple(
+            p for p in sources if p is not None
+        )
 
     def add(self, entry: ModelEntry) -> Instance:
         if entry.name in self.instances:
             raise ApiError(
                 409, f"Model '{entry.name}' is already loaded.", param="name", code="model_exists"
             )
-        inst = Instance(entry, self.socket_dir, ProcessSandbox)
+        socket_path = self.socket_dir / entry.name / "sock"
+        if len(os.fsencode(socket_path)) > MAX_UNIX_PATH:
+            raise ApiError(
+                400,
+                f"Socket path {socket_path} is longer than {MAX_UNIX_PATH} "
+                "bytes; use a shorter runtime dir or model name.",
+                param="name",
+            )
+        inst = Instance(entry, self.socket_dir, self.sandbox_factory)
         self.instances[entry.name] = inst
         inst.start()
         return inst
@@ -77,6 +98,31 @@ class Node:
         if inst is None:
             raise model_not_found(name)
         return inst
+
+
+def sandbox_factory(mode: str, runtime_dir: Path, node: Node) -> SandboxFactory:
+    """How instances are started: isolated (root: cgroups + namespaces) or plain processes."""
+    if mode == "process" or (mode == "auto" and os.geteuid() != 0):
+        if mode == "auto":
+            log.warning("not root: instances run as plain processes, without a sandbox")
+        return ProcessSandbox
+    try:
+        # One scope per runtime dir: several omnids may share a cgroup (tests), and a
+        # restarted omnid finds its predecessor's leftovers to clean up.
+        scope = hashlib.sha1(str(runtime_dir.resolve()).encode()).hexdigest()[:12]
+        cgroups = CgroupManager.detect(scope)
+    except (CgroupError, OSError) as exc:
+        if mode == "isolated":
+            raise CatalogError(f"--sandbox isolated: cgroups unavailable ({exc})") from None
+        log.warning("cgroups unavailable (%s): instances run as plain processes", exc)
+        return ProcessSandbox
+    log.info("sandboxing instances (cgroup v%d)", cgroups.version)
+    workdir = runtime_dir / "sandboxes"
+
+    def make(spec: SandboxSpec) -> IsolatedSandbox:
+        return IsolatedSandbox(replace(spec, hide=node.hidden_paths()), cgroups, workdir)
+
+    return make
 
 
 def inference_app(node: Node) -> web.Application:
@@ -185,14 +231,20 @@ async def run(args: argparse.Namespace) -> None:
     entries: list[ModelEntry] = []
     if args.defaults and (config is None or config.default_models):
         entries += await asyncio.to_thread(default_entries, data_dir)
-    for name, path in config.models if config else []:
-        if any(e.name == name for e in entries):
-            raise CatalogError(f"{args.config}: model name {name!r} is taken by a default model")
-        entries.append(ModelEntry.from_path(name, path, "config"))
+    for model in config.models if config else []:
+        if any(e.name == model.name for e in entries):
+            raise CatalogError(
+                f"{args.config}: model name {model.name!r} is taken by a default model"
+            )
+        entries.append(ModelEntry.from_path(model.name, model.path, "config", model.limits))
 
     node = Node(runtime_dir, ready_wait_s=args.ready_wait)
+    node.sandbox_factory = sandbox_factory(args.sandbox, runtime_dir, node)
     for entry in entries:
-        node.add(entry)
+        try:
+            node.add(entry)
+        except ApiError as exc:
+            raise CatalogError(f"model {entry.name!r}: {exc.message}") from None
 
     runners = []
     inference = web.AppRunner(inference_app(node), handler_cancellation=True, access_log=None)
@@ -244,6 +296,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         dest="defaults",
         action="store_false",
         help="do not serve the embedded default models",
+    )
+    parser.add_argument(
+        "--sandbox",
+        choices=["auto", "isolated", "process"],
+        default=env("OMNI_SANDBOX", "auto"),
+        help="isolated: cgroups + namespaces (needs root); auto: isolated when root",
     )
     parser.add_argument(
         "--ready-wait",

@@ -1,0 +1,178 @@
+"""The isolating sandbox: cgroup + namespaces + filesystem view + dropped privileges.
+
+omnid-side half: creates the cgroup, writes the plan, starts the launcher
+inside the cgroup, brings loopback up in its network namespace, releases it,
+and on exit or stop kills whatever is left in the cgroup and cleans up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from omni.proc import die_with_parent
+
+from . import launch
+from .cgroups import CgroupManager
+from .netns import loopback_up
+from .sandbox import ExitStatus, SandboxSpec, open_log
+from .view import ViewConfig, build_plan
+
+log = logging.getLogger(__name__)
+
+LAUNCHER = Path(launch.__file__)
+SETUP_TIMEOUT_S = 10.0
+
+
+class SandboxError(RuntimeError):
+    pass
+
+
+class IsolatedSandbox:
+    def __init__(
+        self,
+        spec: SandboxSpec,
+        cgroups: CgroupManager,
+        workdir_root: Path,
+        view: ViewConfig | None = None,
+    ):
+        self.spec = spec
+        self.view = view or ViewConfig()
+        self.workdir = workdir_root / spec.name
+        self.launcher_pid: int | None = None
+        self._cgroups = cgroups
+        self._cgroup = None
+        self._proc: asyncio.subprocess.Process | None = None
+        self._oom_before = 0
+        self._teardown_task: asyncio.Future[ExitStatus] | None = None
+
+    async def start(self) -> None:
+        spec = self.spec
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        (self.workdir / "root").mkdir(parents=True, mode=0o700)
+        spec.socket_dir.mkdir(parents=True, exist_ok=True)
+        os.chown(spec.socket_dir, self.view.uid, self.view.gid)
+        spec.socket_dir.chmod(0o700)
+        plan = build_plan(spec, self.view, self.workdir)
+        plan["env"] = {**spec.env, "HOME": "/tmp"}
+        if spec.limits.cpu_cores:  # thread pools sized to the quota, not the host
+            plan["env"].setdefault("OMP_NUM_THREADS", str(max(1, int(spec.limits.cpu_cores))))
+        self._cgroup = self._cgroups.create(spec.name, spec.limits)
+        self._oom_before = self._cgroup.oom_kills()
+        ready_r, ready_w = os.pipe()
+        go_r, go_w = os.pipe()
+        plan["sync_fds"] = [ready_w, go_r]
+        join_files = self._cgroup.join_files()
+        pdeathsig = die_with_parent(signal.SIGKILL)
+
+        def preexec() -> None:  # in the child, before exec: join the cgroup first
+            pid = str(os.getpid()).encode()
+            for path in join_files:
+                fd = os.open(path, os.O_WRONLY)
+                os.write(fd, pid)
+                os.close(fd)
+            pdeathsig()
+
+        plan_path = self.workdir / "plan.json"
+        plan_path.write_text(json.dumps(plan))
+        out = open_log(spec.log_path)
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-I",
+                "-S",
+                str(LAUNCHER),
+                str(plan_path),
+                pass_fds=(ready_w, go_r),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
+                preexec_fn=preexec,
+            )
+        finally:
+            for fd in (ready_w, go_r):
+                os.close(fd)
+            if out is not None:
+                out.close()
+        self.launcher_pid = self._proc.pid
+        try:
+            await self._release(ready_r, go_w)
+        except BaseException:
+            await self._teardown()
+            raise
+        finally:
+            os.close(ready_r)
+            os.close(go_w)
+
+    @property
+    def pid(self) -> int | None:
+        """The instance's host pid (launcher -> sandbox init -> instance), once it runs."""
+        pid = self.launcher_pid
+        for _ in range(2):
+            try:
+                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            except (OSError, TypeError):
+                return None
+            if not children:
+                return None
+            pid = int(children[0])
+        return pid
+
+    async def _release(self, ready_r: int, go_w: int) -> None:
+        """Wait for the launcher's namespaces, give them loopback, let it go on."""
+        loop = asyncio.get_running_loop()
+        try:
+            byte = await asyncio.wait_for(
+                loop.run_in_executor(None, os.read, ready_r, 1), SETUP_TIMEOUT_S
+            )
+        except TimeoutError:
+            raise SandboxError(f"sandbox {self.spec.name}: launcher did not start") from None
+        if byte != b"U":
+            return  # the launcher died; wait() reports how
+        await asyncio.to_thread(loopback_up, self.launcher_pid)
+        os.write(go_w, b"G")
+
+    async def wait(self) -> ExitStatus:
+        assert self._proc is not None, "not started"
+        await self._proc.wait()
+        return await self._teardown()
+
+    async def stop(self, grace_s: float = 5.0) -> ExitStatus:
+        assert self._proc is not None, "not started"
+        if self._proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self._proc.send_signal(signal.SIGTERM)  # forwarded to the instance
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._proc.wait()), grace_s)
+        return await self._teardown()  # kills whatever is left
+
+    def _teardown(self) -> asyncio.Future[ExitStatus]:
+        """Once per sandbox, however many callers (wait, stop) ask."""
+        if self._teardown_task is None:
+            self._teardown_task = asyncio.ensure_future(self._do_teardown())
+        return asyncio.shield(self._teardown_task)
+
+    async def _do_teardown(self) -> ExitStatus:
+        oom = False
+        if self._cgroup is not None:
+            with contextlib.suppress(OSError):
+                oom = self._cgroup.oom_kills() > self._oom_before
+            await asyncio.to_thread(self._cgroup.destroy)
+        code = await self._proc.wait() if self._proc is not None else None
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        if oom:
+            reason = "oom"
+        elif code == launch.SETUP_FAILED:
+            reason = "setup-failed"
+        else:
+            reason = "killed" if code is not None and code < 0 else "exited"
+        return ExitStatus(code, reason)

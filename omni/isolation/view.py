@@ -1,0 +1,183 @@
+"""What an instance may see: the mount plan of its filesystem view.
+
+Read-only system and Python environment, its own model directory read-only,
+its socket directory, a private size-limited /tmp, its own /proc with a
+meminfo that shows its memory limit, and a /dev with only the harmless nodes
+(plus the NVIDIA nodes of the GPUs it was given). Other models' directories
+that happen to lie under a visible path are covered with an empty tmpfs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from .sandbox import SandboxSpec
+
+SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/lib32", "/libx32", "/bin", "/sbin")
+ETC_ENTRIES = (
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "alternatives",
+    "localtime",
+    "nsswitch.conf",
+    "os-release",
+    "ssl",
+)
+DEVICES = ("null", "zero", "full", "random", "urandom")
+GPU_SHARED_DEVICES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
+MS_RDONLY, MS_NOEXEC = 0x1, 0x8
+
+
+@dataclass(frozen=True)
+class ViewConfig:
+    uid: int = 65534  # nobody: owns nothing on the host
+    gid: int = 65534
+    tmp_bytes: int = 256 << 20
+    shm_bytes: int = 64 << 20
+    open_files: int = 4096
+    extra_ro: tuple[Path, ...] = ()  # e.g. GPU driver libraries outside /usr
+
+
+def _under(path: Path, roots: list[Path]) -> bool:
+    return any(path == r or r in path.parents for r in roots)
+
+
+def _outermost(paths: list[Path]) -> list[Path]:
+    return sorted({p for p in paths if not _under(p, [q for q in paths if q != p])})
+
+
+def python_paths() -> list[Path]:
+    """The interpreter and every import path omnid uses, except the source checkout itself:
+    of a checkout only the `omni` package is shown, so its other files stay hidden."""
+    package = Path(__file__).resolve().parents[1]  # the `omni` package
+    checkout = package.parent
+    candidates = [Path(sys.base_prefix), Path(sys.prefix), Path(sys.exec_prefix), package]
+    candidates += [Path(p) for p in sys.path if p]
+    out: list[Path] = []
+    for path in candidates:
+        path = path.resolve()
+        if path == checkout or not path.is_dir():
+            continue
+        out.append(path)
+    return _outermost(out)
+
+
+def meminfo(limit_bytes: int) -> str:
+    """/proc/meminfo as the instance should see it: its limit is all the memory there is."""
+    kb = limit_bytes // 1024
+    lines = []
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key = line.split(":", 1)[0]
+        if key in ("MemTotal", "MemFree", "MemAvailable", "CommitLimit"):
+            real = int(line.split()[1])
+            line = f"{key}:{min(real, kb):>16} kB"
+        elif key in ("SwapTotal", "SwapFree"):
+            line = f"{key}:{0:>16} kB"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def build_plan(spec: SandboxSpec, cfg: ViewConfig, workdir: Path) -> dict:
+    """The launcher's instructions: an ordered mount list plus identity and limits.
+
+    Files the view needs (passwd, meminfo, ...) are written into `workdir`.
+    """
+    mounts: list[dict] = []
+    visible: list[Path] = []
+
+    def bind(src: Path, dst: Path | None = None, **flags) -> None:
+        mounts.append({"type": "bind", "src": str(src), "dst": str(dst or src), **flags})
+        visible.append(Path(dst or src))
+
+    def generated(name: str, content: str, dst: str) -> None:
+        (workdir / name).write_text(content)
+        bind(workdir / name, Path(dst))
+
+    for d in SYSTEM_DIRS:
+        if os.path.islink(d):
+            mounts.append({"type": "symlink", "target": os.readlink(d), "dst": d})
+        elif os.path.isdir(d):
+            bind(Path(d))
+    mounts.append({"type": "dir", "dst": "/etc"})
+    for entry in ETC_ENTRIES:
+        if os.path.exists(f"/etc/{entry}"):
+            bind(Path(f"/etc/{entry}"))
+    generated(
+        "passwd",
+        f"root:x:0:0:root:/:/usr/sbin/nologin\n"
+        f"omni:x:{cfg.uid}:{cfg.gid}:omni instance:/tmp:/usr/sbin/nologin\n",
+        "/etc/passwd",
+    )
+    generated("group", f"root:x:0:\nomni:x:{cfg.gid}:\n", "/etc/group")
+    generated("hosts", f"127.0.0.1 localhost {spec.name}\n::1 localhost\n", "/etc/hosts")
+
+    for path in [*python_paths(), *cfg.extra_ro, *spec.extra_ro]:
+        if not _under(path, visible):
+            bind(path)
+    bind(spec.model_dir)
+    bind(spec.socket_dir, ro=False, noexec=True)
+    hide = [h for h in spec.hide if h.is_dir() and not _under(spec.model_dir, [h])]
+    for hidden in _outermost(hide):  # another model's files under a visible path
+        if _under(hidden, visible):
+            mounts.append(
+                {
+                    "type": "tmpfs",
+                    "dst": str(hidden),
+                    "flags": MS_RDONLY,
+                    "options": "size=4k,mode=0555",
+                }
+            )
+
+    mounts.append({"type": "proc", "dst": "/proc"})
+    if spec.limits.memory_bytes:
+        generated("meminfo", meminfo(spec.limits.memory_bytes), "/proc/meminfo")
+    bind(Path("/sys"))
+    if spec.limits.cpu_cores:
+        cpus = max(1, math.ceil(spec.limits.cpu_cores))
+        generated(
+            "cpu-online", f"0-{cpus - 1}\n" if cpus > 1 else "0\n", "/sys/devices/system/cpu/online"
+        )
+
+    mounts.append({"type": "tmpfs", "dst": "/dev", "options": "mode=0755,size=64k"})
+    devices = list(DEVICES)
+    if spec.gpus is not None:
+        devices += [f"nvidia{i}" for i in spec.gpus] + list(GPU_SHARED_DEVICES)
+    for dev in devices:
+        if os.path.exists(f"/dev/{dev}"):
+            bind(Path(f"/dev/{dev}"), ro=False, device=True, noexec=True)
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
+        mounts.append({"type": "symlink", "target": target, "dst": f"/dev/{name}"})
+    mounts.append(
+        {
+            "type": "tmpfs",
+            "dst": "/dev/shm",
+            "options": f"mode=1777,size={cfg.shm_bytes}",
+            "flags": MS_NOEXEC,
+        }
+    )
+    mounts.append({"type": "tmpfs", "dst": "/tmp", "options": f"mode=1777,size={cfg.tmp_bytes}"})
+
+    # Parents before children (stable): a bind under /tmp lands on the private /tmp,
+    # a hiding tmpfs on top of the bind that showed the hidden directory.
+    mounts.sort(key=lambda m: len(Path(m["dst"]).parts))
+    return {
+        "hostname": spec.name,
+        "root": str(workdir / "root"),
+        "mounts": mounts,
+        "uid": cfg.uid,
+        "gid": cfg.gid,
+        "rlimits": {"RLIMIT_CORE": [0, 0], "RLIMIT_NOFILE": [cfg.open_files, cfg.open_files]},
+        "argv": spec.argv,
+        "env": spec.env,
+        "cwd": "/tmp",
+    }
