@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
+import marshal
 import os
 import shutil
 import signal
@@ -43,9 +43,11 @@ class IsolatedSandbox:
         cgroups: CgroupManager,
         workdir_root: Path,
         view: ViewConfig | None = None,
+        seccomp_bpf: Path | None = None,
     ):
         self.spec = spec
         self.view = view or ViewConfig()
+        self.seccomp_bpf = seccomp_bpf
         self.workdir = workdir_root / spec.name
         self.launcher_pid: int | None = None
         self._cgroups = cgroups
@@ -63,6 +65,7 @@ class IsolatedSandbox:
         spec.socket_dir.chmod(0o700)
         plan = build_plan(spec, self.view, self.workdir)
         plan["env"] = {**spec.env, "HOME": "/tmp"}
+        plan["seccomp"] = str(self.seccomp_bpf) if self.seccomp_bpf else None
         if spec.limits.cpu_cores:  # thread pools sized to the quota, not the host
             plan["env"].setdefault("OMP_NUM_THREADS", str(max(1, int(spec.limits.cpu_cores))))
         self._cgroup = self._cgroups.create(spec.name, spec.limits)
@@ -81,8 +84,8 @@ class IsolatedSandbox:
                 os.close(fd)
             pdeathsig()
 
-        plan_path = self.workdir / "plan.json"
-        plan_path.write_text(json.dumps(plan))
+        plan_path = self.workdir / "plan"
+        plan_path.write_bytes(marshal.dumps(plan))  # the launcher reads it with marshal
         out = open_log(spec.log_path)
         try:
             self._proc = await asyncio.create_subprocess_exec(

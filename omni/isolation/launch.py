@@ -5,10 +5,11 @@ library so it starts in milliseconds. omnid has already put this process in
 the instance's cgroup (before exec), so everything below is accounted there.
 
     launcher (host pid namespace)
-      unshare(pid, mount, uts, ipc, net); tell omnid; wait while it brings lo up
+      unshare(pid, mount, uts, ipc, net); tell omnid, which brings lo up meanwhile
       fork ──> init (pid 1 of the new namespace)
                  private mounts, tmpfs root, bind mounts, /proc, /dev, pivot_root,
-                 hostname, rlimits, drop capabilities, setuid, no_new_privs
+                 hostname, rlimits, drop capabilities, setuid, no_new_privs, seccomp
+                 wait for omnid's go-ahead (network ready)
                  fork ──> the instance (exec)
                  reap orphans, forward signals; exit when the instance exits,
                  which makes the kernel kill whatever is left in the namespace
@@ -17,9 +18,8 @@ the instance's cgroup (before exec), so everything below is accounted there.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import json
+import marshal
 import os
 import resource
 import signal
@@ -31,6 +31,7 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
 MNT_DETACH = 0x2
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}[os.uname().machine]
 SETUP_FAILED = 125  # exit code when the sandbox itself could not be built
@@ -128,6 +129,20 @@ def drop_privileges(plan: dict) -> None:
     check(prctl(PR_SET_NO_NEW_PRIVS, 1), "no_new_privs")
 
 
+class SockFprog(ctypes.Structure):
+    _fields_ = (("len", ctypes.c_ushort), ("filter", ctypes.c_void_p))
+
+
+def load_seccomp(bpf: bytes) -> None:
+    """Install omnid's prebuilt filter (raw struct sock_filter[]); needs no_new_privs."""
+    buf = ctypes.create_string_buffer(bpf, len(bpf))
+    prog = SockFprog(len(bpf) // 8, ctypes.addressof(buf))
+    check(
+        libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(prog), 0, 0),
+        "seccomp",
+    )
+
+
 def build_view(plan: dict) -> None:
     root = plan["root"]
     mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we do leaks to the host
@@ -141,19 +156,26 @@ def build_view(plan: dict) -> None:
 
 def forward_signals(to_pid: int) -> None:
     def forward(sig, _frame):
-        with contextlib.suppress(ProcessLookupError):
+        try:  # noqa: SIM105 - importing contextlib would cost start-up time
             os.kill(to_pid, sig)
+        except ProcessLookupError:
+            pass
 
     for sig in FORWARDED:
         signal.signal(sig, forward)
 
 
-def run_init(plan: dict, status_w: int) -> None:
+def run_init(plan: dict, seccomp: bytes | None, go_r: int, status_w: int) -> None:
     """pid 1 of the sandbox: build the view, start the instance, reap, report."""
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    build_view(plan)
+    build_view(plan)  # meanwhile omnid brings up our loopback
     drop_privileges(plan)
+    if seccomp:
+        load_seccomp(seccomp)
     os.chdir(plan.get("cwd", "/"))
+    if os.read(go_r, 1) != b"G":
+        raise SetupError("omnid did not release the sandbox")
+    os.close(go_r)
     child = os.fork()
     if child == 0:
         for sig in FORWARDED:
@@ -174,28 +196,30 @@ def run_init(plan: dict, status_w: int) -> None:
 
 
 def main() -> None:
-    with open(sys.argv[1]) as f:  # root-only file in omnid's runtime dir
-        plan = json.load(f)
+    with open(sys.argv[1], "rb") as f:  # root-only file in omnid's runtime dir
+        plan = marshal.load(f)  # not json: its import alone would double our start-up
+    seccomp = None
+    if plan.get("seccomp"):  # read now: the file is out of sight after pivot_root
+        with open(plan["seccomp"], "rb") as f:
+            seccomp = f.read()
     ready_w, go_r = plan["sync_fds"]
     check(
         libc.unshare(CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWPID),
         "unshare",
     )
     os.write(ready_w, b"U")  # omnid now configures our network namespace
-    if os.read(go_r, 1) != b"G":
-        raise SetupError("omnid did not release the sandbox")
     os.close(ready_w)
-    os.close(go_r)
     status_r, status_w = os.pipe()
     init = os.fork()
     if init == 0:
         os.close(status_r)
         try:
-            run_init(plan, status_w)
+            run_init(plan, seccomp, go_r, status_w)
         except BaseException as exc:  # report, never fall back into the launcher's code
             os.write(2, f"omni sandbox {plan['hostname']}: {exc}\n".encode())
             os._exit(SETUP_FAILED)
     os.close(status_w)
+    os.close(go_r)
     forward_signals(init)
     while True:
         try:

@@ -28,6 +28,7 @@ from omni.api.schemas import (
     parse_request,
 )
 from omni.engine.checkpoint import CheckpointError
+from omni.isolation import seccomp
 from omni.isolation.cgroups import CgroupError, CgroupManager
 from omni.isolation.isolated import IsolatedSandbox
 from omni.isolation.sandbox import ProcessSandbox, SandboxSpec
@@ -116,11 +117,21 @@ def sandbox_factory(mode: str, runtime_dir: Path, node: Node) -> SandboxFactory:
             raise CatalogError(f"--sandbox isolated: cgroups unavailable ({exc})") from None
         log.warning("cgroups unavailable (%s): instances run as plain processes", exc)
         return ProcessSandbox
-    log.info("sandboxing instances (cgroup v%d)", cgroups.version)
     workdir = runtime_dir / "sandboxes"
+    workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    try:
+        bpf = seccomp.export_bpf(workdir / "seccomp.bpf")
+    except (OSError, RuntimeError) as exc:  # libseccomp missing: still isolated, less so
+        log.warning("no seccomp filter for instances: %s", exc)
+        bpf = None
+    log.info(
+        "sandboxing instances (cgroup v%d, seccomp %s)", cgroups.version, "on" if bpf else "off"
+    )
 
     def make(spec: SandboxSpec) -> IsolatedSandbox:
-        return IsolatedSandbox(replace(spec, hide=node.hidden_paths()), cgroups, workdir)
+        return IsolatedSandbox(
+            replace(spec, hide=node.hidden_paths()), cgroups, workdir, seccomp_bpf=bpf
+        )
 
     return make
 
