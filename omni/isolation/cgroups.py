@@ -110,10 +110,16 @@ class CgroupV2:
             return
         if (self.path / "cgroup.kill").exists():
             _write(self.path / "cgroup.kill", 1)
-        else:  # kernels before 5.14: freeze, kill, thaw
+        elif (self.path / "cgroup.freeze").exists():  # before 5.14: freeze, kill, thaw
             _write(self.path / "cgroup.freeze", 1)
             _kill_pids(self.pids())
             _write(self.path / "cgroup.freeze", 0)
+        deadline = time.monotonic() + timeout_s
+        while pids := self.pids():  # no freezer at all: kill until none is left
+            _kill_pids(pids)
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
         _wait_empty(self, timeout_s)
         self.path.rmdir()
 
