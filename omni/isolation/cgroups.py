@@ -9,6 +9,7 @@ it was forked, before the group is removed.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import time
@@ -19,6 +20,8 @@ from cgroupspy.controllers import Controller
 from cgroupspy.nodes import Node
 
 from .sandbox import Limits
+
+log = logging.getLogger(__name__)
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("memory", "cpu", "pids", "freezer")
@@ -56,6 +59,15 @@ def _write(path: Path, value) -> None:
         raise CgroupError(f"cannot write {value!r} to {path}: {exc.strerror}") from None
 
 
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        log.warning("%s", message)
+
+
 def _wait_empty(cgroup: Cgroup, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while cgroup.pids():
@@ -79,12 +91,17 @@ class CgroupV2:
             _write(self.path / "memory.max", limits.memory_bytes)
             if (self.path / "memory.swap.max").exists():
                 _write(self.path / "memory.swap.max", 0)
-        if limits.cpu_cores is not None:
-            quota = max(1000, int(limits.cpu_cores * CPU_PERIOD_US))
-            _write(self.path / "cpu.max", f"{quota} {CPU_PERIOD_US}")
-        _write(self.path / "cpu.weight", limits.cpu_weight)
         if limits.pids is not None:
             _write(self.path / "pids.max", limits.pids)
+        try:
+            if limits.cpu_cores is not None:
+                quota = max(1000, int(limits.cpu_cores * CPU_PERIOD_US))
+                _write(self.path / "cpu.max", f"{quota} {CPU_PERIOD_US}")
+            _write(self.path / "cpu.weight", limits.cpu_weight)
+        except CgroupError as exc:
+            # Some hosts (VMs that keep CPU control to themselves) refuse cpu.* writes;
+            # memory and pids, which protect the node, are enforced above.
+            _warn_once(f"CPU limits not enforced on this host: {exc}")
 
     def join_files(self) -> list[str]:
         return [str(self.path / "cgroup.procs")]
@@ -255,9 +272,13 @@ class CgroupManager:
 
     @staticmethod
     def _prepare_v2(own: Path, scope: str) -> Path:
-        """Enable controllers for our subtree; v2 forbids processes in inner nodes, so
-        omnid first moves itself into a leaf of its own cgroup."""
-        if own != CGROUP_ROOT and _read(own / "cgroup.procs"):
+        """Enable controllers for our subtree. v2 forbids processes in an inner node that
+        enables controllers, so if ours must enable any, its processes (omnid alone under
+        systemd) first move into a leaf."""
+        enabled = set(_read(own / "cgroup.subtree_control").split())
+        available = set(_read(own / "cgroup.controllers").split())
+        missing = {c for c in V2_CONTROLLERS if c in available} - enabled
+        if own != CGROUP_ROOT and missing and _read(own / "cgroup.procs"):
             leaf = own / "omnid"
             leaf.mkdir(exist_ok=True)
             for pid in _read(own / "cgroup.procs").split():
