@@ -225,3 +225,9 @@ def test_omnictl_restart(client, server):
     assert after["restarts"] == before["restarts"] + 1
     assert after["last_exit"].startswith("restarted")
     assert client.embeddings.create(model=EMBED, input="again").data[0].index == 0
+
+
+def test_each_instance_runs_as_its_own_unprivileged_user(server):
+    uids = {name: psutil.Process(i["pid"]).uids().real for name, i in server.instances().items()}
+    assert len(set(uids.values())) == len(uids), uids
+    assert all(uid >= 200_000 for uid in uids.values()), uids

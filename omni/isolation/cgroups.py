@@ -87,21 +87,29 @@ class CgroupV2:
         self.path, self.name = path, path.name
 
     def set_limits(self, limits: Limits) -> None:
+        """Limits of the controllers delegated to us; a host may keep some to itself
+        (then pids falls back to the launcher's RLIMIT_NPROC, and CPU goes unlimited)."""
+        available = set(_read(self.path / "cgroup.controllers").split())
         if limits.memory_bytes is not None:
+            if "memory" not in available:
+                raise CgroupError("the memory controller is not delegated to omnid")
             _write(self.path / "memory.max", limits.memory_bytes)
             if (self.path / "memory.swap.max").exists():
                 _write(self.path / "memory.swap.max", 0)
-        if limits.pids is not None:
-            _write(self.path / "pids.max", limits.pids)
-        try:
+        if "pids" in available:
+            if limits.pids is not None:
+                _write(self.path / "pids.max", limits.pids)
+        else:
+            _warn_once(
+                "pids controller not delegated: process counts are capped by RLIMIT_NPROC only"
+            )
+        if "cpu" in available:
             if limits.cpu_cores is not None:
                 quota = max(1000, int(limits.cpu_cores * CPU_PERIOD_US))
                 _write(self.path / "cpu.max", f"{quota} {CPU_PERIOD_US}")
             _write(self.path / "cpu.weight", limits.cpu_weight)
-        except CgroupError as exc:
-            # Some hosts (VMs that keep CPU control to themselves) refuse cpu.* writes;
-            # memory and pids, which protect the node, are enforced above.
-            _warn_once(f"CPU limits not enforced on this host: {exc}")
+        else:
+            _warn_once("cpu controller not delegated: CPU quota and weight not enforced")
 
     def join_files(self) -> list[str]:
         return [str(self.path / "cgroup.procs")]

@@ -35,7 +35,7 @@ MS_RDONLY, MS_NOEXEC = 0x1, 0x8
 
 @dataclass(frozen=True)
 class ViewConfig:
-    uid: int = 65534  # nobody: owns nothing on the host
+    uid: int = 65534  # owns nothing on the host; omnid gives each instance its own
     gid: int = 65534
     tmp_bytes: int = 256 << 20
     shm_bytes: int = 64 << 20
@@ -167,6 +167,9 @@ def build_plan(spec: SandboxSpec, cfg: ViewConfig, workdir: Path) -> dict:
     )
     mounts.append({"type": "tmpfs", "dst": "/tmp", "options": f"mode=1777,size={cfg.tmp_bytes}"})
 
+    rlimits = {"RLIMIT_CORE": [0, 0], "RLIMIT_NOFILE": [cfg.open_files, cfg.open_files]}
+    if spec.limits.pids:  # per uid: holds even where no pids controller is delegated
+        rlimits["RLIMIT_NPROC"] = [spec.limits.pids, spec.limits.pids]
     # Parents before children (stable): a bind under /tmp lands on the private /tmp,
     # a hiding tmpfs on top of the bind that showed the hidden directory.
     mounts.sort(key=lambda m: len(Path(m["dst"]).parts))
@@ -176,7 +179,7 @@ def build_plan(spec: SandboxSpec, cfg: ViewConfig, workdir: Path) -> dict:
         "mounts": mounts,
         "uid": cfg.uid,
         "gid": cfg.gid,
-        "rlimits": {"RLIMIT_CORE": [0, 0], "RLIMIT_NOFILE": [cfg.open_files, cfg.open_files]},
+        "rlimits": rlimits,
         "argv": spec.argv,
         "env": spec.env,
         "cwd": "/tmp",

@@ -32,6 +32,7 @@ from omni.isolation import seccomp
 from omni.isolation.cgroups import CgroupError, CgroupManager
 from omni.isolation.isolated import IsolatedSandbox
 from omni.isolation.sandbox import ProcessSandbox, SandboxSpec
+from omni.isolation.view import ViewConfig
 from omni.logs import setup_logging
 
 from .catalog import CatalogError, ModelEntry, load_config
@@ -40,6 +41,7 @@ from .instance import Instance, SandboxFactory
 
 log = logging.getLogger("omnid")
 
+SANDBOX_UID_BASE = 200_000  # outside the range of any real account
 MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 # endpoint -> (schema, model kind that serves it)
 ENDPOINTS = {
@@ -58,6 +60,13 @@ class Node:
         self.instances: dict[str, Instance] = {}
         self.started = int(time.time())
         self.sandbox_factory: SandboxFactory = ProcessSandbox
+        self._uids: dict[str, int] = {}
+
+    def sandbox_uid(self, name: str) -> int:
+        """Each instance its own unprivileged uid: no shared files, signals or rlimits."""
+        if name not in self._uids:
+            self._uids[name] = SANDBOX_UID_BASE + len(self._uids)
+        return self._uids[name]
 
     def hidden_paths(self) -> tuple[Path, ...]:
         """Every model's files: each sandbox must see its own model only."""
@@ -129,8 +138,13 @@ def sandbox_factory(mode: str, runtime_dir: Path, node: Node) -> SandboxFactory:
     )
 
     def make(spec: SandboxSpec) -> IsolatedSandbox:
+        uid = node.sandbox_uid(spec.name)
         return IsolatedSandbox(
-            replace(spec, hide=node.hidden_paths()), cgroups, workdir, seccomp_bpf=bpf
+            replace(spec, hide=node.hidden_paths()),
+            cgroups,
+            workdir,
+            view=ViewConfig(uid=uid, gid=uid),
+            seccomp_bpf=bpf,
         )
 
     return make
