@@ -9,6 +9,7 @@ it was forked, before the group is removed.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -74,6 +75,22 @@ def _wait_empty(cgroup: Cgroup, timeout_s: float) -> None:
         if time.monotonic() > deadline:
             raise CgroupError(f"cgroup {cgroup.name} still has processes {cgroup.pids()}")
         time.sleep(0.005)
+
+
+def _rmdir(path: Path, timeout_s: float) -> None:
+    """Remove a killed group. Its tasks leave cgroup.procs before they have finished
+    exiting, and until then rmdir answers EBUSY: retry until the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise CgroupError(f"cannot remove cgroup {path}: {exc.strerror}") from None
+            time.sleep(0.005)
 
 
 def _kill_pids(pids: list[int]) -> None:
@@ -146,7 +163,7 @@ class CgroupV2:
                 break
             time.sleep(0.005)
         _wait_empty(self, timeout_s)
-        self.path.rmdir()
+        _rmdir(self.path, timeout_s)
 
 
 class CgroupV1:
@@ -216,8 +233,7 @@ class CgroupV1:
         _kill_pids(self.pids())
         _wait_empty(self, timeout_s)
         for node in self.nodes.values():
-            if os.path.isdir(node.full_path):
-                node.parent.delete_cgroup(node.name.decode())
+            _rmdir(Path(os.fsdecode(node.full_path)), timeout_s)
 
 
 def _own_paths() -> dict[str, str]:

@@ -178,7 +178,11 @@ class Instance:
                 log.exception("instance %s failed to start", self.name)
                 exit_status = ExitStatus(None, f"setup-failed: {exc}")
             else:
-                exit_status = await self._run_until_exit()
+                try:
+                    exit_status = await self._run_until_exit()
+                except Exception as exc:  # teardown failed: never stop supervising
+                    log.exception("instance %s: stopping its sandbox failed", self.name)
+                    exit_status = ExitStatus(None, f"teardown-failed: {exc}")
             self._ready.clear()
             self._sandbox = None
             if self._stopping:
