@@ -44,8 +44,6 @@ class Cgroup(Protocol):
 
     def oom_kills(self) -> int: ...
 
-    def memory_bytes(self) -> int: ...
-
     def destroy(self, timeout_s: float = 5.0) -> None: ...
 
 
@@ -144,9 +142,6 @@ class CgroupV2:
                 return int(value)
         return 0
 
-    def memory_bytes(self) -> int:
-        return int(_read(self.path / "memory.current"))
-
     def destroy(self, timeout_s: float = 5.0) -> None:
         if not self.path.exists():
             return
@@ -212,9 +207,6 @@ class CgroupV1:
 
     def oom_kills(self) -> int:
         return self._memory_field(b"memory.oom_control", "oom_kill")
-
-    def memory_bytes(self) -> int:
-        return int(self.ctl["memory"].get_property(b"memory.usage_in_bytes"))
 
     def destroy(self, timeout_s: float = 5.0) -> None:
         if not any(os.path.isdir(n.full_path) for n in self.nodes.values()):

@@ -40,7 +40,6 @@ class ViewConfig:
     tmp_bytes: int = 256 << 20
     shm_bytes: int = 64 << 20
     open_files: int = 4096
-    extra_ro: tuple[Path, ...] = ()  # e.g. GPU driver libraries outside /usr
 
 
 def _under(path: Path, roots: list[Path]) -> bool:
@@ -116,7 +115,7 @@ def build_plan(spec: SandboxSpec, cfg: ViewConfig, workdir: Path) -> dict:
     generated("group", f"root:x:0:\nomni:x:{cfg.gid}:\n", "/etc/group")
     generated("hosts", f"127.0.0.1 localhost {spec.name}\n::1 localhost\n", "/etc/hosts")
 
-    for path in [*python_paths(), *cfg.extra_ro, *spec.extra_ro]:
+    for path in [*python_paths(), *spec.extra_ro]:
         if not _under(path, visible):
             bind(path)
     bind(spec.model_dir)
