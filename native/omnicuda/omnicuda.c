@@ -1,0 +1,837 @@
+/*
+ * libomnicuda.so: LD_PRELOAD shim that puts an instance's CUDA memory under omnid.
+ *
+ * - Every allocation (runtime, driver, reached directly, through dlsym or through
+ *   cuGetProcAddress) is counted against the instance's quota; past it the caller
+ *   gets the out-of-memory error code, and cu/cudaMemGetInfo and NVML report
+ *   total = quota, free = quota - used.
+ * - In managed mode allocations become unified memory, preferred on the GPU, so
+ *   omnid can ask (through the control block) to move all of it to host memory
+ *   and back: a background thread prefetches every live allocation and acks.
+ *
+ * One table lists every intercepted symbol (HAMi-core style). A thread-local
+ * depth guard keeps a runtime hook's call into cudart from being counted again
+ * by the driver hook below it. Hooks never call malloc: live allocations sit in
+ * an mmap'd open-addressing table under one mutex.
+ */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <link.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cuda_abi.h"
+#include "omnicuda.h"
+
+#define EXPORT __attribute__((visibility("default")))
+
+/* ------------------------------------------------------------------ state */
+
+static struct omni_control g_local = {.magic = OMNI_CTL_MAGIC, .version = OMNI_CTL_VERSION};
+static struct omni_control *g_ctl = &g_local; /* the shared block, or a private one */
+static __thread int t_depth;                  /* >0 while a hook calls into CUDA */
+static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
+static CUcontext g_ctx;  /* context of the first managed allocation: used to swap */
+static int g_swapper_started;
+static int g_warned_vmm;
+
+static uint64_t now_realtime_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static uint64_t now_mono_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void touch(void) {
+    __atomic_store_n(&g_ctl->last_activity_ns, now_realtime_ns(), __ATOMIC_RELAXED);
+}
+
+static int managed(void) { return g_ctl->mode == OMNI_MODE_MANAGED; }
+
+/* ------------------------------------------------ table of live allocations */
+
+#define TABLE_BITS 20
+#define TABLE_SIZE (1ull << TABLE_BITS)
+#define FLAG_MANAGED (1ull << 63) /* in the size word: prefetchable unified memory */
+
+struct slot {
+    uint64_t key; /* device pointer (or VMM handle); 0 = empty */
+    uint64_t size;
+};
+static struct slot *g_table;
+static uint64_t g_table_used;
+
+static uint64_t slot_of(uint64_t key) {
+    key ^= key >> 33;
+    key *= 0xff51afd7ed558ccdull;
+    key ^= key >> 33;
+    return key & (TABLE_SIZE - 1);
+}
+
+static int table_ready(void) { /* under g_lock */
+    if (g_table) return 1;
+    void *p = mmap(NULL, TABLE_SIZE * sizeof(struct slot), PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) return 0;
+    g_table = p;
+    return 1;
+}
+
+static int table_put(uint64_t key, uint64_t size) { /* under g_lock */
+    if (!table_ready() || g_table_used >= TABLE_SIZE / 2) return 0;
+    uint64_t i = slot_of(key);
+    while (g_table[i].key && g_table[i].key != key) i = (i + 1) & (TABLE_SIZE - 1);
+    if (!g_table[i].key) g_table_used++;
+    g_table[i].key = key;
+    g_table[i].size = size;
+    return 1;
+}
+
+static int table_take(uint64_t key, uint64_t *size) { /* under g_lock; backward-shift delete */
+    if (!g_table || !key) return 0;
+    uint64_t i = slot_of(key);
+    while (g_table[i].key != key) {
+        if (!g_table[i].key) return 0;
+        i = (i + 1) & (TABLE_SIZE - 1);
+    }
+    *size = g_table[i].size;
+    uint64_t j = i;
+    for (;;) {
+        j = (j + 1) & (TABLE_SIZE - 1);
+        if (!g_table[j].key) break;
+        uint64_t home = slot_of(g_table[j].key);
+        /* move j back to i unless its home lies cyclically in (i, j] */
+        if ((j > i && (home <= i || home > j)) || (j < i && home <= i && home > j)) {
+            g_table[i] = g_table[j];
+            i = j;
+        }
+    }
+    g_table[i].key = 0;
+    g_table_used--;
+    return 1;
+}
+
+/* ------------------------------------------------------------ accounting */
+
+static int reserve(uint64_t n) {
+    uint64_t quota = __atomic_load_n(&g_ctl->quota_bytes, __ATOMIC_RELAXED);
+    uint64_t cur = __atomic_load_n(&g_ctl->used_bytes, __ATOMIC_RELAXED);
+    do {
+        if (quota && (cur + n > quota || cur + n < cur)) {
+            __atomic_fetch_add(&g_ctl->alloc_failures, 1, __ATOMIC_RELAXED);
+            return 0;
+        }
+    } while (!__atomic_compare_exchange_n(&g_ctl->used_bytes, &cur, cur + n, 1,
+                                          __ATOMIC_RELAXED, __ATOMIC_RELAXED));
+    uint64_t peak = __atomic_load_n(&g_ctl->peak_bytes, __ATOMIC_RELAXED);
+    while (cur + n > peak &&
+           !__atomic_compare_exchange_n(&g_ctl->peak_bytes, &peak, cur + n, 1,
+                                        __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+    return 1;
+}
+
+static void unreserve(uint64_t n) { __atomic_fetch_sub(&g_ctl->used_bytes, n, __ATOMIC_RELAXED); }
+
+static void start_swapper(void);
+
+static void track(uint64_t key, uint64_t size, int is_managed) {
+    pthread_mutex_lock(&g_lock);
+    int ok = table_put(key, size | (is_managed ? FLAG_MANAGED : 0));
+    pthread_mutex_unlock(&g_lock);
+    if (!ok) { /* table full: count it anyway, it is merely not swappable */
+        fprintf(stderr, "omnicuda: allocation table full, %llu bytes untracked\n",
+                (unsigned long long)size);
+    }
+    __atomic_fetch_add(&g_ctl->live_allocs, 1, __ATOMIC_RELAXED);
+    touch();
+    if (is_managed) start_swapper();
+}
+
+/* Forget `key`; returns the bytes it held (0: not ours, e.g. made before we loaded). */
+static uint64_t untrack(uint64_t key) {
+    uint64_t size = 0;
+    pthread_mutex_lock(&g_lock);
+    int found = table_take(key, &size);
+    pthread_mutex_unlock(&g_lock);
+    if (!found) return 0;
+    size &= ~FLAG_MANAGED;
+    unreserve(size);
+    __atomic_fetch_sub(&g_ctl->live_allocs, 1, __ATOMIC_RELAXED);
+    touch();
+    return size;
+}
+
+static void report_mem(size_t *free_bytes, size_t *total_bytes) {
+    uint64_t quota = __atomic_load_n(&g_ctl->quota_bytes, __ATOMIC_RELAXED);
+    if (!quota) return;
+    uint64_t used = __atomic_load_n(&g_ctl->used_bytes, __ATOMIC_RELAXED);
+    if (total_bytes) *total_bytes = quota;
+    if (free_bytes) *free_bytes = used >= quota ? 0 : quota - used;
+}
+
+/* ------------------------------------------------------- the hook table */
+
+enum lib { LIB_RT, LIB_DRV, LIB_NVML };
+enum hook_id {
+    H_cudaMalloc, H_cudaMallocManaged, H_cudaMallocAsync, H_cudaMallocPitch, H_cudaFree,
+    H_cudaFreeAsync, H_cudaMemGetInfo,
+    H_cuMemAlloc, H_cuMemAllocManaged, H_cuMemAllocPitch, H_cuMemAllocAsync, H_cuMemFree,
+    H_cuMemFreeAsync, H_cuMemGetInfo, H_cuMemCreate, H_cuMemRelease, H_cuLaunchKernel,
+    H_cuLaunchKernelEx, H_cuGraphLaunch, H_cuGetProcAddress, H_cuGetProcAddress_v2,
+    H_nvmlDeviceGetMemoryInfo, H_nvmlDeviceGetMemoryInfo_v2,
+    H_COUNT
+};
+
+struct hook {
+    const char *symbol;    /* exported name, as dlsym is asked for it */
+    const char *proc_name; /* name cuGetProcAddress is asked for (driver only) */
+    int min_version;       /* cuGetProcAddress cudaVersion from which it is this variant */
+    enum lib lib;
+    void *hook;
+    void *real;
+};
+
+static struct hook g_hooks[H_COUNT];
+static void *(*real_dlsym)(void *, const char *);
+
+static const char *const LIB_NAMES[] = {"libcudart.so", "libcuda.so", "libnvidia-ml.so"};
+
+/* Whether `fn` is one of our own functions: a library that does not bind its own
+ * symbols (no -Bsymbolic) hands out our interposed exports as its "real" ones. */
+static int is_ours(void *fn) {
+    static void *our_base;
+    Dl_info info;
+    if (!our_base && dladdr((void *)&is_ours, &info)) our_base = info.dli_fbase;
+    return dladdr(fn, &info) && info.dli_fbase == our_base;
+}
+
+struct find_ctx {
+    const char *needle;
+    char path[512];
+};
+
+static int find_lib_cb(struct dl_phdr_info *info, size_t size, void *data) {
+    (void)size;
+    struct find_ctx *ctx = data;
+    if (info->dlpi_name && strstr(info->dlpi_name, ctx->needle)) {
+        snprintf(ctx->path, sizeof ctx->path, "%s", info->dlpi_name);
+        return 1;
+    }
+    return 0;
+}
+
+/* A symbol of an already loaded CUDA library, even one loaded RTLD_LOCAL. */
+static void *lib_symbol(enum lib lib, const char *symbol) {
+    void *fn = real_dlsym(RTLD_NEXT, symbol);
+    if (fn && !is_ours(fn)) return fn;
+    fn = NULL;
+    struct find_ctx ctx = {.needle = LIB_NAMES[lib]};
+    if (!dl_iterate_phdr(find_lib_cb, &ctx)) return NULL;
+    void *handle = dlopen(ctx.path, RTLD_LAZY | RTLD_NOLOAD);
+    if (!handle) return NULL;
+    fn = real_dlsym(handle, symbol);
+    dlclose(handle);
+    return fn;
+}
+
+static void *real_of(enum hook_id id) {
+    void *fn = __atomic_load_n(&g_hooks[id].real, __ATOMIC_ACQUIRE);
+    if (fn) return fn;
+    fn = lib_symbol(g_hooks[id].lib, g_hooks[id].symbol);
+    if (fn) __atomic_store_n(&g_hooks[id].real, fn, __ATOMIC_RELEASE);
+    return fn;
+}
+
+static void *driver(const char *symbol) { return lib_symbol(LIB_DRV, symbol); }
+
+#define REAL(id, type) ((type)real_of(id))
+#define MISSING(kind) fprintf(stderr, "omnicuda: real %s not found\n", kind)
+
+/* -------------------------------------------------------- driver hooks */
+
+typedef CUresult (*cuMemAllocManaged_t)(CUdeviceptr *, size_t, unsigned int);
+typedef CUresult (*cuMemAdvise_v2_t)(CUdeviceptr, size_t, int, CUmemLocation);
+typedef CUresult (*cuCtxGetCurrent_t)(CUcontext *);
+typedef CUresult (*cuCtxGetDevice_t)(CUdevice *);
+
+/* Unified memory in place of device memory, preferred on the caller's GPU. */
+static CUresult alloc_managed(CUdeviceptr *dptr, size_t size) {
+    cuMemAllocManaged_t alloc = REAL(H_cuMemAllocManaged, cuMemAllocManaged_t);
+    if (!alloc) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = alloc(dptr, size, CU_MEM_ATTACH_GLOBAL);
+    if (rc != CUDA_SUCCESS) return rc;
+    CUdevice dev = 0;
+    cuCtxGetDevice_t get_dev = (cuCtxGetDevice_t)driver("cuCtxGetDevice");
+    if (get_dev) get_dev(&dev);
+    cuMemAdvise_v2_t advise = (cuMemAdvise_v2_t)driver("cuMemAdvise_v2");
+    if (advise) {
+        CUmemLocation loc = {CU_MEM_LOCATION_TYPE_DEVICE, dev};
+        advise(*dptr, size, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, loc);
+    }
+    if (!g_ctx) {
+        cuCtxGetCurrent_t get_ctx = (cuCtxGetCurrent_t)driver("cuCtxGetCurrent");
+        CUcontext ctx = NULL;
+        if (get_ctx && get_ctx(&ctx) == CUDA_SUCCESS && ctx)
+            __atomic_store_n(&g_ctx, ctx, __ATOMIC_RELEASE);
+    }
+    return CUDA_SUCCESS;
+}
+
+typedef CUresult (*cuMemAlloc_t)(CUdeviceptr *, size_t);
+static CUresult hook_cuMemAlloc(CUdeviceptr *dptr, size_t size) {
+    if (t_depth) return REAL(H_cuMemAlloc, cuMemAlloc_t)(dptr, size);
+    if (!reserve(size)) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = managed() ? alloc_managed(dptr, size)
+                            : REAL(H_cuMemAlloc, cuMemAlloc_t)(dptr, size);
+    if (rc != CUDA_SUCCESS) {
+        unreserve(size);
+        return rc;
+    }
+    track(*dptr, size, managed());
+    return rc;
+}
+
+static CUresult hook_cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned int flags) {
+    cuMemAllocManaged_t real = REAL(H_cuMemAllocManaged, cuMemAllocManaged_t);
+    if (t_depth) return real(dptr, size, flags);
+    if (!reserve(size)) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = real(dptr, size, flags);
+    if (rc != CUDA_SUCCESS) {
+        unreserve(size);
+        return rc;
+    }
+    track(*dptr, size, 1);
+    return rc;
+}
+
+typedef CUresult (*cuMemAllocPitch_t)(CUdeviceptr *, size_t *, size_t, size_t, unsigned int);
+static CUresult hook_cuMemAllocPitch(CUdeviceptr *dptr, size_t *pitch, size_t width,
+                                     size_t height, unsigned int elem) {
+    cuMemAllocPitch_t real = REAL(H_cuMemAllocPitch, cuMemAllocPitch_t);
+    if (t_depth) return real(dptr, pitch, width, height, elem);
+    size_t row = (width + PITCH_ALIGN - 1) / PITCH_ALIGN * PITCH_ALIGN;
+    uint64_t size = (uint64_t)row * height;
+    if (!reserve(size)) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc;
+    if (managed()) {
+        rc = alloc_managed(dptr, size);
+        if (rc == CUDA_SUCCESS) *pitch = row;
+    } else {
+        rc = real(dptr, pitch, width, height, elem);
+    }
+    if (rc != CUDA_SUCCESS) {
+        unreserve(size);
+        return rc;
+    }
+    track(*dptr, size, managed());
+    return rc;
+}
+
+typedef CUresult (*cuMemAllocAsync_t)(CUdeviceptr *, size_t, CUstream);
+static CUresult hook_cuMemAllocAsync(CUdeviceptr *dptr, size_t size, CUstream stream) {
+    cuMemAllocAsync_t real = REAL(H_cuMemAllocAsync, cuMemAllocAsync_t);
+    if (t_depth) return real(dptr, size, stream);
+    if (!reserve(size)) return CUDA_ERROR_OUT_OF_MEMORY;
+    /* managed: stream-ordered pools cannot hand out unified memory; allocate now */
+    CUresult rc = managed() ? alloc_managed(dptr, size) : real(dptr, size, stream);
+    if (rc != CUDA_SUCCESS) {
+        unreserve(size);
+        return rc;
+    }
+    track(*dptr, size, managed());
+    return rc;
+}
+
+typedef CUresult (*cuMemFree_t)(CUdeviceptr);
+static CUresult hook_cuMemFree(CUdeviceptr dptr) {
+    if (!t_depth) untrack(dptr);
+    return REAL(H_cuMemFree, cuMemFree_t)(dptr);
+}
+
+typedef CUresult (*cuMemFreeAsync_t)(CUdeviceptr, CUstream);
+typedef CUresult (*cuStreamSynchronize_t)(CUstream);
+static CUresult hook_cuMemFreeAsync(CUdeviceptr dptr, CUstream stream) {
+    if (t_depth) return REAL(H_cuMemFreeAsync, cuMemFreeAsync_t)(dptr, stream);
+    uint64_t size = 0;
+    pthread_mutex_lock(&g_lock);
+    int ours = table_take(dptr, &size);
+    pthread_mutex_unlock(&g_lock);
+    if (ours && (size & FLAG_MANAGED) && managed()) {
+        /* it came from alloc_managed: free it the synchronous way, after the stream */
+        unreserve(size & ~FLAG_MANAGED);
+        __atomic_fetch_sub(&g_ctl->live_allocs, 1, __ATOMIC_RELAXED);
+        cuStreamSynchronize_t sync = (cuStreamSynchronize_t)driver("cuStreamSynchronize");
+        if (sync) sync(stream);
+        return REAL(H_cuMemFree, cuMemFree_t)(dptr);
+    }
+    if (ours) {
+        unreserve(size & ~FLAG_MANAGED);
+        __atomic_fetch_sub(&g_ctl->live_allocs, 1, __ATOMIC_RELAXED);
+    }
+    touch();
+    return REAL(H_cuMemFreeAsync, cuMemFreeAsync_t)(dptr, stream);
+}
+
+typedef CUresult (*cuMemGetInfo_t)(size_t *, size_t *);
+static CUresult hook_cuMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
+    CUresult rc = REAL(H_cuMemGetInfo, cuMemGetInfo_t)(free_bytes, total_bytes);
+    if (rc == CUDA_SUCCESS) report_mem(free_bytes, total_bytes);
+    return rc;
+}
+
+typedef CUresult (*cuMemCreate_t)(CUmemGenericAllocationHandle *, size_t, const void *,
+                                  unsigned long long);
+static CUresult hook_cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+                                 const void *prop, unsigned long long flags) {
+    cuMemCreate_t real = REAL(H_cuMemCreate, cuMemCreate_t);
+    if (t_depth) return real(handle, size, prop, flags);
+    if (managed()) {
+        if (!__atomic_exchange_n(&g_warned_vmm, 1, __ATOMIC_RELAXED))
+            fprintf(stderr,
+                    "omnicuda: cuMemCreate (virtual memory management) is refused in managed "
+                    "mode: its memory could not be swapped. For PyTorch, leave "
+                    "PYTORCH_CUDA_ALLOC_CONF without expandable_segments.\n");
+        return CUDA_ERROR_NOT_SUPPORTED;
+    }
+    if (!reserve(size)) return CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = real(handle, size, prop, flags);
+    if (rc != CUDA_SUCCESS) {
+        unreserve(size);
+        return rc;
+    }
+    track(*handle, size, 0);
+    return rc;
+}
+
+typedef CUresult (*cuMemRelease_t)(CUmemGenericAllocationHandle);
+static CUresult hook_cuMemRelease(CUmemGenericAllocationHandle handle) {
+    if (!t_depth) untrack(handle);
+    return REAL(H_cuMemRelease, cuMemRelease_t)(handle);
+}
+
+typedef CUresult (*cuLaunchKernel_t)(void *, unsigned, unsigned, unsigned, unsigned, unsigned,
+                                     unsigned, unsigned, CUstream, void **, void **);
+static CUresult hook_cuLaunchKernel(void *f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                                    unsigned by, unsigned bz, unsigned shmem, CUstream stream,
+                                    void **params, void **extra) {
+    touch();
+    return REAL(H_cuLaunchKernel, cuLaunchKernel_t)(f, gx, gy, gz, bx, by, bz, shmem, stream,
+                                                    params, extra);
+}
+
+typedef CUresult (*cuLaunchKernelEx_t)(const void *, void *, void **, void **);
+static CUresult hook_cuLaunchKernelEx(const void *config, void *f, void **params, void **extra) {
+    touch();
+    return REAL(H_cuLaunchKernelEx, cuLaunchKernelEx_t)(config, f, params, extra);
+}
+
+typedef CUresult (*cuGraphLaunch_t)(CUgraphExec, CUstream);
+static CUresult hook_cuGraphLaunch(CUgraphExec exec, CUstream stream) {
+    touch();
+    return REAL(H_cuGraphLaunch, cuGraphLaunch_t)(exec, stream);
+}
+
+/* cuGetProcAddress: where cudart (and PyTorch, Triton) find driver entry points. */
+static void redirect(const char *symbol, void **pfn, int version, cuuint64_t flags) {
+    if (!*pfn || (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM)) return;
+    for (int i = 0; i < H_COUNT; i++) {
+        struct hook *h = &g_hooks[i];
+        if (h->lib == LIB_DRV && h->proc_name && version >= h->min_version &&
+            strcmp(symbol, h->proc_name) == 0) {
+            if (!is_ours(*pfn)) __atomic_store_n(&h->real, *pfn, __ATOMIC_RELEASE);
+            *pfn = h->hook;
+            return;
+        }
+    }
+}
+
+typedef CUresult (*cuGetProcAddress_t)(const char *, void **, int, cuuint64_t);
+static CUresult hook_cuGetProcAddress(const char *symbol, void **pfn, int version,
+                                      cuuint64_t flags) {
+    CUresult rc = REAL(H_cuGetProcAddress, cuGetProcAddress_t)(symbol, pfn, version, flags);
+    if (rc == CUDA_SUCCESS) redirect(symbol, pfn, version, flags);
+    return rc;
+}
+
+typedef CUresult (*cuGetProcAddress_v2_t)(const char *, void **, int, cuuint64_t, void *);
+static CUresult hook_cuGetProcAddress_v2(const char *symbol, void **pfn, int version,
+                                         cuuint64_t flags, void *status) {
+    CUresult rc =
+        REAL(H_cuGetProcAddress_v2, cuGetProcAddress_v2_t)(symbol, pfn, version, flags, status);
+    if (rc == CUDA_SUCCESS) redirect(symbol, pfn, version, flags);
+    return rc;
+}
+
+/* ------------------------------------------------------- runtime hooks */
+
+#define RT_CALL(expr)  \
+    ({                 \
+        t_depth++;     \
+        __auto_type r_ = (expr); \
+        t_depth--;     \
+        r_;            \
+    })
+
+typedef cudaError_t (*cudaMalloc_t)(void **, size_t);
+typedef cudaError_t (*cudaMallocManaged_t)(void **, size_t, unsigned int);
+
+static cudaError_t rt_alloc(void **ptr, size_t size, int as_managed) {
+    if (!reserve(size)) return cudaErrorMemoryAllocation;
+    cudaError_t rc = as_managed
+        ? RT_CALL(REAL(H_cudaMallocManaged, cudaMallocManaged_t)(ptr, size, cudaMemAttachGlobal))
+        : RT_CALL(REAL(H_cudaMalloc, cudaMalloc_t)(ptr, size));
+    if (rc != cudaSuccess) {
+        unreserve(size);
+        return rc;
+    }
+    if (as_managed && managed()) { /* placed on the GPU as the driver path does */
+        CUdevice dev = 0;
+        cuCtxGetDevice_t get_dev = (cuCtxGetDevice_t)driver("cuCtxGetDevice");
+        if (get_dev) get_dev(&dev);
+        cuMemAdvise_v2_t advise = (cuMemAdvise_v2_t)driver("cuMemAdvise_v2");
+        CUmemLocation loc = {CU_MEM_LOCATION_TYPE_DEVICE, dev};
+        if (advise) advise((CUdeviceptr)*ptr, size, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, loc);
+        cuCtxGetCurrent_t get_ctx = (cuCtxGetCurrent_t)driver("cuCtxGetCurrent");
+        CUcontext ctx = NULL;
+        if (!g_ctx && get_ctx && get_ctx(&ctx) == CUDA_SUCCESS && ctx)
+            __atomic_store_n(&g_ctx, ctx, __ATOMIC_RELEASE);
+    }
+    track((uint64_t)*ptr, size, as_managed);
+    return rc;
+}
+
+EXPORT cudaError_t cudaMalloc(void **ptr, size_t size) {
+    if (t_depth) return REAL(H_cudaMalloc, cudaMalloc_t)(ptr, size);
+    return rt_alloc(ptr, size, managed());
+}
+
+EXPORT cudaError_t cudaMallocManaged(void **ptr, size_t size, unsigned int flags) {
+    if (t_depth || flags != cudaMemAttachGlobal)
+        return REAL(H_cudaMallocManaged, cudaMallocManaged_t)(ptr, size, flags);
+    return rt_alloc(ptr, size, 1);
+}
+
+typedef cudaError_t (*cudaMallocAsync_t)(void **, size_t, cudaStream_t);
+EXPORT cudaError_t cudaMallocAsync(void **ptr, size_t size, cudaStream_t stream) {
+    if (t_depth || !managed()) {
+        if (t_depth) return REAL(H_cudaMallocAsync, cudaMallocAsync_t)(ptr, size, stream);
+        if (!reserve(size)) return cudaErrorMemoryAllocation;
+        cudaError_t rc = RT_CALL(REAL(H_cudaMallocAsync, cudaMallocAsync_t)(ptr, size, stream));
+        if (rc != cudaSuccess) {
+            unreserve(size);
+            return rc;
+        }
+        track((uint64_t)*ptr, size, 0);
+        return rc;
+    }
+    return rt_alloc(ptr, size, 1);
+}
+
+typedef cudaError_t (*cudaMallocPitch_t)(void **, size_t *, size_t, size_t);
+EXPORT cudaError_t cudaMallocPitch(void **ptr, size_t *pitch, size_t width, size_t height) {
+    cudaMallocPitch_t real = REAL(H_cudaMallocPitch, cudaMallocPitch_t);
+    if (t_depth) return real(ptr, pitch, width, height);
+    size_t row = (width + PITCH_ALIGN - 1) / PITCH_ALIGN * PITCH_ALIGN;
+    if (managed()) {
+        cudaError_t rc = rt_alloc(ptr, (size_t)row * height, 1);
+        if (rc == cudaSuccess) *pitch = row;
+        return rc;
+    }
+    uint64_t size = (uint64_t)row * height;
+    if (!reserve(size)) return cudaErrorMemoryAllocation;
+    cudaError_t rc = RT_CALL(real(ptr, pitch, width, height));
+    if (rc != cudaSuccess) {
+        unreserve(size);
+        return rc;
+    }
+    track((uint64_t)*ptr, size, 0);
+    return rc;
+}
+
+typedef cudaError_t (*cudaFree_t)(void *);
+EXPORT cudaError_t cudaFree(void *ptr) {
+    if (!t_depth) untrack((uint64_t)ptr);
+    return RT_CALL(REAL(H_cudaFree, cudaFree_t)(ptr));
+}
+
+typedef cudaError_t (*cudaFreeAsync_t)(void *, cudaStream_t);
+typedef cudaError_t (*cudaStreamSynchronize_t)(cudaStream_t);
+EXPORT cudaError_t cudaFreeAsync(void *ptr, cudaStream_t stream) {
+    if (t_depth) return REAL(H_cudaFreeAsync, cudaFreeAsync_t)(ptr, stream);
+    uint64_t size = 0;
+    pthread_mutex_lock(&g_lock);
+    int ours = table_take((uint64_t)ptr, &size);
+    pthread_mutex_unlock(&g_lock);
+    if (ours) {
+        unreserve(size & ~FLAG_MANAGED);
+        __atomic_fetch_sub(&g_ctl->live_allocs, 1, __ATOMIC_RELAXED);
+        touch();
+    }
+    if (ours && (size & FLAG_MANAGED)) { /* unified memory: free after the stream */
+        cudaStreamSynchronize_t sync =
+            (cudaStreamSynchronize_t)lib_symbol(LIB_RT, "cudaStreamSynchronize");
+        if (sync) RT_CALL(sync(stream));
+        return RT_CALL(REAL(H_cudaFree, cudaFree_t)(ptr));
+    }
+    return RT_CALL(REAL(H_cudaFreeAsync, cudaFreeAsync_t)(ptr, stream));
+}
+
+typedef cudaError_t (*cudaMemGetInfo_t)(size_t *, size_t *);
+EXPORT cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
+    cudaError_t rc = RT_CALL(REAL(H_cudaMemGetInfo, cudaMemGetInfo_t)(free_bytes, total_bytes));
+    if (rc == cudaSuccess) report_mem(free_bytes, total_bytes);
+    return rc;
+}
+
+/* Direct (PLT) calls into libcuda land here too. */
+EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *d, size_t s) { return hook_cuMemAlloc(d, s); }
+EXPORT CUresult cuMemAllocManaged(CUdeviceptr *d, size_t s, unsigned int f) {
+    return hook_cuMemAllocManaged(d, s, f);
+}
+EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *d, size_t *p, size_t w, size_t h, unsigned e) {
+    return hook_cuMemAllocPitch(d, p, w, h, e);
+}
+EXPORT CUresult cuMemAllocAsync(CUdeviceptr *d, size_t s, CUstream st) {
+    return hook_cuMemAllocAsync(d, s, st);
+}
+EXPORT CUresult cuMemFree_v2(CUdeviceptr d) { return hook_cuMemFree(d); }
+EXPORT CUresult cuMemFreeAsync(CUdeviceptr d, CUstream st) { return hook_cuMemFreeAsync(d, st); }
+EXPORT CUresult cuMemGetInfo_v2(size_t *f, size_t *t) { return hook_cuMemGetInfo(f, t); }
+EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t s, const void *p,
+                            unsigned long long f) {
+    return hook_cuMemCreate(h, s, p, f);
+}
+EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h) { return hook_cuMemRelease(h); }
+EXPORT CUresult cuGetProcAddress(const char *s, void **p, int v, cuuint64_t f) {
+    return hook_cuGetProcAddress(s, p, v, f);
+}
+EXPORT CUresult cuGetProcAddress_v2(const char *s, void **p, int v, cuuint64_t f, void *st) {
+    return hook_cuGetProcAddress_v2(s, p, v, f, st);
+}
+
+/* ---------------------------------------------------------- NVML hooks */
+
+typedef nvmlReturn_t (*nvmlDeviceGetMemoryInfo_t)(nvmlDevice_t, nvmlMemory_t *);
+static nvmlReturn_t hook_nvmlDeviceGetMemoryInfo(nvmlDevice_t dev, nvmlMemory_t *mem) {
+    nvmlReturn_t rc = REAL(H_nvmlDeviceGetMemoryInfo, nvmlDeviceGetMemoryInfo_t)(dev, mem);
+    uint64_t quota = __atomic_load_n(&g_ctl->quota_bytes, __ATOMIC_RELAXED);
+    if (rc == NVML_SUCCESS && quota) {
+        size_t free_bytes = 0, total = 0;
+        report_mem(&free_bytes, &total);
+        mem->total = total;
+        mem->free = free_bytes;
+        mem->used = total - free_bytes;
+    }
+    return rc;
+}
+
+typedef nvmlReturn_t (*nvmlDeviceGetMemoryInfo_v2_t)(nvmlDevice_t, nvmlMemory_v2_t *);
+static nvmlReturn_t hook_nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t dev, nvmlMemory_v2_t *mem) {
+    nvmlReturn_t rc = REAL(H_nvmlDeviceGetMemoryInfo_v2, nvmlDeviceGetMemoryInfo_v2_t)(dev, mem);
+    uint64_t quota = __atomic_load_n(&g_ctl->quota_bytes, __ATOMIC_RELAXED);
+    if (rc == NVML_SUCCESS && quota) {
+        size_t free_bytes = 0, total = 0;
+        report_mem(&free_bytes, &total);
+        mem->total = total;
+        mem->reserved = 0;
+        mem->free = free_bytes;
+        mem->used = total - free_bytes;
+    }
+    return rc;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t d, nvmlMemory_t *m) {
+    return hook_nvmlDeviceGetMemoryInfo(d, m);
+}
+EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t d, nvmlMemory_v2_t *m) {
+    return hook_nvmlDeviceGetMemoryInfo_v2(d, m);
+}
+
+/* ---------------------------------------------------------------- dlsym */
+
+static void find_real_dlsym(void) {
+    real_dlsym = (void *(*)(void *, const char *))dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+    if (!real_dlsym)
+        real_dlsym = (void *(*)(void *, const char *))dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+}
+
+EXPORT void *dlsym(void *handle, const char *symbol) {
+    if (!real_dlsym) find_real_dlsym(); /* a library's constructor may run before ours */
+    void *fn = real_dlsym(handle, symbol);
+    if (!fn || !g_hooks[0].symbol) return fn;
+    for (int i = 0; i < H_COUNT; i++) {
+        if (strcmp(symbol, g_hooks[i].symbol) == 0) {
+            if (!is_ours(fn)) __atomic_store_n(&g_hooks[i].real, fn, __ATOMIC_RELEASE);
+            return g_hooks[i].hook;
+        }
+    }
+    return fn;
+}
+
+/* ------------------------------------------------------------ swapping */
+
+typedef CUresult (*cuCtxSetCurrent_t)(CUcontext);
+typedef CUresult (*cuStreamCreate_t)(CUstream *, unsigned int);
+typedef CUresult (*cuMemPrefetchAsync_v2_t)(CUdeviceptr, size_t, CUmemLocation, unsigned int,
+                                            CUstream);
+
+/* Move every live unified allocation to `target` (GPU or host) and wait for it. */
+static CUresult move_all(uint32_t target, uint64_t *moved) {
+    cuCtxSetCurrent_t set_ctx = (cuCtxSetCurrent_t)driver("cuCtxSetCurrent");
+    cuCtxGetDevice_t get_dev = (cuCtxGetDevice_t)driver("cuCtxGetDevice");
+    cuStreamCreate_t mk_stream = (cuStreamCreate_t)driver("cuStreamCreate");
+    cuStreamSynchronize_t sync = (cuStreamSynchronize_t)driver("cuStreamSynchronize");
+    cuMemPrefetchAsync_v2_t prefetch = (cuMemPrefetchAsync_v2_t)driver("cuMemPrefetchAsync_v2");
+    cuMemAdvise_v2_t advise = (cuMemAdvise_v2_t)driver("cuMemAdvise_v2");
+    CUcontext ctx = __atomic_load_n(&g_ctx, __ATOMIC_ACQUIRE);
+    if (!set_ctx || !get_dev || !mk_stream || !sync || !prefetch || !ctx)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    static __thread CUstream stream;
+    CUresult rc = set_ctx(ctx);
+    CUdevice dev = 0;
+    if (rc == CUDA_SUCCESS) rc = get_dev(&dev);
+    if (rc == CUDA_SUCCESS && !stream) rc = mk_stream(&stream, CU_STREAM_NON_BLOCKING);
+    if (rc != CUDA_SUCCESS) return rc;
+    CUmemLocation loc = target == OMNI_RES_HOST ? (CUmemLocation){CU_MEM_LOCATION_TYPE_HOST, 0}
+                                                : (CUmemLocation){CU_MEM_LOCATION_TYPE_DEVICE, dev};
+    *moved = 0;
+    pthread_mutex_lock(&g_lock); /* allocations wait while we enqueue; cheap */
+    for (uint64_t i = 0; g_table && i < TABLE_SIZE && rc == CUDA_SUCCESS; i++) {
+        if (!g_table[i].key || !(g_table[i].size & FLAG_MANAGED)) continue;
+        size_t size = g_table[i].size & ~FLAG_MANAGED;
+        if (advise) advise(g_table[i].key, size, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, loc);
+        rc = prefetch(g_table[i].key, size, loc, 0, stream);
+        *moved += size;
+    }
+    pthread_mutex_unlock(&g_lock);
+    CUresult sync_rc = sync(stream);
+    return rc != CUDA_SUCCESS ? rc : sync_rc;
+}
+
+static void *swapper(void *arg) {
+    (void)arg;
+    uint64_t seen = __atomic_load_n(&g_ctl->ack_seq, __ATOMIC_ACQUIRE);
+    const struct timespec tick = {0, 2 * 1000 * 1000}; /* 2 ms */
+    for (;;) {
+        uint64_t seq = __atomic_load_n(&g_ctl->request_seq, __ATOMIC_ACQUIRE);
+        if (seq == seen) {
+            nanosleep(&tick, NULL);
+            continue;
+        }
+        uint32_t target = __atomic_load_n(&g_ctl->desired_residency, __ATOMIC_ACQUIRE);
+        __atomic_store_n(&g_ctl->residency, OMNI_RES_MOVING, __ATOMIC_RELEASE);
+        uint64_t t0 = now_mono_ns(), moved = 0;
+        CUresult rc = move_all(target, &moved);
+        g_ctl->last_swap_ns = now_mono_ns() - t0;
+        g_ctl->swapped_bytes = moved;
+        g_ctl->last_swap_error = rc;
+        __atomic_store_n(&g_ctl->residency, rc == CUDA_SUCCESS ? target : OMNI_RES_GPU,
+                         __ATOMIC_RELEASE);
+        __atomic_store_n(&g_ctl->ack_seq, seq, __ATOMIC_RELEASE);
+        seen = seq;
+    }
+    return NULL;
+}
+
+static void start_swapper(void) {
+    if (g_ctl == &g_local || __atomic_load_n(&g_swapper_started, __ATOMIC_ACQUIRE)) return;
+    if (__atomic_exchange_n(&g_swapper_started, 1, __ATOMIC_ACQ_REL)) return;
+    pthread_t thread;
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    if (pthread_create(&thread, &attr, swapper, NULL) != 0) {
+        fprintf(stderr, "omnicuda: cannot start the swap thread\n");
+        __atomic_store_n(&g_swapper_started, 0, __ATOMIC_RELEASE);
+    }
+    pthread_attr_destroy(&attr);
+}
+
+/* ---------------------------------------------------------------- setup */
+
+static void after_fork_child(void) {
+    /* The child has no swap thread and must not share the parent's accounting. */
+    pthread_mutex_init(&g_lock, NULL);
+    g_swapper_started = 0;
+    if (g_ctl != &g_local) {
+        g_local.quota_bytes = g_ctl->quota_bytes;
+        g_local.mode = g_ctl->mode;
+        g_ctl = &g_local;
+    }
+}
+
+#define HOOK(id, sym, proc, ver, lib_, fn) \
+    g_hooks[id] = (struct hook){sym, proc, ver, lib_, (void *)(fn), NULL}
+
+__attribute__((constructor)) static void omnicuda_init(void) {
+    if (!real_dlsym) find_real_dlsym();
+    HOOK(H_cudaMalloc, "cudaMalloc", NULL, 0, LIB_RT, cudaMalloc);
+    HOOK(H_cudaMallocManaged, "cudaMallocManaged", NULL, 0, LIB_RT, cudaMallocManaged);
+    HOOK(H_cudaMallocAsync, "cudaMallocAsync", NULL, 0, LIB_RT, cudaMallocAsync);
+    HOOK(H_cudaMallocPitch, "cudaMallocPitch", NULL, 0, LIB_RT, cudaMallocPitch);
+    HOOK(H_cudaFree, "cudaFree", NULL, 0, LIB_RT, cudaFree);
+    HOOK(H_cudaFreeAsync, "cudaFreeAsync", NULL, 0, LIB_RT, cudaFreeAsync);
+    HOOK(H_cudaMemGetInfo, "cudaMemGetInfo", NULL, 0, LIB_RT, cudaMemGetInfo);
+    HOOK(H_cuMemAlloc, "cuMemAlloc_v2", "cuMemAlloc", 3020, LIB_DRV, hook_cuMemAlloc);
+    HOOK(H_cuMemAllocManaged, "cuMemAllocManaged", "cuMemAllocManaged", 0, LIB_DRV,
+         hook_cuMemAllocManaged);
+    HOOK(H_cuMemAllocPitch, "cuMemAllocPitch_v2", "cuMemAllocPitch", 3020, LIB_DRV,
+         hook_cuMemAllocPitch);
+    HOOK(H_cuMemAllocAsync, "cuMemAllocAsync", "cuMemAllocAsync", 0, LIB_DRV,
+         hook_cuMemAllocAsync);
+    HOOK(H_cuMemFree, "cuMemFree_v2", "cuMemFree", 3020, LIB_DRV, hook_cuMemFree);
+    HOOK(H_cuMemFreeAsync, "cuMemFreeAsync", "cuMemFreeAsync", 0, LIB_DRV, hook_cuMemFreeAsync);
+    HOOK(H_cuMemGetInfo, "cuMemGetInfo_v2", "cuMemGetInfo", 3020, LIB_DRV, hook_cuMemGetInfo);
+    HOOK(H_cuMemCreate, "cuMemCreate", "cuMemCreate", 0, LIB_DRV, hook_cuMemCreate);
+    HOOK(H_cuMemRelease, "cuMemRelease", "cuMemRelease", 0, LIB_DRV, hook_cuMemRelease);
+    HOOK(H_cuLaunchKernel, "cuLaunchKernel", "cuLaunchKernel", 0, LIB_DRV, hook_cuLaunchKernel);
+    HOOK(H_cuLaunchKernelEx, "cuLaunchKernelEx", "cuLaunchKernelEx", 0, LIB_DRV,
+         hook_cuLaunchKernelEx);
+    HOOK(H_cuGraphLaunch, "cuGraphLaunch", "cuGraphLaunch", 0, LIB_DRV, hook_cuGraphLaunch);
+    HOOK(H_cuGetProcAddress, "cuGetProcAddress", "cuGetProcAddress", 0, LIB_DRV,
+         hook_cuGetProcAddress);
+    HOOK(H_cuGetProcAddress_v2, "cuGetProcAddress_v2", NULL, 0, LIB_DRV,
+         hook_cuGetProcAddress_v2);
+    HOOK(H_nvmlDeviceGetMemoryInfo, "nvmlDeviceGetMemoryInfo", NULL, 0, LIB_NVML,
+         hook_nvmlDeviceGetMemoryInfo);
+    HOOK(H_nvmlDeviceGetMemoryInfo_v2, "nvmlDeviceGetMemoryInfo_v2", NULL, 0, LIB_NVML,
+         hook_nvmlDeviceGetMemoryInfo_v2);
+
+    const char *path = getenv("OMNI_CUDA_CONTROL");
+    if (path && *path) {
+        int fd = open(path, O_RDWR | O_CLOEXEC);
+        struct stat st;
+        if (fd >= 0 && fstat(fd, &st) == 0 && (size_t)st.st_size >= sizeof(struct omni_control)) {
+            void *p = mmap(NULL, sizeof(struct omni_control), PROT_READ | PROT_WRITE, MAP_SHARED,
+                           fd, 0);
+            struct omni_control *ctl = p;
+            if (p != MAP_FAILED && ctl->magic == OMNI_CTL_MAGIC &&
+                ctl->version == OMNI_CTL_VERSION) {
+                g_ctl = ctl;
+                g_ctl->pid = (uint32_t)getpid();
+            } else {
+                fprintf(stderr, "omnicuda: %s is not a version %u control block; not enforcing\n",
+                        path, OMNI_CTL_VERSION);
+                if (p != MAP_FAILED) munmap(p, sizeof(struct omni_control));
+            }
+        } else {
+            fprintf(stderr, "omnicuda: cannot map control block %s: %s\n", path, strerror(errno));
+        }
+        if (fd >= 0) close(fd);
+    }
+    pthread_atfork(NULL, NULL, after_fork_child);
+}

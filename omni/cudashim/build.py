@@ -1,0 +1,63 @@
+"""Build libomnicuda.so with the system C compiler, once per source version.
+
+No CUDA toolkit is needed: the shim declares the few CUDA types it uses. The
+library lands in a cache directory named after the hash of its sources and
+flags, so a changed source is rebuilt and concurrent builds do not collide.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE_DIR = Path(__file__).resolve().parents[2] / "native" / "omnicuda"
+SOURCES = ("omnicuda.c", "omnicuda.h", "cuda_abi.h")
+CFLAGS = ("-O2", "-fPIC", "-shared", "-Wall", "-Wextra", "-fvisibility=hidden")
+LIBS = ("-ldl", "-lpthread")
+
+
+class ShimBuildError(RuntimeError):
+    pass
+
+
+def cache_dir() -> Path:
+    if env := os.environ.get("OMNI_CACHE_DIR"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "omni"
+
+
+def _digest(compiler: str) -> str:
+    h = hashlib.sha256(" ".join((compiler, *CFLAGS, *LIBS)).encode())
+    for name in SOURCES:
+        path = SOURCE_DIR / name
+        if not path.exists():
+            raise ShimBuildError(f"{path}: missing (the shim's C sources ship in native/)")
+        h.update(path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def library_path(out_dir: Path | None = None) -> Path:
+    """The built shim, compiling it first if this version is not built yet."""
+    compiler = os.environ.get("CC", "cc")
+    target = (out_dir or cache_dir()) / f"omnicuda-{_digest(compiler)}" / "libomnicuda.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    cmd = [compiler, *CFLAGS, "-o", tmp, str(SOURCE_DIR / "omnicuda.c"), *LIBS]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    except FileNotFoundError:
+        os.unlink(tmp)
+        raise ShimBuildError(f"C compiler {compiler!r} not found (set CC)") from None
+    if result.returncode != 0:
+        os.unlink(tmp)
+        raise ShimBuildError(f"building libomnicuda failed:\n{result.stderr}")
+    os.chmod(tmp, 0o755)  # sandboxed instances load it as another uid
+    os.replace(tmp, target)
+    return target

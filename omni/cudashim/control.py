@@ -1,0 +1,136 @@
+"""The control block shared with an instance's shim: ctypes mirror of omnicuda.h."""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import mmap
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+MAGIC = 0x494E4D4F  # "OMNI"
+VERSION = 1
+
+
+class Mode(enum.IntEnum):
+    PASSTHROUGH = 0  # real device memory, accounting and quota only
+    MANAGED = 1  # unified memory, so it can be swapped to host
+
+
+class Residency(enum.IntEnum):
+    GPU = 0
+    HOST = 1
+    MOVING = 2
+
+
+class ControlStruct(ctypes.Structure):
+    """Field for field `struct omni_control`; a layout test compares the two."""
+
+    _fields_ = (
+        ("magic", ctypes.c_uint32),
+        ("version", ctypes.c_uint32),
+        ("quota_bytes", ctypes.c_uint64),
+        ("mode", ctypes.c_uint32),
+        ("desired_residency", ctypes.c_uint32),
+        ("request_seq", ctypes.c_uint64),
+        ("used_bytes", ctypes.c_uint64),
+        ("peak_bytes", ctypes.c_uint64),
+        ("live_allocs", ctypes.c_uint64),
+        ("last_activity_ns", ctypes.c_uint64),
+        ("residency", ctypes.c_uint32),
+        ("pid", ctypes.c_uint32),
+        ("ack_seq", ctypes.c_uint64),
+        ("last_swap_ns", ctypes.c_uint64),
+        ("swapped_bytes", ctypes.c_uint64),
+        ("last_swap_error", ctypes.c_int32),
+        ("reserved0", ctypes.c_uint32),
+        ("alloc_failures", ctypes.c_uint64),
+    )
+
+
+@dataclass(frozen=True)
+class SwapResult:
+    residency: Residency
+    seconds: float  # measured by the shim, from first prefetch to synchronized
+    bytes: int
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+
+
+class SwapError(RuntimeError):
+    pass
+
+
+class ControlBlock:
+    """omnid's handle on one instance's shim."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, ctypes.sizeof(ControlStruct))
+        finally:
+            os.close(fd)
+        self._ctl = ControlStruct.from_buffer(self._map)
+        if self._ctl.magic != MAGIC or self._ctl.version != VERSION:
+            raise ValueError(f"{path}: not a version {VERSION} control block")
+
+    @classmethod
+    def create(cls, path: Path, quota_bytes: int, mode: Mode, owner: int | None = None):
+        """A fresh block; `owner` (the sandbox uid) may write its half of it."""
+        ctl = ControlStruct(magic=MAGIC, version=VERSION, quota_bytes=quota_bytes, mode=mode)
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(bytes(ctl))
+        if owner is not None:
+            os.chown(tmp, owner, owner)
+        tmp.chmod(0o600)
+        os.replace(tmp, path)
+        return cls(path)
+
+    def stats(self) -> dict:
+        c = self._ctl
+        return {
+            "quota_bytes": c.quota_bytes,
+            "mode": Mode(c.mode).name.lower(),
+            "used_bytes": c.used_bytes,
+            "peak_bytes": c.peak_bytes,
+            "live_allocs": c.live_allocs,
+            "last_activity_ns": c.last_activity_ns,
+            "residency": Residency(c.residency).name.lower(),
+            "alloc_failures": c.alloc_failures,
+            "pid": c.pid,
+        }
+
+    @property
+    def residency(self) -> Residency:
+        return Residency(self._ctl.residency)
+
+    def set_quota(self, quota_bytes: int) -> None:
+        self._ctl.quota_bytes = quota_bytes
+
+    def move(self, target: Residency, timeout_s: float) -> SwapResult:
+        """Ask the shim to move every allocation to `target`; wait for its ack."""
+        if target not in (Residency.GPU, Residency.HOST):
+            raise ValueError(f"cannot move to {target!r}")
+        self._ctl.desired_residency = target
+        seq = self._ctl.request_seq + 1
+        self._ctl.request_seq = seq  # written last: the shim acts on the new sequence
+        deadline = time.monotonic() + timeout_s
+        while self._ctl.ack_seq < seq:
+            if time.monotonic() > deadline:
+                raise SwapError(f"shim did not finish moving to {target.name} in {timeout_s}s")
+            time.sleep(0.0005)
+        if self._ctl.last_swap_error:
+            raise SwapError(
+                f"moving to {target.name} failed: CUDA error {self._ctl.last_swap_error}"
+            )
+        return SwapResult(target, self._ctl.last_swap_ns / 1e9, self._ctl.swapped_bytes)
+
+    def close(self) -> None:
+        del self._ctl
+        self._map.close()
