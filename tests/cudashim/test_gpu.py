@@ -1,0 +1,103 @@
+"""libomnicuda under PyTorch on a real GPU (device machine only).
+
+Safety: every size comes from the card's real free memory, and everything
+these tests allocate stays far below half of it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from omni.cudashim import ControlBlock, Mode, Residency, instance_env, swap_in, swap_out
+
+pytestmark = pytest.mark.gpu
+
+CHILD = Path(__file__).with_name("torch_child.py")
+REPO = Path(__file__).resolve().parents[2]
+GiB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def quota() -> int:
+    import pynvml
+
+    pynvml.nvmlInit()
+    free = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).free
+    # at most 2 GiB, and a small fraction of what is free
+    return min(2 * GiB, free // 16) // (1 << 20) * (1 << 20)
+
+
+def device_used() -> int:
+    import pynvml
+
+    pynvml.nvmlInit()
+    return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used
+
+
+def child(tmp_path: Path, scenario: str, quota: int, mode: Mode):
+    block = ControlBlock.create(tmp_path / f"control-{scenario}-{mode.name}", quota, mode)
+    env = {
+        **os.environ,
+        **instance_env(block.path),
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, str(CHILD), scenario, str(quota)],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    return proc, block
+
+
+def read(proc) -> dict:
+    line = proc.stdout.readline()
+    if not line:
+        raise AssertionError(f"child ended: {proc.stderr.read()}")
+    return json.loads(line)
+
+
+@pytest.mark.parametrize("mode", [Mode.MANAGED, Mode.PASSTHROUGH])
+def test_pytorch_runs_correctly_within_its_quota(tmp_path, quota, mode):
+    proc, block = child(tmp_path, "basics", quota, mode)
+    r = read(proc)
+    proc.wait(60)
+    assert proc.returncode == 0, proc.stderr.read()
+    assert r["gemm_err"] < 1e-1 and r["llama_err"] < 1e-3, r  # TF32 GEMM; fp32 model
+    assert r["total"] == quota and r["free"] <= quota  # torch.cuda.mem_get_info
+    assert r["free_with_x"] <= quota - quota // 4
+    assert r["oom"] == "OutOfMemoryError"  # past the quota, cleanly
+    assert r["after_oom_ok"] is True  # and it keeps working once memory is freed
+    assert r["nvml_total"] == quota  # NVML inside the instance shows the quota too
+    assert block.stats()["alloc_failures"] >= 1
+
+
+def test_swap_out_frees_the_gpu_and_swap_in_restores_it(tmp_path, quota):
+    proc, block = child(tmp_path, "swap", quota, Mode.MANAGED)
+    try:
+        ready = read(proc)
+        before = device_used()
+        out = swap_out(block, timeout_s=60)
+        during = device_used()
+        back = swap_in(block, timeout_s=60)
+        after = device_used()
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        r = read(proc)
+    finally:
+        proc.wait(60)
+    assert proc.returncode == 0, proc.stderr.read()
+    assert out.residency == Residency.HOST and back.residency == Residency.GPU
+    assert out.bytes >= ready["bytes"]
+    assert before - during >= 0.8 * ready["bytes"], (before, during, ready)  # left the GPU
+    assert after - during >= 0.8 * ready["bytes"], (during, after)  # and came back
+    assert r["checksum"] == ready["checksum"]  # same data after the round trip
+    assert r["gemm_err"] < 1e-1 and r["llama_err"] < 1e-3

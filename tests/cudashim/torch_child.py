@@ -1,0 +1,101 @@
+"""Runs inside a process under libomnicuda on a real GPU; prints one JSON report.
+
+python torch_child.py SCENARIO QUOTA_BYTES, with the shim's environment set.
+Scenarios wait for a line on stdin where the parent must act (swap).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+MiB = 1 << 20
+
+
+def report(**kw) -> None:
+    print(json.dumps(kw), flush=True)
+
+
+def tiny_llama_logits(seed: int = 0) -> torch.Tensor:
+    from omni.engine.llama import LlamaConfig, LlamaForCausalLM, rope_inv_freq
+
+    cfg = LlamaConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position=512,
+        tie_embeddings=False,
+        attention_bias=False,
+        qk_norm=False,
+        rope_scaling=None,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    model.inv_freq = rope_inv_freq(cfg)
+    ids = torch.randint(0, 512, (48,), generator=torch.Generator().manual_seed(seed))
+    ref = model(ids, model.new_cache(64))
+    model = model.cuda()
+    model.inv_freq = model.inv_freq.cuda()
+    out = model(ids.cuda(), model.new_cache(64)).cpu()
+    return (out - ref).abs().max()
+
+
+def compute() -> dict:
+    torch.manual_seed(1)
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    gemm_err = ((a.cuda() @ b.cuda()).cpu() - a @ b).abs().max().item()
+    return {"gemm_err": gemm_err, "llama_err": tiny_llama_logits().item()}
+
+
+def scenario_basics(quota: int) -> None:
+    free, total = torch.cuda.mem_get_info()
+    result = compute()
+    x = torch.empty(quota // 4, dtype=torch.uint8, device="cuda")  # within the quota
+    free_with_x, _ = torch.cuda.mem_get_info()
+    try:
+        torch.empty(quota, dtype=torch.uint8, device="cuda")
+        oom = None
+    except torch.cuda.OutOfMemoryError as exc:
+        oom = type(exc).__name__
+    del x
+    torch.cuda.empty_cache()
+    y = torch.ones(quota // 2, dtype=torch.uint8, device="cuda")  # works again after freeing
+    after_oom_ok = int(y.sum().item()) == quota // 2
+    import pynvml
+
+    pynvml.nvmlInit()
+    nvml_total = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).total
+    report(
+        free=free,
+        total=total,
+        free_with_x=free_with_x,
+        oom=oom,
+        after_oom_ok=after_oom_ok,
+        nvml_total=nvml_total,
+        **result,
+    )
+
+
+def scenario_swap(quota: int) -> None:
+    torch.manual_seed(2)
+    w = torch.randn(quota // 2 // 4, device="cuda")  # half the quota, in float32
+    checksum = w.double().sum().item()
+    torch.cuda.synchronize()
+    report(ready=True, bytes=w.numel() * 4, checksum=checksum)
+    sys.stdin.readline()  # the parent swaps out, measures, swaps in
+    report(checksum=w.double().sum().item(), **compute())
+
+
+if __name__ == "__main__":
+    {"basics": scenario_basics, "swap": scenario_swap}[sys.argv[1]](int(sys.argv[2]))
