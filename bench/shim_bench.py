@@ -134,7 +134,8 @@ def child_swap(size: int) -> None:
     torch.cuda.synchronize()
     print(json.dumps({"ready": True}), flush=True)
     sys.stdin.readline()
-    print(json.dumps({"sum": float(x.float().sum().item())}), flush=True)
+    intact = not bool((x != 1).any().item())  # compared in place: a copy might not fit
+    print(json.dumps({"intact": intact}), flush=True)
 
 
 # -------------------------------------------------------------------- parent
@@ -188,9 +189,8 @@ def measure_swap(size: int, tmp: Path, rounds: int = 3) -> dict:
         result["moved_bytes"] = out.bytes
     proc.stdin.write("done\n")
     proc.stdin.flush()
-    checksum = json.loads(proc.stdout.readline())["sum"]
+    result["data_intact"] = json.loads(proc.stdout.readline())["intact"]
     proc.wait(60)
-    result["data_intact"] = checksum == size // 2  # every bf16 element was 1.0
     return result
 
 
