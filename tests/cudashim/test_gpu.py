@@ -33,13 +33,6 @@ def quota() -> int:
     return min(2 * GiB, free // 16) // (1 << 20) * (1 << 20)
 
 
-def device_used() -> int:
-    import pynvml
-
-    pynvml.nvmlInit()
-    return pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0)).used
-
-
 def child(tmp_path: Path, scenario: str, quota: int, mode: Mode):
     block = ControlBlock.create(tmp_path / f"control-{scenario}-{mode.name}", quota, mode)
     env = {
@@ -81,24 +74,35 @@ def test_pytorch_runs_correctly_within_its_quota(tmp_path, quota, mode):
     assert stats["alloc_failures"] >= 1, stats
 
 
-def test_swap_out_frees_the_gpu_and_swap_in_restores_it(tmp_path, quota):
+def test_swap_moves_the_memory_off_the_gpu_and_back(tmp_path, quota):
+    """What the GPU itself observes. (NVML is no witness here: on this driver it does
+    not attribute unified memory to the process, and UVM keeps its freed GPU chunks
+    counted as used until another allocation needs them.)"""
     proc, block = child(tmp_path, "swap", quota, Mode.MANAGED)
-    try:
-        ready = read(proc)
-        before = device_used()
-        out = swap_out(block, timeout_s=60)
-        during = device_used()
-        back = swap_in(block, timeout_s=60)
-        after = device_used()
+
+    def step() -> dict:
         proc.stdin.write("go\n")
         proc.stdin.flush()
-        r = read(proc)
+        return read(proc)
+
+    try:
+        ready = read(proc)
+        out = swap_out(block, timeout_s=60)
+        back = swap_in(block, timeout_s=60)
+        noop = swap_in(block, timeout_s=60)  # already on the GPU: nothing to move
+        r = step()
+        swap_out(block, timeout_s=60)
+        swapped = step()
     finally:
+        proc.stdin.close()
         proc.wait(60)
     assert proc.returncode == 0, proc.stderr.read()
     assert out.residency == Residency.HOST and back.residency == Residency.GPU
     assert out.bytes >= ready["bytes"]
-    assert before - during >= 0.8 * ready["bytes"], (before, during, ready)  # left the GPU
-    assert after - during >= 0.8 * ready["bytes"], (during, after)  # and came back
-    assert r["checksum"] == ready["checksum"]  # same data after the round trip
+    # Moving it costs bus time (no faster than 100 GB/s); a move to where it is, little.
+    assert min(out.seconds, back.seconds) > ready["bytes"] / 100e9, (out, back)
+    assert noop.seconds < min(out.seconds, back.seconds) / 3, (noop, out, back)
+    # Swapped out, the GPU must fault every page back over the bus to read it.
+    assert swapped["read_swapped_s"] > 5 * r["read_resident_s"], (swapped, r)
+    assert r["checksum"] == ready["checksum"]  # the same data after the round trip
     assert r["gemm_err"] < 1e-1 and r["llama_err"] < 1e-3
