@@ -39,6 +39,9 @@ def device() -> dict:
 
 
 def commit() -> str:
+    """$OMNI_COMMIT if set (a device machine's copy of the tree has no .git), else git's."""
+    if env := os.environ.get("OMNI_COMMIT"):
+        return env
     try:
         return subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"],
