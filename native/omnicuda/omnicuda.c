@@ -161,15 +161,15 @@ static void track(uint64_t key, uint64_t size, int is_managed) {
     if (is_managed) start_swapper();
 }
 
-/* Forget `key`; returns the bytes it held (0: not ours, e.g. made before we loaded). */
+/* Forget `key`; returns its size word, FLAG_MANAGED included (0: not ours, e.g.
+ * allocated before we were loaded). */
 static uint64_t untrack(uint64_t key) {
     uint64_t size = 0;
     pthread_mutex_lock(&g_lock);
     int found = table_take(key, &size);
     pthread_mutex_unlock(&g_lock);
     if (!found) return 0;
-    size &= ~FLAG_MANAGED;
-    unreserve(size);
+    unreserve(size & ~FLAG_MANAGED);
     __atomic_fetch_sub(&g_ctl->live_allocs, 1, __ATOMIC_RELAXED);
     touch();
     return size;
@@ -268,27 +268,32 @@ typedef CUresult (*cuMemAdvise_v2_t)(CUdeviceptr, size_t, int, CUmemLocation);
 typedef CUresult (*cuCtxGetCurrent_t)(CUcontext *);
 typedef CUresult (*cuCtxGetDevice_t)(CUdevice *);
 
-/* Unified memory in place of device memory, preferred on the caller's GPU. */
-static CUresult alloc_managed(CUdeviceptr *dptr, size_t size) {
-    cuMemAllocManaged_t alloc = REAL(H_cuMemAllocManaged, cuMemAllocManaged_t);
-    if (!alloc) return CUDA_ERROR_NOT_SUPPORTED;
-    CUresult rc = alloc(dptr, size, CU_MEM_ATTACH_GLOBAL);
-    if (rc != CUDA_SUCCESS) return rc;
+/* Prefer the caller's GPU for new unified memory, and remember the context the
+ * swap thread will move it in. */
+static void place_on_gpu(CUdeviceptr ptr, size_t size) {
     CUdevice dev = 0;
     cuCtxGetDevice_t get_dev = (cuCtxGetDevice_t)driver("cuCtxGetDevice");
     if (get_dev) get_dev(&dev);
     cuMemAdvise_v2_t advise = (cuMemAdvise_v2_t)driver("cuMemAdvise_v2");
     if (advise) {
         CUmemLocation loc = {CU_MEM_LOCATION_TYPE_DEVICE, dev};
-        advise(*dptr, size, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, loc);
+        advise(ptr, size, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, loc);
     }
-    if (!g_ctx) {
+    if (!__atomic_load_n(&g_ctx, __ATOMIC_ACQUIRE)) {
         cuCtxGetCurrent_t get_ctx = (cuCtxGetCurrent_t)driver("cuCtxGetCurrent");
         CUcontext ctx = NULL;
         if (get_ctx && get_ctx(&ctx) == CUDA_SUCCESS && ctx)
             __atomic_store_n(&g_ctx, ctx, __ATOMIC_RELEASE);
     }
-    return CUDA_SUCCESS;
+}
+
+/* Unified memory in place of device memory, preferred on the caller's GPU. */
+static CUresult alloc_managed(CUdeviceptr *dptr, size_t size) {
+    cuMemAllocManaged_t alloc = REAL(H_cuMemAllocManaged, cuMemAllocManaged_t);
+    if (!alloc) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = alloc(dptr, size, CU_MEM_ATTACH_GLOBAL);
+    if (rc == CUDA_SUCCESS) place_on_gpu(*dptr, size);
+    return rc;
 }
 
 typedef CUresult (*cuMemAlloc_t)(CUdeviceptr *, size_t);
@@ -366,23 +371,12 @@ typedef CUresult (*cuMemFreeAsync_t)(CUdeviceptr, CUstream);
 typedef CUresult (*cuStreamSynchronize_t)(CUstream);
 static CUresult hook_cuMemFreeAsync(CUdeviceptr dptr, CUstream stream) {
     if (t_depth) return REAL(H_cuMemFreeAsync, cuMemFreeAsync_t)(dptr, stream);
-    uint64_t size = 0;
-    pthread_mutex_lock(&g_lock);
-    int ours = table_take(dptr, &size);
-    pthread_mutex_unlock(&g_lock);
-    if (ours && (size & FLAG_MANAGED) && managed()) {
-        /* it came from alloc_managed: free it the synchronous way, after the stream */
-        unreserve(size & ~FLAG_MANAGED);
-        __atomic_fetch_sub(&g_ctl->live_allocs, 1, __ATOMIC_RELAXED);
+    if (untrack(dptr) & FLAG_MANAGED) {
+        /* unified memory is not pool memory: free it the synchronous way, after the stream */
         cuStreamSynchronize_t sync = (cuStreamSynchronize_t)driver("cuStreamSynchronize");
         if (sync) sync(stream);
         return REAL(H_cuMemFree, cuMemFree_t)(dptr);
     }
-    if (ours) {
-        unreserve(size & ~FLAG_MANAGED);
-        __atomic_fetch_sub(&g_ctl->live_allocs, 1, __ATOMIC_RELAXED);
-    }
-    touch();
     return REAL(H_cuMemFreeAsync, cuMemFreeAsync_t)(dptr, stream);
 }
 
@@ -498,18 +492,7 @@ static cudaError_t rt_alloc(void **ptr, size_t size, int as_managed) {
         unreserve(size);
         return rc;
     }
-    if (as_managed && managed()) { /* placed on the GPU as the driver path does */
-        CUdevice dev = 0;
-        cuCtxGetDevice_t get_dev = (cuCtxGetDevice_t)driver("cuCtxGetDevice");
-        if (get_dev) get_dev(&dev);
-        cuMemAdvise_v2_t advise = (cuMemAdvise_v2_t)driver("cuMemAdvise_v2");
-        CUmemLocation loc = {CU_MEM_LOCATION_TYPE_DEVICE, dev};
-        if (advise) advise((CUdeviceptr)*ptr, size, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, loc);
-        cuCtxGetCurrent_t get_ctx = (cuCtxGetCurrent_t)driver("cuCtxGetCurrent");
-        CUcontext ctx = NULL;
-        if (!g_ctx && get_ctx && get_ctx(&ctx) == CUDA_SUCCESS && ctx)
-            __atomic_store_n(&g_ctx, ctx, __ATOMIC_RELEASE);
-    }
+    if (as_managed && managed()) place_on_gpu((CUdeviceptr)*ptr, size);
     track((uint64_t)*ptr, size, as_managed);
     return rc;
 }
@@ -572,16 +555,7 @@ typedef cudaError_t (*cudaFreeAsync_t)(void *, cudaStream_t);
 typedef cudaError_t (*cudaStreamSynchronize_t)(cudaStream_t);
 EXPORT cudaError_t cudaFreeAsync(void *ptr, cudaStream_t stream) {
     if (t_depth) return REAL(H_cudaFreeAsync, cudaFreeAsync_t)(ptr, stream);
-    uint64_t size = 0;
-    pthread_mutex_lock(&g_lock);
-    int ours = table_take((uint64_t)ptr, &size);
-    pthread_mutex_unlock(&g_lock);
-    if (ours) {
-        unreserve(size & ~FLAG_MANAGED);
-        __atomic_fetch_sub(&g_ctl->live_allocs, 1, __ATOMIC_RELAXED);
-        touch();
-    }
-    if (ours && (size & FLAG_MANAGED)) { /* unified memory: free after the stream */
+    if (untrack((uint64_t)ptr) & FLAG_MANAGED) { /* unified memory: free after the stream */
         cudaStreamSynchronize_t sync =
             (cudaStreamSynchronize_t)lib_symbol(LIB_RT, "cudaStreamSynchronize");
         if (sync) RT_CALL(sync(stream));
