@@ -19,6 +19,15 @@ import httpx
 import psutil
 import pytest
 
+# Kernel tests run Triton's interpreter where there is no GPU (set before triton is imported).
+try:
+    import torch as _torch
+
+    if not _torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+except ImportError:
+    pass
+
 REPO = Path(__file__).resolve().parent.parent
 # Converted default models are reused across test runs on one machine.
 DATA_DIR = REPO / ".cache" / "test-data"

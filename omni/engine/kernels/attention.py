@@ -1,0 +1,251 @@
+"""Paged attention over the KV cache: prefill/extend (varlen, causal) and decode (split-KV).
+
+Queries of several sequences are packed along the token axis: sequence b owns
+rows cu_seqlens_q[b]:cu_seqlens_q[b+1], which are its *last* tokens, so each
+attends to its cached prefix plus the new tokens up to itself. The new tokens'
+K/V are already in the cache (rope_and_cache writes them first).
+
+Decode (one query per sequence) splits each sequence's context across programs
+and merges the partial results by their log-sum-exp; the query heads that share
+a KV head are packed into one tile, so the dot products run on tensor cores.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+NEG_INF = tl.constexpr(-1.0e30)  # finite: a fully masked row gives 0, not NaN
+
+
+def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale):
+    """q: [tokens, q_heads, dim]; caches: [blocks, block_size, kv_heads, dim]."""
+    out = torch.empty_like(q)
+    block_size = k_cache.shape[1]
+    for b in range(seq_lens.shape[0]):
+        length = int(seq_lens[b])
+        qs, qe = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        n_blocks = -(-length // block_size)
+        blocks = block_tables[b, :n_blocks].long()
+        k = k_cache[blocks].flatten(0, 1)[:length].transpose(0, 1).float()  # [kv, L, d]
+        v = v_cache[blocks].flatten(0, 1)[:length].transpose(0, 1).float()
+        q_pos = torch.arange(length - (qe - qs), length, device=q.device)
+        mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            q[qs:qe].transpose(0, 1).float(), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        out[qs:qe] = attn.transpose(0, 1).to(q.dtype)
+    return out
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    cu_q_ptr,
+    scale,
+    max_blocks,
+    n_q_heads,
+    n_kv_heads,
+    GROUP: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    m_block = tl.program_id(2)
+    q_start = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_start
+    if m_block * BLOCK_M < q_len:
+        length = tl.load(seq_lens_ptr + b)
+        first_pos = length - q_len
+        kh = h // GROUP
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, DIM)
+        offs_n = tl.arange(0, BLOCK_SIZE)
+        row_ok = offs_m < q_len
+        q_rows = (q_start + offs_m) * n_q_heads + h
+        q = tl.load(
+            q_ptr + q_rows[:, None] * DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0
+        )
+        q_pos = first_pos + offs_m
+        m_i = tl.full((BLOCK_M,), NEG_INF, tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, DIM), tl.float32)
+        hi = tl.minimum(length, first_pos + (m_block + 1) * BLOCK_M)  # causal bound
+        for start in range(0, hi, BLOCK_SIZE):
+            block = tl.load(block_tables_ptr + b * max_blocks + start // BLOCK_SIZE)
+            rows = (block * BLOCK_SIZE + offs_n) * n_kv_heads + kh
+            k = tl.load(k_cache_ptr + rows[:, None] * DIM + offs_d[None, :])
+            s = tl.dot(q, tl.trans(k)) * scale
+            key_pos = start + offs_n
+            visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < length)
+            s = tl.where(visible, s, NEG_INF)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            p = tl.where(visible, p, 0.0)
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_cache_ptr + rows[:, None] * DIM + offs_d[None, :])
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        tl.store(
+            out_ptr + q_rows[:, None] * DIM + offs_d[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=row_ok[:, None],
+        )
+
+
+def paged_prefill(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    cu_seqlens_q,
+    scale,
+    max_q_len: int,
+    block_m: int = 64,
+):
+    _, n_q, dim = q.shape
+    n_kv, block_size = k_cache.shape[2], k_cache.shape[1]
+    out = torch.empty_like(q)
+    grid = (seq_lens.shape[0], n_q, triton.cdiv(max_q_len, block_m))
+    _prefill_kernel[grid](
+        q.contiguous(),
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        seq_lens,
+        cu_seqlens_q,
+        scale,
+        block_tables.shape[1],
+        n_q,
+        n_kv,
+        GROUP=n_q // n_kv,
+        DIM=dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_M=block_m,
+    )
+    return out
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    part_ptr,
+    lse_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    scale,
+    max_blocks,
+    n_q_heads,
+    n_kv_heads,
+    n_splits,
+    GROUP: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kh = tl.program_id(1)
+    split = tl.program_id(2)
+    length = tl.load(seq_lens_ptr + b)
+    n_blocks = tl.cdiv(length, BLOCK_SIZE)
+    per_split = tl.cdiv(n_blocks, n_splits)
+    first = split * per_split
+    last = tl.minimum(first + per_split, n_blocks)
+    offs_g = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, DIM)
+    offs_n = tl.arange(0, BLOCK_SIZE)
+    head_ok = offs_g < GROUP
+    heads = kh * GROUP + offs_g
+    q = tl.load(
+        q_ptr + (b * n_q_heads + heads)[:, None] * DIM + offs_d[None, :],
+        mask=head_ok[:, None],
+        other=0.0,
+    )
+    m_i = tl.full((BLOCK_H,), NEG_INF, tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, DIM), tl.float32)
+    for blk in range(first, last):
+        block = tl.load(block_tables_ptr + b * max_blocks + blk)
+        rows = (block * BLOCK_SIZE + offs_n) * n_kv_heads + kh
+        k = tl.load(k_cache_ptr + rows[:, None] * DIM + offs_d[None, :])
+        s = tl.dot(q, tl.trans(k)) * scale
+        visible = (blk * BLOCK_SIZE + offs_n)[None, :] < length
+        s = tl.where(visible, s, NEG_INF)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + rows[:, None] * DIM + offs_d[None, :])
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    part = acc / tl.maximum(l_i, 1e-30)[:, None]
+    lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), NEG_INF)
+    slot = (b * n_q_heads + heads) * n_splits + split
+    tl.store(part_ptr + slot[:, None] * DIM + offs_d[None, :], part, mask=head_ok[:, None])
+    tl.store(lse_ptr + slot, lse, mask=head_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_ptr, lse_ptr, out_ptr, n_splits, DIM: tl.constexpr, BLOCK_S: tl.constexpr
+):
+    row = tl.program_id(0)  # b * q_heads + h
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, DIM)
+    s_ok = offs_s < n_splits
+    lse = tl.load(lse_ptr + row * n_splits + offs_s, mask=s_ok, other=NEG_INF)
+    weights = tl.exp(lse - tl.max(lse, axis=0))
+    weights = tl.where(s_ok, weights, 0.0)
+    part = tl.load(
+        part_ptr + (row * n_splits + offs_s)[:, None] * DIM + offs_d[None, :],
+        mask=s_ok[:, None],
+        other=0.0,
+    )
+    out = tl.sum(part * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+    tl.store(out_ptr + row * DIM + offs_d, out.to(out_ptr.dtype.element_ty))
+
+
+def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, n_splits: int = 4):
+    """q: [batch, q_heads, dim], one new token per sequence (already in the cache)."""
+    batch, n_q, dim = q.shape
+    n_kv, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = n_q // n_kv
+    part = torch.empty(batch, n_q, n_splits, dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, n_q, n_splits, dtype=torch.float32, device=q.device)
+    _decode_split_kernel[(batch, n_kv, n_splits)](
+        q.contiguous(),
+        k_cache,
+        v_cache,
+        part,
+        lse,
+        block_tables,
+        seq_lens,
+        scale,
+        block_tables.shape[1],
+        n_q,
+        n_kv,
+        n_splits,
+        GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        DIM=dim,
+        BLOCK_SIZE=block_size,
+    )
+    out = torch.empty_like(q)
+    _decode_merge_kernel[(batch * n_q,)](
+        part, lse, out, n_splits, DIM=dim, BLOCK_S=triton.next_power_of_2(n_splits)
+    )
+    return out

@@ -1,0 +1,103 @@
+"""Rotary embedding of q and k, fused with writing k and v into the paged KV cache.
+
+Cache layout (per layer): [num_blocks, block_size, kv_heads, head_dim]; token t
+goes to slot `slot_mapping[t]` = block * block_size + offset (negative: skip).
+Rotate-half convention, as in HF Llama.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+def rope_and_cache_ref(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping):
+    """Returns rotated q; writes rotated k and v into the caches at their slots."""
+    freqs = positions[:, None].float() * inv_freq[None, :].float()
+    cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
+
+    def rotate(x):
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half].float(), x[..., half:].float()
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    q_out, k_rot = rotate(q), rotate(k)
+    keep = slot_mapping >= 0
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    flat_k[slot_mapping[keep]] = k_rot[keep]
+    flat_v[slot_mapping[keep]] = v[keep]
+    return q_out
+
+
+@triton.jit
+def _rope_cache_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    q_out_ptr,
+    pos_ptr,
+    inv_freq_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    n_q_heads,
+    n_kv_heads,
+    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    j = tl.arange(0, BLOCK)
+    mask = j < HALF
+    pos = tl.load(pos_ptr + t).to(tl.float32)
+    angle = pos * tl.load(inv_freq_ptr + j, mask=mask, other=0.0)
+    cos, sin = tl.cos(angle), tl.sin(angle)
+    dim = 2 * HALF
+    if h < n_q_heads:
+        base = (t * n_q_heads + h) * dim
+        x1 = tl.load(q_ptr + base + j, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(q_ptr + base + HALF + j, mask=mask, other=0.0).to(tl.float32)
+        out_ty = q_out_ptr.dtype.element_ty
+        tl.store(q_out_ptr + base + j, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
+        tl.store(q_out_ptr + base + HALF + j, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
+    else:
+        kh = h - n_q_heads
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:
+            src = (t * n_kv_heads + kh) * dim
+            dst = (slot * n_kv_heads + kh) * dim
+            x1 = tl.load(k_ptr + src + j, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(k_ptr + src + HALF + j, mask=mask, other=0.0).to(tl.float32)
+            out_ty = k_cache_ptr.dtype.element_ty
+            tl.store(k_cache_ptr + dst + j, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
+            tl.store(k_cache_ptr + dst + HALF + j, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
+            v1 = tl.load(v_ptr + src + j, mask=mask, other=0.0)
+            v2 = tl.load(v_ptr + src + HALF + j, mask=mask, other=0.0)
+            tl.store(v_cache_ptr + dst + j, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_cache_ptr + dst + HALF + j, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def rope_and_cache(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping):
+    n_tokens, n_q, dim = q.shape
+    n_kv = k.shape[1]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q_out = torch.empty_like(q)
+    half = dim // 2
+    _rope_cache_kernel[(n_tokens, n_q + n_kv)](
+        q,
+        k,
+        v,
+        q_out,
+        positions,
+        inv_freq,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        n_q,
+        n_kv,
+        HALF=half,
+        BLOCK=triton.next_power_of_2(half),
+    )
+    return q_out

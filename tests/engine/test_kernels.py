@@ -1,0 +1,128 @@
+"""Every Triton kernel against its reference, on fresh random inputs.
+
+No GPU: Triton's interpreter, small shapes, fp32. GPU: real shapes, bf16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from omni.engine.kernels import (
+    paged_attention_ref,
+    paged_decode,
+    paged_prefill,
+    rms_norm,
+    rms_norm_ref,
+    rope_and_cache,
+    rope_and_cache_ref,
+    silu_and_mul,
+    silu_and_mul_ref,
+)
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+DTYPE = torch.bfloat16 if GPU else torch.float32
+TOL = {"atol": 3e-2, "rtol": 3e-2} if GPU else {"atol": 1e-4, "rtol": 1e-4}
+# (q_heads, kv_heads, head_dim, hidden): Llama-3-8B on the GPU, toy-sized in the interpreter
+SHAPE = (32, 8, 128, 4096) if GPU else (4, 2, 32, 96)
+BLOCK = 16
+
+
+@pytest.fixture
+def gen():
+    g = torch.Generator(device=DEVICE)
+    g.seed()  # fresh inputs every run
+    return g
+
+
+def rand(*shape, gen, scale=1.0):
+    return (torch.randn(*shape, generator=gen, device=DEVICE) * scale).to(DTYPE)
+
+
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(gen, with_residual):
+    hidden = SHAPE[3]
+    x, w = rand(37, hidden, gen=gen), rand(hidden, gen=gen)
+    res = rand(37, hidden, gen=gen) if with_residual else None
+    out, new_res = rms_norm(x, w, 1e-6, res)
+    ref, ref_res = rms_norm_ref(x, w, 1e-6, res)
+    torch.testing.assert_close(out, ref, **TOL)
+    if with_residual:
+        torch.testing.assert_close(new_res, ref_res, **TOL)
+
+
+def test_silu_and_mul(gen):
+    x = rand(29, 2 * SHAPE[3] + 64, gen=gen)  # not a power of two
+    torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), **TOL)
+
+
+def test_rope_and_cache(gen):
+    n_q, n_kv, dim, _ = SHAPE
+    tokens, n_blocks = 23, 8
+    q, k, v = (
+        rand(tokens, n_q, dim, gen=gen),
+        rand(tokens, n_kv, dim, gen=gen),
+        rand(tokens, n_kv, dim, gen=gen),
+    )
+    positions = torch.randint(0, 4000, (tokens,), generator=gen, device=DEVICE)
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, dim, 2, device=DEVICE).float() / dim))
+    slots = torch.randperm(n_blocks * BLOCK, generator=gen, device=DEVICE)[:tokens]
+    slots[::5] = -1  # padding tokens are not written
+    caches = [torch.zeros(n_blocks, BLOCK, n_kv, dim, dtype=DTYPE, device=DEVICE) for _ in range(4)]
+    q_out = rope_and_cache(q, k, v, positions, inv_freq, caches[0], caches[1], slots)
+    q_ref = rope_and_cache_ref(q, k, v, positions, inv_freq, caches[2], caches[3], slots)
+    torch.testing.assert_close(q_out, q_ref, **TOL)
+    torch.testing.assert_close(caches[0], caches[2], **TOL)
+    torch.testing.assert_close(caches[1], caches[3], **TOL)
+    assert caches[0].abs().sum() > 0
+
+
+def paged_batch(gen, seq_lens, q_lens):
+    """Random caches with shuffled block tables, and queries for the last q_len tokens."""
+    n_q, n_kv, dim, _ = SHAPE
+    blocks_per_seq = [-(-n // BLOCK) for n in seq_lens]
+    n_blocks = sum(blocks_per_seq) + 3
+    k_cache = rand(n_blocks, BLOCK, n_kv, dim, gen=gen)
+    v_cache = rand(n_blocks, BLOCK, n_kv, dim, gen=gen)
+    order = torch.randperm(n_blocks, generator=gen, device=DEVICE).int()
+    table = torch.zeros(len(seq_lens), max(blocks_per_seq), dtype=torch.int32, device=DEVICE)
+    used = 0
+    for b, nb in enumerate(blocks_per_seq):
+        table[b, :nb] = order[used : used + nb]
+        used += nb
+    cu = torch.tensor(
+        [0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
+    )
+    q = rand(sum(q_lens), n_q, dim, gen=gen)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    return q, k_cache, v_cache, table, lens, cu
+
+
+@pytest.mark.parametrize(
+    ("seq_lens", "q_lens"),
+    [
+        ([40, 17, 64], [40, 5, 33]),  # fresh prompt, short extension, long extension
+        ([1, 23], [1, 23]),
+    ],
+)
+def test_paged_prefill(gen, seq_lens, q_lens):
+    if GPU:
+        seq_lens, q_lens = [n * 9 for n in seq_lens], [n * 9 for n in q_lens]
+    q, kc, vc, table, lens, cu = paged_batch(gen, seq_lens, q_lens)
+    scale = q.shape[-1] ** -0.5
+    out = paged_prefill(
+        q, kc, vc, table, lens, cu, scale, max_q_len=max(q_lens), block_m=64 if GPU else 16
+    )
+    ref = paged_attention_ref(q, kc, vc, table, lens, cu, scale)
+    torch.testing.assert_close(out, ref, **TOL)
+
+
+@pytest.mark.parametrize("n_splits", [1, 3, 8])
+def test_paged_decode(gen, n_splits):
+    seq_lens = [1, 37, 80, 16] if not GPU else [1, 600, 2048, 17, 333]
+    q, kc, vc, table, lens, cu = paged_batch(gen, seq_lens, [1] * len(seq_lens))
+    scale = q.shape[-1] ** -0.5
+    out = paged_decode(q, kc, vc, table, lens, scale, n_splits=n_splits)
+    ref = paged_attention_ref(q, kc, vc, table, lens, cu, scale)
+    torch.testing.assert_close(out, ref, **TOL)
