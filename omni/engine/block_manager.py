@@ -1,0 +1,147 @@
+"""Blocks of the paged KV cache: who holds which, and which full blocks can be reused.
+
+A full block is identified by the hash chain of its tokens *and the principal*
+(tenant, or session) that computed it, so a prefix is shared only within one
+principal. A hit is confirmed by comparing the stored principal and tokens, so
+even a hash collision can never hand one tenant another's KV. Cached blocks
+nobody holds stay reusable until a new block is needed; then the least
+recently used of them is evicted.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+
+
+@dataclass
+class BlockOwner:
+    """What the block manager needs of a sequence."""
+
+    token_ids: list[int]
+    principal: str = ""
+    block_table: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prefix tokens whose KV came from the cache
+
+
+@dataclass
+class _Block:
+    ref_count: int = 0
+    key: tuple | None = None  # (principal, parent hash, tokens) once full and registered
+    hash: int | None = None
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.blocks = [_Block() for _ in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))  # hold nothing reusable
+        self._cached: OrderedDict[int, None] = OrderedDict()  # unheld but reusable, LRU first
+        self._by_hash: dict[int, int] = {}
+
+    @property
+    def num_free(self) -> int:
+        """Blocks a new allocation can take (free, or cached and evictable)."""
+        return len(self._free) + len(self._cached)
+
+    def _chain(self, owner: BlockOwner, n_full: int) -> list[tuple[int, tuple]]:
+        """(hash, key) of the first n_full blocks of `owner`."""
+        out, parent = [], 0
+        for i in range(n_full):
+            tokens = tuple(owner.token_ids[i * self.block_size : (i + 1) * self.block_size])
+            key = (owner.principal, parent, tokens)
+            parent = hash(key)
+            out.append((parent, key))
+        return out
+
+    def _lookup(self, h: int, key: tuple) -> int | None:
+        block = self._by_hash.get(h)
+        if block is not None and self.blocks[block].key == key:
+            return block
+        return None
+
+    def _take(self) -> int:
+        if self._free:
+            return self._free.popleft()
+        block, _ = self._cached.popitem(last=False)  # evict the least recently used
+        b = self.blocks[block]
+        del self._by_hash[b.hash]
+        b.key = b.hash = None
+        return block
+
+    def _prefix_hits(self, owner: BlockOwner) -> list[int]:
+        """Cached blocks that hold `owner`'s prefix, stopping short of the block with its
+        last token: that token's logits must be computed."""
+        n_tokens = len(owner.token_ids)
+        hits = []
+        for h, key in self._chain(owner, n_tokens // self.block_size):
+            if (len(hits) + 1) * self.block_size >= n_tokens:
+                break
+            block = self._lookup(h, key)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def blocks_needed(self, owner: BlockOwner) -> int:
+        """Blocks allocate() would take from the free pool (held hits take none)."""
+        held = sum(self.blocks[b].ref_count > 0 for b in self._prefix_hits(owner))
+        return -(-len(owner.token_ids) // self.block_size) - held
+
+    def can_allocate(self, owner: BlockOwner) -> bool:
+        return self.blocks_needed(owner) <= self.num_free
+
+    def allocate(self, owner: BlockOwner) -> int:
+        """Blocks for all of `owner`'s tokens; returns how many tokens were cache hits."""
+        assert not owner.block_table, "already allocated"
+        if not self.can_allocate(owner):
+            raise MemoryError("not enough KV cache blocks")
+        hits = self._prefix_hits(owner)
+        for block in hits:
+            self._cached.pop(block, None)
+            self.blocks[block].ref_count += 1
+            owner.block_table.append(block)
+        for _ in range(len(hits), -(-len(owner.token_ids) // self.block_size)):
+            block = self._take()
+            self.blocks[block].ref_count = 1
+            owner.block_table.append(block)
+        owner.num_cached_tokens = len(hits) * self.block_size
+        return owner.num_cached_tokens
+
+    def can_append(self, owner: BlockOwner) -> bool:
+        return len(owner.token_ids) <= len(owner.block_table) * self.block_size or bool(
+            self.num_free
+        )
+
+    def append_slot(self, owner: BlockOwner) -> None:
+        """Room for `owner`'s newest token (a new block at a block boundary)."""
+        if len(owner.token_ids) > len(owner.block_table) * self.block_size:
+            if not self.num_free:
+                raise MemoryError("not enough KV cache blocks")
+            block = self._take()
+            self.blocks[block].ref_count = 1
+            owner.block_table.append(block)
+
+    def register_full_blocks(self, owner: BlockOwner, n_computed: int) -> None:
+        """Make the blocks whose KV is now fully computed reusable by the same principal."""
+        n_full = n_computed // self.block_size
+        for i, (h, key) in enumerate(self._chain(owner, n_full)):
+            block = owner.block_table[i]
+            b = self.blocks[block]
+            if b.hash is not None or h in self._by_hash:
+                continue  # already registered (or an identical block is)
+            b.hash, b.key = h, key
+            self._by_hash[h] = block
+
+    def free(self, owner: BlockOwner) -> None:
+        """Release `owner`'s blocks; registered ones stay reusable until evicted."""
+        for block in reversed(owner.block_table):  # tail first: evicted before the prefix
+            b = self.blocks[block]
+            b.ref_count -= 1
+            if b.ref_count == 0:
+                if b.hash is not None:
+                    self._cached[block] = None
+                else:
+                    self._free.append(block)
+        owner.block_table = []
+        owner.num_cached_tokens = 0
