@@ -21,7 +21,7 @@ class BlockOwner:
     token_ids: list[int]
     principal: str = ""
     block_table: list[int] = field(default_factory=list)
-    num_cached_tokens: int = 0  # prefix tokens whose KV came from the cache
+    num_cached_tokens: int = 0  # prefix tokens whose KV came from the cache (last allocation)
 
 
 @dataclass
@@ -143,5 +143,4 @@ class BlockManager:
                     self._cached[block] = None
                 else:
                     self._free.append(block)
-        owner.block_table = []
-        owner.num_cached_tokens = 0
+        owner.block_table = []  # num_cached_tokens stays: usage reports it after the end

@@ -1,0 +1,119 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+Every step mixes decodes (one token each, scheduled first: they hold users
+waiting on the next token) with prefill chunks, under a per-step token budget,
+so a long prompt never stalls the running sequences. Requests join and leave
+between steps. When the KV cache runs out, the newest running sequence is
+preempted: its blocks are freed and it is recomputed later from its tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .sequence import Sequence, Status
+
+
+@dataclass
+class Batch:
+    seqs: list[Sequence]
+    num_tokens: list[int]  # tokens each sequence computes in this step
+
+    def samples(self, i: int) -> bool:
+        """Whether sequence i gets a new token from this step's logits."""
+        seq = self.seqs[i]
+        return seq.num_computed + self.num_tokens[i] == len(seq.token_ids)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, max_batch_tokens: int = 2048, max_seqs: int = 256):
+        self.blocks = blocks
+        self.max_batch_tokens = max_batch_tokens
+        self.max_seqs = max_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # in admission order: newest last
+
+    def fits(self, seq: Sequence) -> bool:
+        """Whether `seq` can ever run: prompt and all its new tokens within the whole cache
+        (otherwise it would wait forever; the engine refuses it instead)."""
+        total = len(self.blocks.blocks) * self.blocks.block_size
+        return len(seq.token_ids) + seq.max_tokens - seq.num_generated <= total
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch | None:
+        budget = self.max_batch_tokens
+        batch = Batch([], [])
+        # 1. decodes, preempting the newest sequences while the cache is full
+        for seq in [s for s in self.running if not s.is_prefilling]:
+            if seq.status is not Status.RUNNING or budget == 0:
+                continue
+            while not self.blocks.can_append(seq):
+                self._preempt(self.running[-1])
+                if seq.status is not Status.RUNNING:
+                    break
+            if seq.status is Status.RUNNING:
+                self.blocks.append_slot(seq)
+                batch.seqs.append(seq)
+                batch.num_tokens.append(1)
+                budget -= 1
+        # 2. prefill chunks of admitted sequences, oldest first
+        for seq in self.running:
+            if seq.is_prefilling and budget > 0:
+                n = min(seq.num_uncomputed, budget)
+                batch.seqs.append(seq)
+                batch.num_tokens.append(n)
+                budget -= n
+        # 3. admit waiting sequences while blocks and budget last
+        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+            seq = self.waiting[0]
+            if not self.blocks.can_allocate(seq):
+                break
+            self.waiting.popleft()
+            seq.num_computed = self.blocks.allocate(seq)  # prefix-cache hits are computed
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_uncomputed, budget)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+        return batch if batch.seqs else None
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free `seq`'s blocks; it will be recomputed from its tokens, before newer work."""
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed = 0
+        seq.preemptions += 1
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def update(self, batch: Batch, new_tokens: dict[int, int]) -> None:
+        """After a step: advance each sequence; append the tokens it sampled."""
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            if seq.status is not Status.RUNNING:
+                continue  # aborted during the step
+            seq.num_computed += n
+            self.blocks.register_full_blocks(seq, seq.num_computed)
+            if seq.seq_id in new_tokens:
+                seq.token_ids.append(new_tokens[seq.seq_id])
+
+    def finish(self, seq: Sequence) -> None:
+        """Done or aborted: its blocks are free at once."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.blocks.free(seq)
+        elif seq.status is Status.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = Status.FINISHED

@@ -1,0 +1,43 @@
+"""A request as the scheduler sees it: its tokens, its blocks, how far its KV is computed."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from .block_manager import BlockOwner
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # no blocks (new, or preempted and to be recomputed)
+    RUNNING = "running"  # holds blocks; prefilling in chunks or decoding
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence(BlockOwner):
+    max_tokens: int = 16
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    status: Status = Status.WAITING
+    num_prompt_tokens: int = 0
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    preemptions: int = 0
+
+    def __post_init__(self):
+        self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the newest token still lacks its K/V (prompt, or recompute)."""
+        return self.num_uncomputed > 1
