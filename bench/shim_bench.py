@@ -87,6 +87,7 @@ def child_decode() -> dict:
     import torch
 
     from omni.engine.llama import LlamaConfig, LlamaForCausalLM, rope_inv_freq
+    from omni.engine.model_runner import ModelRunner, SoloSequence
 
     cfg = LlamaConfig(
         vocab_size=32000,
@@ -111,16 +112,15 @@ def child_decode() -> dict:
         for p in model.parameters():
             p.normal_(0, 0.02)
     model.inv_freq = rope_inv_freq(cfg).cuda()
+    runner = ModelRunner(model, num_blocks=64)
     samples = []
     for _ in range(4):
-        cache = model.new_cache(256)
-        token = torch.randint(0, 32000, (16,), device="cuda")
-        logits = model(token, cache)
+        solo = SoloSequence(runner)
+        logits = solo.extend(list(range(16)))
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(128):
-            token = logits[-1:].argmax(-1)
-            logits = model(token, cache)
+            logits = solo.extend([int(logits.argmax())])
         torch.cuda.synchronize()
         samples.append((time.perf_counter() - t0) / 128 * 1e3)
     return {"ms_per_token": samples[1:]}  # the first round warms up

@@ -9,10 +9,14 @@ import pytest
 import torch
 import transformers
 
+from omni.engine.block_manager import BlockManager
 from omni.engine.checkpoint import Checkpoint, CheckpointError
 from omni.engine.engine import Engine, GenerationRequest
 from omni.engine.llama import LlamaForCausalLM
+from omni.engine.model_runner import ModelRunner, SoloSequence
 from omni.engine.sampling import SamplingParams
+from omni.engine.scheduler import Batch
+from omni.engine.sequence import Sequence
 from omni.engine.tokenizer import TextTokenizer
 from omni.runtime.defaults import SMOLLM_FILE, SMOLLM_PACKAGE, package_dir
 
@@ -46,7 +50,7 @@ def test_gguf_import_matches_transformers(text_model_dir, hf_from_gguf):
     ids = torch.tensor(tok.encode(TEXTS[0] + " " + TEXTS[2]))
     with torch.no_grad():
         reference = hf_model(ids[None]).logits[0]
-    ours = model(ids, model.new_cache(4))  # also exercises the cache growing
+    ours = SoloSequence(ModelRunner(model, num_blocks=16)).extend(ids.tolist(), all_logits=True)
     torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
 
 
@@ -105,16 +109,27 @@ ARCHES = {
 def test_tiny_models_match_transformers(arch, tmp_path, text_model_dir):
     hf, ckpt = tiny_checkpoint(tmp_path, text_model_dir, ARCHES[arch]())
     model = LlamaForCausalLM.load(ckpt)
-    ids = torch.randint(0, 96, (40,))
-    with torch.no_grad():
-        reference = hf(ids[None]).logits[0]
-    # prefill in two chunks, then one token at a time: the cache must give the same logits
-    cache = model.new_cache(8)
+    runner = ModelRunner(model, block_size=8, num_blocks=64)
+    # chunked prefill (17 + 13 tokens), then one token at a time over the paged cache
+    ids = torch.randint(0, 96, (40,)).tolist()
+    solo = SoloSequence(runner)
     ours = torch.cat(
-        [model(ids[:17], cache), model(ids[17:30], cache)]
-        + [model(ids[i : i + 1], cache) for i in range(30, 40)]
+        [solo.extend(ids[:17], all_logits=True), solo.extend(ids[17:30], chunk=5, all_logits=True)]
+        + [solo.extend([t], all_logits=True) for t in ids[30:]]
     )
-    torch.testing.assert_close(ours, reference, atol=1e-4, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(ours, hf(torch.tensor([ids])).logits[0], atol=1e-4, rtol=0)
+    # several ragged sequences in one batch, each against HF on its own
+    blocks = BlockManager(runner.num_blocks, runner.block_size)
+    seqs = [Sequence(token_ids=torch.randint(0, 96, (n,)).tolist()) for n in (5, 23, 12)]
+    for seq in seqs:
+        blocks.allocate(seq)
+    batch = Batch(seqs, [len(s.token_ids) for s in seqs])
+    logits = runner.run(batch, all_logits=True).split(batch.num_tokens)
+    for seq, got in zip(seqs, logits, strict=True):
+        with torch.no_grad():
+            want = hf(torch.tensor([seq.token_ids])).logits[0]
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
 def test_broken_checkpoints_name_the_file(tmp_path, text_model_dir):

@@ -41,8 +41,10 @@ def test_false_alarm_prefix_is_released():
     assert emitted[0] == "abc "
 
 
-def test_earliest_of_several_stops_wins():
+def test_the_stop_that_completes_first_wins():
     assert feed_all(["c", "ab"], ["xab", "c"])[:2] == ("x", True)
+    assert feed_all(["S", "aSS"], ["aSS"])[:2] == ("a", True)  # "S" completes before "aSS"
+    assert feed_all(["S", "aSS"], ["aS", "S"])[:2] == ("a", True)  # however it arrives
 
 
 @settings(max_examples=300, deadline=None)
@@ -55,8 +57,8 @@ def test_stop_matching_equals_whole_string_search(text, stops, cuts):
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
     deltas = [text[a:b] for a, b in itertools.pairwise(bounds)]
     out, hit, emitted = feed_all(stops, deltas)
-    hits = [i for s in stops if (i := text.find(s)) >= 0]
-    assert (out, hit) == ((text[: min(hits)], True) if hits else (text, False))
+    hits = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]  # first to complete
+    assert (out, hit) == ((text[: min(hits)[1]], True) if hits else (text, False))
     assert not any(s in "".join(emitted) for s in stops)
 
 

@@ -1,8 +1,8 @@
-"""Text generation engine: one worker thread runs the model, asyncio callers stream results.
+"""Text generation engine: one worker thread runs continuous batching; asyncio callers stream.
 
-The skeleton runs requests one at a time with a contiguous KV cache; the
-interface (submit a request, receive per-token outputs, cancel) is the one the
-batching scheduler keeps.
+Requests join and leave between steps. Each step runs one mixed batch (decodes
+and prefill chunks) through the model over the paged KV cache, samples one
+token for every sequence that reached its end, and streams text deltas.
 """
 
 from __future__ import annotations
@@ -18,10 +18,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .block_manager import BlockManager
 from .llama import LlamaForCausalLM
+from .model_runner import ModelRunner
 from .sampling import SamplingParams, make_generator, sample
+from .scheduler import Scheduler
+from .sequence import Sequence
 from .stops import StopMatcher
-from .tokenizer import TextTokenizer
+from .tokenizer import StreamDecoder, TextTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +40,7 @@ class StepOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     error: str | None = None
 
 
@@ -43,6 +48,7 @@ class StepOutput:
 class GenerationRequest:
     prompt_ids: list[int]
     params: SamplingParams
+    principal: str = ""  # prefix-cache scope: tenant and session
     request_id: int = field(default_factory=itertools.count().__next__)
     cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -50,22 +56,73 @@ class GenerationRequest:
 Emit = Callable[[StepOutput], None]
 
 
-class Engine:
-    """Owns the model and its worker thread."""
+@dataclass
+class _Active:
+    request: GenerationRequest
+    emit: Emit
+    seq: Sequence
+    decoder: StreamDecoder
+    stops: StopMatcher
+    generator: torch.Generator
+    eos: set[int]
 
-    def __init__(self, model: LlamaForCausalLM, tokenizer: TextTokenizer):
+    def output(self, text: str, tokens: list[int], reason: str | None = None) -> StepOutput:
+        seq = self.seq
+        return StepOutput(
+            text,
+            tokens,
+            reason is not None,
+            reason,
+            seq.num_prompt_tokens,
+            seq.num_generated,
+            seq.num_cached_tokens,
+        )
+
+
+class Engine:
+    """Owns the model, its KV cache and the worker thread."""
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        tokenizer: TextTokenizer,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_batch_tokens: int | None = None,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.max_context = model.cfg.max_position
-        self._queue: queue.Queue[tuple[GenerationRequest, Emit] | None] = queue.Queue()
+        self.runner = ModelRunner(model, block_size, num_blocks)
+        on_gpu = self.runner.device.type == "cuda"
+        self.scheduler = Scheduler(
+            BlockManager(self.runner.num_blocks, block_size),
+            max_batch_tokens or (8192 if on_gpu else 512),
+        )
+        self._inbox: queue.Queue[tuple[GenerationRequest, Emit] | None] = queue.Queue()
+        self._active: dict[int, _Active] = {}
         self._thread = threading.Thread(target=self._run, name="omni-engine", daemon=True)
         self._thread.start()
 
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.runner.num_blocks * self.runner.block_size
+
+    def stats(self) -> dict:
+        """A snapshot for health checks and tests (read without the worker's lock)."""
+        sched = self.scheduler
+        return {
+            "kv_blocks_total": self.runner.num_blocks,
+            "kv_blocks_free": sched.blocks.num_free,
+            "running": len(sched.running),
+            "waiting": len(sched.waiting),
+        }
+
     def submit(self, request: GenerationRequest, emit: Emit) -> None:
-        self._queue.put((request, emit))
+        self._inbox.put((request, emit))
 
     def shutdown(self) -> None:
-        self._queue.put(None)
+        self._inbox.put(None)
         self._thread.join(timeout=5)
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[StepOutput]:
@@ -87,42 +144,100 @@ class Engine:
         finally:
             request.cancelled.set()
 
+    # ------------------------------------------------------------ worker thread
+
     def _run(self) -> None:
         torch.set_grad_enabled(False)
-        while (item := self._queue.get()) is not None:
-            request, emit = item
+        while True:
             try:
-                self._generate(request, emit)
-            except Exception as exc:  # report, keep serving others
-                log.exception("generation failed")
-                emit(StepOutput("", [], True, "error", error=str(exc)))
+                if not self._admit_new():
+                    return
+                self._drop_cancelled()
+                self._step()
+            except Exception as exc:  # fail the requests in flight, keep serving
+                log.exception("engine step failed")
+                for state in list(self._active.values()):
+                    self._finish(state, StepOutput("", [], True, "error", error=str(exc)))
 
-    def _generate(self, req: GenerationRequest, emit: Emit) -> None:
-        params, n_prompt = req.params, len(req.prompt_ids)
-        if req.cancelled.is_set():
-            emit(StepOutput("", [], True, "abort", n_prompt))
+    def _admit_new(self) -> bool:
+        """Take new requests: wait for one when idle. False: shut down."""
+        while True:
+            try:
+                item = self._inbox.get(block=not self.scheduler.has_work())
+            except queue.Empty:
+                return True
+            if item is None:
+                return False
+            self._admit(*item)
+
+    def _admit(self, request: GenerationRequest, emit: Emit) -> None:
+        params = request.params
+        seq = Sequence(
+            token_ids=list(request.prompt_ids),
+            principal=request.principal,
+            max_tokens=params.max_tokens,
+        )
+        if not self.scheduler.fits(seq):
+            emit(
+                StepOutput(
+                    "",
+                    [],
+                    True,
+                    "error",
+                    len(seq.token_ids),
+                    error=(
+                        f"prompt ({len(seq.token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                        f"exceed this instance's KV cache ({self.kv_capacity_tokens} tokens)"
+                    ),
+                )
+            )
             return
-        device = self.model.lm_head.weight.device
-        cache = self.model.new_cache(n_prompt + min(params.max_tokens, 256))
-        logits = self.model(torch.tensor(req.prompt_ids, device=device), cache)[-1]
-        generator = make_generator(params.seed)
-        decoder = self.tokenizer.stream_decoder()
-        stops = StopMatcher(params.stop)
-        eos = set() if params.ignore_eos else self.tokenizer.eos_ids
-        for produced in range(1, params.max_tokens + 1):
-            if req.cancelled.is_set():
-                emit(StepOutput("", [], True, "abort", n_prompt, produced - 1))
-                return
-            token = sample(logits, params, generator)
-            if token in eos:
-                emit(StepOutput(stops.flush(), [token], True, "stop", n_prompt, produced))
-                return
-            text, hit_stop = stops.feed(decoder.push(token))
-            if hit_stop:
-                emit(StepOutput(text, [token], True, "stop", n_prompt, produced))
-                return
-            if produced == params.max_tokens:
-                emit(StepOutput(text + stops.flush(), [token], True, "length", n_prompt, produced))
-                return
-            emit(StepOutput(text, [token], False, None, n_prompt, produced))
-            logits = self.model(torch.tensor([token], device=device), cache)[-1]
+        state = _Active(
+            request,
+            emit,
+            seq,
+            self.tokenizer.stream_decoder(),
+            StopMatcher(params.stop),
+            make_generator(params.seed),
+            set() if params.ignore_eos else self.tokenizer.eos_ids,
+        )
+        self._active[seq.seq_id] = state
+        self.scheduler.add(seq)
+
+    def _drop_cancelled(self) -> None:
+        for state in list(self._active.values()):
+            if state.request.cancelled.is_set():
+                self._finish(state, state.output("", [], "abort"))
+
+    def _finish(self, state: _Active, out: StepOutput) -> None:
+        self.scheduler.finish(state.seq)  # frees its blocks at once
+        self._active.pop(state.seq.seq_id, None)
+        state.emit(out)
+
+    def _step(self) -> None:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return
+        logits = self.runner.run(batch)
+        new_tokens, row = {}, 0
+        for i, seq in enumerate(batch.seqs):
+            if batch.samples(i):
+                state = self._active[seq.seq_id]
+                new_tokens[seq.seq_id] = sample(logits[row], state.request.params, state.generator)
+                row += 1
+        self.scheduler.update(batch, new_tokens)
+        for seq_id, token in new_tokens.items():
+            self._deliver(self._active[seq_id], token)
+
+    def _deliver(self, state: _Active, token: int) -> None:
+        """Stream the new token's text; finish on EOS, a stop string or max_tokens."""
+        if token in state.eos:
+            self._finish(state, state.output(state.stops.flush(), [token], "stop"))
+            return
+        text, hit_stop = state.stops.feed(state.decoder.push(token))
+        if hit_stop:
+            self._finish(state, state.output(text, [token], "stop"))
+        elif state.seq.num_generated >= state.request.params.max_tokens:
+            self._finish(state, state.output(text + state.stops.flush(), [token], "length"))
+        else:
+            state.emit(state.output(text, [token]))

@@ -1,7 +1,9 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3) in one readable file.
 
 Module names follow the HF checkpoints, so a state dict loads as it is. The
-KV cache is passed in by the caller; the model only writes and reads it.
+paged KV cache and the step's metadata (positions, slots, block tables) come
+from the model runner; on CUDA the layers run the Triton kernels, elsewhere
+their pure-torch references: one switch, `kernels.ops`.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import Checkpoint, CheckpointError
+from .kernels import ops, paged_attention_ref, paged_decode, paged_prefill
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -91,49 +94,16 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     return inv_freq.float()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [tokens, heads, head_dim]; rotate-half convention."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
-
-
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (xf * self.weight.float()).to(x.dtype)
-
-
-class KVCache:
-    """Contiguous K/V for one sequence; the seam where the paged cache plugs in."""
-
-    def __init__(self, cfg: LlamaConfig, capacity: int, dtype: torch.dtype, device):
-        shape = (cfg.num_layers, capacity, cfg.num_kv_heads, cfg.head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.length = 0  # tokens whose K/V are written in every layer
-
-    @property
-    def capacity(self) -> int:
-        return self.k.shape[1]
-
-    def reserve(self, tokens: int) -> None:
-        """Make room for `tokens` in total, doubling so growth stays amortised."""
-        if tokens <= self.capacity:
-            return
-        new_capacity = max(tokens, 2 * self.capacity)
-        for name in ("k", "v"):
-            old = getattr(self, name)
-            new = old.new_empty((old.shape[0], new_capacity, *old.shape[2:]))
-            new[:, : self.length] = old[:, : self.length]
-            setattr(self, name, new)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Normed x; with a residual, (normed x + residual, x + residual)."""
+        out, new_residual = ops(x.device).rms_norm(x, self.weight, self.eps, residual)
+        return out if residual is None else (out, new_residual)
 
 
 class Attention(nn.Module):
@@ -149,28 +119,36 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache: KVCache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step, k_cache, v_cache, inv_freq) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
         q = self.q_proj(x).view(n, cfg.num_heads, cfg.head_dim)
         k = self.k_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim)
         v = self.v_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-        start = cache.length
-        cache.k[self.layer, start : start + n] = k
-        cache.v[self.layer, start : start + n] = v
-        keys = cache.k[self.layer, : start + n].transpose(0, 1)  # [kv_heads, ctx, d]
-        values = cache.v[self.layer, : start + n].transpose(0, 1)
-        mask = None
-        if n > 1:  # query i sees cached prefix + new tokens up to i
-            ctx = start + n
-            mask = torch.ones(n, ctx, dtype=torch.bool, device=x.device).tril(diagonal=start)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys, values, attn_mask=mask, enable_gqa=True
+        kc, vc = k_cache[self.layer], v_cache[self.layer]
+        q = ops(x.device).rope_and_cache(
+            q, k, v, step.positions, inv_freq, kc, vc, step.slot_mapping
         )
-        return self.o_proj(out.transpose(0, 1).reshape(n, -1))
+        scale = cfg.head_dim**-0.5
+        if x.device.type != "cuda":
+            out = paged_attention_ref(
+                q, kc, vc, step.block_tables, step.seq_lens, step.cu_seqlens_q, scale
+            )
+        elif step.decode_only:
+            out = paged_decode(q, kc, vc, step.block_tables, step.seq_lens, scale)
+        else:
+            out = paged_prefill(
+                q,
+                kc,
+                vc,
+                step.block_tables,
+                step.seq_lens,
+                step.cu_seqlens_q,
+                scale,
+                step.max_q_len,
+            )
+        return self.o_proj(out.reshape(n, -1))
 
 
 class MLP(nn.Module):
@@ -192,9 +170,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, cache: KVCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, step, k_cache, v_cache, inv_freq):
+        """(x, residual) in and out: each norm also adds the residual, in one kernel."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, step, k_cache, v_cache, inv_freq)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class Backbone(nn.Module):
@@ -214,22 +198,17 @@ class LlamaForCausalLM(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, cache: KVCache) -> torch.Tensor:
-        """Run `input_ids` (1-D) after the cached tokens; returns logits [tokens, vocab]."""
-        n = input_ids.shape[0]
-        cache.reserve(cache.length + n)
-        positions = torch.arange(cache.length, cache.length + n, device=input_ids.device)
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [tokens, 1, head_dim]
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    def hidden_states(self, input_ids, step, k_cache, v_cache) -> torch.Tensor:
+        """Final hidden states of `input_ids` (flat, several sequences), per the step."""
+        x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, cache)
-        cache.length += n
-        return self.lm_head(self.model.norm(x)).float()
+            x, residual = layer(x, residual, step, k_cache, v_cache, self.inv_freq)
+        x, _ = self.model.norm(x, residual)
+        return x
 
-    def new_cache(self, capacity: int) -> KVCache:
-        return KVCache(self.cfg, capacity, self.lm_head.weight.dtype, self.lm_head.weight.device)
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
 
     @classmethod
     def load(cls, ckpt: Checkpoint, device="cpu", dtype=torch.float32) -> LlamaForCausalLM:

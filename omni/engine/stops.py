@@ -13,10 +13,12 @@ class StopMatcher:
     def feed(self, delta: str) -> tuple[str, bool]:
         """Returns (text safe to emit, whether a stop string was hit)."""
         text = self._pending + delta
-        hits = [i for s in self.stops if (i := text.find(s)) >= 0]
+        # The stop that completes first ends generation (ties: the one starting first), so
+        # the result never depends on how the text arrived in pieces.
+        hits = [(i + len(s), i) for s in self.stops if (i := text.find(s)) >= 0]
         if hits:
             self._pending = ""
-            return text[: min(hits)], True
+            return text[: min(hits)[1]], True
         hold = max((self._partial_suffix(text, s) for s in self.stops), default=0)
         self._pending = text[len(text) - hold :] if hold else ""
         return text[: len(text) - hold], False

@@ -23,6 +23,15 @@ from omni.engine.tokenizer import ChatTemplateError
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
+TENANT_HEADER = "x-omni-tenant"  # set by the edge from the caller's API key
+SESSION_HEADER = "x-session-affinity"
+
+
+def principal(request: web.Request) -> str:
+    """Whose prefix cache a request may use: its tenant's, narrowed to its session if given."""
+    return f"{request.headers.get(TENANT_HEADER, '')}/{request.headers.get(SESSION_HEADER, '')}"
+
+
 class TextGenRoutes:
     def __init__(self, engine: Engine, model_name: str):
         self.engine = engine
@@ -55,7 +64,7 @@ class TextGenRoutes:
         return await self._respond(request, req, prompt, chat=False)
 
     def _sampling(self, req: GenerationFields, prompt: list[int]) -> SamplingParams:
-        context = self.engine.max_context
+        context = min(self.engine.max_context, self.engine.kv_capacity_tokens)
         room = context - len(prompt)
         if room < 1:
             param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
@@ -85,7 +94,7 @@ class TextGenRoutes:
     async def _respond(
         self, request: web.Request, req: GenerationFields, prompt: list[int], chat: bool
     ) -> web.StreamResponse:
-        gen = GenerationRequest(prompt, self._sampling(req, prompt))
+        gen = GenerationRequest(prompt, self._sampling(req, prompt), principal(request))
         fmt = _Formatter(self.model_name, chat)
         outputs = self.engine.stream(gen)
         if req.stream:
@@ -146,6 +155,7 @@ class _Formatter:
             "prompt_tokens": out.prompt_tokens,
             "completion_tokens": out.completion_tokens,
             "total_tokens": out.prompt_tokens + out.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
         }
 
     def whole(self, text: str, out: StepOutput) -> dict:

@@ -35,6 +35,7 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
 
         engine = Engine(LlamaForCausalLM.load(ckpt), TextTokenizer(ckpt))
         TextGenRoutes(engine, name).add_to(app)
+        extra_health = engine.stats
         app.on_shutdown.append(lambda _app: asyncio.to_thread(engine.shutdown))
     else:
         from omni.engine.bert import EmbeddingModel
@@ -42,12 +43,19 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
         from .embeddings import EmbeddingRoutes
 
         EmbeddingRoutes(EmbeddingModel(ckpt), name).add_to(app)
+        extra_health = dict
 
     started = time.time()
 
     async def health(_request: web.Request) -> web.Response:
         return json_response(
-            {"status": "ok", "model": name, "kind": ckpt.kind, "uptime_s": time.time() - started}
+            {
+                "status": "ok",
+                "model": name,
+                "kind": ckpt.kind,
+                "uptime_s": time.time() - started,
+                **extra_health(),
+            }
         )
 
     app.router.add_get("/health", health)

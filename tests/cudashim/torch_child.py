@@ -43,11 +43,13 @@ def tiny_llama_logits(seed: int = 0) -> torch.Tensor:
         for p in model.parameters():
             p.normal_(0, 0.05)
     model.inv_freq = rope_inv_freq(cfg)
-    ids = torch.randint(0, 512, (48,), generator=torch.Generator().manual_seed(seed))
-    ref = model(ids, model.new_cache(64))
+    from omni.engine.model_runner import ModelRunner, SoloSequence
+
+    ids = torch.randint(0, 512, (48,), generator=torch.Generator().manual_seed(seed)).tolist()
+    ref = SoloSequence(ModelRunner(model, num_blocks=8)).extend(ids, all_logits=True)
     model = model.cuda()
     model.inv_freq = model.inv_freq.cuda()
-    out = model(ids.cuda(), model.new_cache(64)).cpu()
+    out = SoloSequence(ModelRunner(model, num_blocks=8)).extend(ids, all_logits=True).cpu()
     return (out - ref).abs().max()
 
 

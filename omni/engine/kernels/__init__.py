@@ -28,12 +28,14 @@ __all__ = [
 ]
 
 
-def ops(device: torch.device | str) -> SimpleNamespace:
+_KERNELS = SimpleNamespace(
+    rms_norm=rms_norm, silu_and_mul=silu_and_mul, rope_and_cache=rope_and_cache
+)
+_REFERENCES = SimpleNamespace(
+    rms_norm=rms_norm_ref, silu_and_mul=silu_and_mul_ref, rope_and_cache=rope_and_cache_ref
+)
+
+
+def ops(device: torch.device) -> SimpleNamespace:
     """The implementations for `device`: Triton kernels on CUDA, references elsewhere."""
-    if torch.device(device).type == "cuda":
-        return SimpleNamespace(
-            rms_norm=rms_norm, silu_and_mul=silu_and_mul, rope_and_cache=rope_and_cache
-        )
-    return SimpleNamespace(
-        rms_norm=rms_norm_ref, silu_and_mul=silu_and_mul_ref, rope_and_cache=rope_and_cache_ref
-    )
+    return _KERNELS if device.type == "cuda" else _REFERENCES

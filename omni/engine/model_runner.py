@@ -1,0 +1,127 @@
+"""Runs a scheduled batch through the model over the paged KV cache.
+
+Owns the cache pool (sized from the memory the instance is given) and turns a
+Batch into the flat tensors the kernels take: token ids, positions, cache
+slots, block tables, sequence lengths, query offsets.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .block_manager import BlockManager
+from .llama import LlamaForCausalLM
+from .scheduler import Batch
+from .sequence import Sequence
+
+CPU_CACHE_BYTES = 1 << 30  # default KV pool without a GPU; OMNI_KV_CACHE_BYTES overrides
+GPU_CACHE_FRACTION = 0.85  # of the memory left after the weights
+
+
+@dataclass
+class StepInputs:
+    positions: torch.Tensor  # [tokens]
+    slot_mapping: torch.Tensor  # [tokens] int64
+    block_tables: torch.Tensor  # [seqs, max blocks] int32
+    seq_lens: torch.Tensor  # [seqs] int32: context length after this step
+    cu_seqlens_q: torch.Tensor  # [seqs + 1] int32
+    max_q_len: int
+    decode_only: bool  # one token per sequence: the split-KV decode kernel
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaForCausalLM, block_size: int = 16, num_blocks: int | None = None
+    ):
+        self.model = model
+        self.block_size = block_size
+        self.device = model.lm_head.weight.device
+        cfg = model.cfg
+        dtype = model.lm_head.weight.dtype
+        per_block = (
+            2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+        )
+        self.num_blocks = num_blocks or max(1, self._cache_bytes() // per_block)
+        shape = (cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def _cache_bytes(self) -> int:
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)  # the quota, under the shim
+            return int(free * GPU_CACHE_FRACTION)
+        if env := os.environ.get("OMNI_KV_CACHE_BYTES"):
+            return int(env)
+        limit = int(os.environ.get("OMNI_MEMORY_LIMIT_BYTES", "0"))
+        return min(CPU_CACHE_BYTES, limit // 4) if limit else CPU_CACHE_BYTES
+
+    def prepare(self, batch: Batch) -> tuple[torch.Tensor, StepInputs]:
+        ids, positions, slots, seq_lens, cu = [], [], [], [], [0]
+        bs = self.block_size
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            start = seq.num_computed
+            ids.extend(seq.token_ids[start : start + n])
+            for pos in range(start, start + n):
+                positions.append(pos)
+                slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            seq_lens.append(start + n)
+            cu.append(cu[-1] + n)
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+
+        def t(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+        step = StepInputs(
+            positions=t(positions, torch.int64),
+            slot_mapping=t(slots, torch.int64),
+            block_tables=t(tables, torch.int32),
+            seq_lens=t(seq_lens, torch.int32),
+            cu_seqlens_q=t(cu, torch.int32),
+            max_q_len=max(batch.num_tokens),
+            decode_only=all(n == 1 for n in batch.num_tokens),
+        )
+        return t(ids, torch.int64), step
+
+    @torch.inference_mode()
+    def run(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
+        """Logits of each sampling sequence's last token (or of every token)."""
+        ids, step = self.prepare(batch)
+        hidden = self.model.hidden_states(ids, step, self.k_cache, self.v_cache)
+        if not all_logits:
+            last = step.cu_seqlens_q[1:] - 1
+            keep = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+            hidden = hidden[last[keep]]
+        return self.model.logits(hidden)
+
+
+class SoloSequence:
+    """One sequence run directly, outside the scheduler: for tests and benchmarks."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.blocks = BlockManager(runner.num_blocks, runner.block_size)
+        self.seq = Sequence(token_ids=[])
+
+    def extend(
+        self, tokens: list[int], chunk: int | None = None, all_logits: bool = False
+    ) -> torch.Tensor:
+        """Append `tokens` and compute them (in chunks of `chunk`); logits of the last one,
+        or of every new token."""
+        seq = self.seq
+        for token in tokens:
+            seq.token_ids.append(token)
+            if len(seq.token_ids) == 1:
+                self.blocks.allocate(seq)
+            else:
+                self.blocks.append_slot(seq)
+        outs = []
+        while seq.num_uncomputed:
+            n = min(seq.num_uncomputed, chunk or seq.num_uncomputed)
+            outs.append(self.runner.run(Batch([seq], [n]), all_logits=True))
+            seq.num_computed += n
+        logits = torch.cat(outs)
+        return logits if all_logits else logits[-1]
