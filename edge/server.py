@@ -23,6 +23,8 @@ from omni.logs import setup_logging
 log = logging.getLogger("omni-edge")
 
 DEFAULT_MAX_BODY = 4 << 20
+# Set by the edge itself (from the caller's credentials), never taken from a client.
+TRUSTED_HEADERS = frozenset({"x-omni-tenant"})
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 
 
@@ -77,7 +79,12 @@ def edge_app(upstream: str, max_body: int) -> web.Application:
             body = await read_body(request, max_body)
             check_inference_body(body)
         return await relay(
-            request, request.app["session"], upstream + request.path_qs, body, upstream_name="omnid"
+            request,
+            request.app["session"],
+            upstream + request.path_qs,
+            body,
+            upstream_name="omnid",
+            drop_headers=TRUSTED_HEADERS,
         )
 
     async def healthz(request: web.Request) -> web.Response:

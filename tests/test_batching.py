@@ -77,8 +77,8 @@ def test_prefix_cache_is_shared_within_a_tenant_or_session_only(server):
         headers = {"x-omni-tenant": tenant}
         if session:
             headers["x-session-affinity"] = session
-        resp = httpx.post(
-            f"{server.base_url}/v1/completions",
+        resp = httpx.post(  # straight to omnid: the edge does not let clients name a tenant
+            f"http://127.0.0.1:{server.omnid_port}/v1/completions",
             headers=headers,
             timeout=120,
             json={"model": TEXT, "prompt": long_prompt, "max_tokens": 1},
@@ -93,3 +93,29 @@ def test_prefix_cache_is_shared_within_a_tenant_or_session_only(server):
     assert cached(f"b-{stamp}", "s1") == 0  # another tenant, same session id: no hit
     assert cached(f"a-{stamp}", "s2") == 0  # same tenant, another session: no hit
     assert cached(f"a-{stamp}", "s1") > 200  # the same session again: its prefix is reused
+
+
+def test_the_edge_does_not_let_a_client_name_its_tenant(server):
+    prompt = "Tell me about " + " ".join(f"item {i}" for i in range(80))
+    body = {"model": TEXT, "prompt": prompt, "max_tokens": 1}
+    victim = {"x-omni-tenant": f"victim-{time.time_ns()}"}
+    direct = httpx.post(
+        f"http://127.0.0.1:{server.omnid_port}/v1/completions",
+        json=body,
+        headers=victim,
+        timeout=120,
+    )
+    assert direct.status_code == 200
+    again = httpx.post(
+        f"http://127.0.0.1:{server.omnid_port}/v1/completions",
+        json=body,
+        headers=victim,
+        timeout=120,
+    )
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # control
+    # the same prompt, claiming the victim's tenant through the edge: no hit on its prefix
+    spoofed = httpx.post(
+        f"{server.base_url}/v1/completions", json=body, headers=victim, timeout=120
+    )
+    assert spoofed.status_code == 200
+    assert spoofed.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0

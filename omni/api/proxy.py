@@ -33,8 +33,8 @@ _SKIP_HEADERS = {
 }
 
 
-def relay_headers(headers) -> dict[str, str]:
-    return {k: v for k, v in headers.items() if k.lower() not in _SKIP_HEADERS}
+def relay_headers(headers, drop: frozenset[str] = frozenset()) -> dict[str, str]:
+    return {k: v for k, v in headers.items() if k.lower() not in _SKIP_HEADERS | drop}
 
 
 async def relay(
@@ -45,10 +45,12 @@ async def relay(
     *,
     upstream_name: str,
     retry_after_s: float = 1.0,
+    drop_headers: frozenset[str] = frozenset(),
 ) -> web.StreamResponse:
+    """`drop_headers`: request headers (lower case) not to pass on."""
     try:
         upstream = await session.request(
-            request.method, url, data=body, headers=relay_headers(request.headers)
+            request.method, url, data=body, headers=relay_headers(request.headers, drop_headers)
         )
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         log.warning("%s unreachable: %s", upstream_name, exc)
