@@ -217,22 +217,27 @@ def test_batched_prefill_and_decode_on_the_gpu_match_the_cpu_path(tmp_path, text
     cpu, gpu = LlamaForCausalLM.load(ckpt), LlamaForCausalLM.load(ckpt, device="cuda")
     prompts = [torch.randint(0, 96, (n,)).tolist() for n in (5, 40, 17)]
 
-    def generate(model) -> list[torch.Tensor]:
+    def generate(model, forced: list[list[int]] | None = None):
+        """Per-step logits and the tokens fed back (the CPU's, for the GPU run)."""
         runner = ModelRunner(model, block_size=16, num_blocks=32)
         blocks = BlockManager(runner.num_blocks, runner.block_size)
         seqs = [Sequence(token_ids=list(p)) for p in prompts]
         for seq in seqs:
             blocks.allocate(seq)
-        batch, out = Batch(seqs, [len(p) for p in prompts]), []
-        for _ in range(8):  # a mixed prefill step, then decode-only steps
+        batch, out, fed = Batch(seqs, [len(p) for p in prompts]), [], []
+        for step in range(8):  # a mixed prefill step, then decode-only steps
             logits = runner.run(batch).float().cpu()
+            tokens = forced[step] if forced else [int(r.argmax()) for r in logits]
             out.append(logits)
-            for seq, n, row in zip(seqs, batch.num_tokens, logits, strict=True):
+            fed.append(tokens)
+            for seq, n, token in zip(seqs, batch.num_tokens, tokens, strict=True):
                 seq.num_computed += n
-                seq.token_ids.append(int(row.argmax()))
+                seq.token_ids.append(token)
                 blocks.append_slot(seq)
             batch = Batch(seqs, [1] * len(seqs))
-        return out
+        return out, fed
 
-    for want, got in zip(generate(cpu), generate(gpu), strict=True):
-        torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)  # TF32 dot products
+    want, tokens = generate(cpu)
+    got, _ = generate(gpu, forced=tokens)
+    for w, g in zip(want, got, strict=True):
+        torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)  # TF32 dot products
