@@ -219,12 +219,15 @@ class Engine:
         if batch is None:
             return
         logits = self.runner.run(batch)
-        new_tokens, row = {}, 0
-        for i, seq in enumerate(batch.seqs):
-            if batch.samples(i):
-                state = self._active[seq.seq_id]
-                new_tokens[seq.seq_id] = sample(logits[row], state.request.params, state.generator)
-                row += 1
+        sampling = [self._active[s.seq_id] for i, s in enumerate(batch.seqs) if batch.samples(i)]
+        # greedy rows in one argmax and one transfer; the others one by one
+        greedy = logits.argmax(-1).tolist() if sampling else []
+        new_tokens = {}
+        for row, state in enumerate(sampling):
+            params = state.request.params
+            new_tokens[state.seq.seq_id] = (
+                greedy[row] if params.greedy else sample(logits[row], params, state.generator)
+            )
         self.scheduler.update(batch, new_tokens)
         for seq_id, token in new_tokens.items():
             self._deliver(self._active[seq_id], token)

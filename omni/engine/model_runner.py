@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .block_manager import BlockManager
@@ -61,19 +62,20 @@ class ModelRunner:
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, StepInputs]:
         ids, positions, slots, seq_lens, cu = [], [], [], [], [0]
         bs = self.block_size
-        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):  # per sequence, not token
             start = seq.num_computed
             ids.extend(seq.token_ids[start : start + n])
-            for pos in range(start, start + n):
-                positions.append(pos)
-                slots.append(seq.block_table[pos // bs] * bs + pos % bs)
+            pos = np.arange(start, start + n)
+            positions.append(pos)
+            slots.append(np.asarray(seq.block_table)[pos // bs] * bs + pos % bs)
             seq_lens.append(start + n)
             cu.append(cu[-1] + n)
+        positions, slots = np.concatenate(positions), np.concatenate(slots)
         width = max(len(s.block_table) for s in batch.seqs)
         tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
 
         def t(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+            return torch.as_tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
         step = StepInputs(
             positions=t(positions, torch.int64),
