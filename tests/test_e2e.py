@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 
@@ -231,3 +232,16 @@ def test_each_instance_runs_as_its_own_unprivileged_user(server):
     uids = {name: psutil.Process(i["pid"]).uids().real for name, i in server.instances().items()}
     assert len(set(uids.values())) == len(uids), uids
     assert all(uid >= 200_000 for uid in uids.values()), uids
+
+
+def test_frequency_penalty_changes_a_repetitive_greedy_answer(client):
+    kwargs = dict(model=TEXT, prompt="one one one one one one one", max_tokens=12, temperature=0)
+    plain = client.completions.create(**kwargs).choices[0].text
+    penalized = client.completions.create(**kwargs, frequency_penalty=2.0).choices[0].text
+    assert penalized != plain
+
+    def distinct_ratio(text: str) -> float:
+        words = re.findall(r"\w+", text)
+        return len(set(words)) / max(1, len(words))
+
+    assert distinct_ratio(penalized) > distinct_ratio(plain)  # it repeats itself less

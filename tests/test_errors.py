@@ -108,6 +108,17 @@ CASES = [
     ),
     pytest.param(
         "/v1/chat/completions",
+        {**CHAT, "frequency_penalty": 2.5},
+        400,
+        error(
+            "Invalid value for 'frequency_penalty': Input should be less than or equal to 2.",
+            param="frequency_penalty",
+            code="invalid_value",
+        ),
+        id="frequency-penalty-out-of-range",
+    ),
+    pytest.param(
+        "/v1/chat/completions",
         {**CHAT, "n": 2},
         400,
         error(

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from omni.engine.checkpoint import Checkpoint
-from omni.engine.sampling import SamplingParams, make_generator, sample
+from omni.engine.sampling import SamplingParams, apply_penalties, make_generator, sample
 from omni.engine.stops import StopMatcher
 from omni.engine.tokenizer import TextTokenizer
 from omni.runtime.catalog import CatalogError, ModelEntry, load_config
@@ -132,3 +132,35 @@ def test_duplicate_config_names_are_refused(tmp_path):
     path.write_text("[[models]]\nname = 'a'\npath = '/x'\n[[models]]\nname = 'a'\npath = '/y'\n")
     with pytest.raises(CatalogError, match=r"models\[1\]\.name: 'a' is already listed"):
         load_config(path)
+
+
+def draws(logits, params, n=600) -> set[int]:
+    gen = make_generator(3)
+    return {sample(logits, params, gen) for _ in range(n)}
+
+
+def test_top_k_and_min_p_keep_only_the_likely_tokens():
+    logits = torch.randn(50)
+    top3 = set(torch.topk(logits, 3).indices.tolist())
+    assert draws(logits, SamplingParams(temperature=1.0, top_k=3)) <= top3
+    # min_p 0.3: tokens 0-2 are within 0.3 of the best one's probability, the tail is not
+    tail = torch.rand(47) - 4.0
+    designed = torch.cat([torch.tensor([2.0, 1.9, 1.5]), tail])
+    assert draws(designed, SamplingParams(temperature=1.0, min_p=0.3)) == {0, 1, 2}
+
+
+def test_penalties_change_exactly_the_seen_tokens():
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0, -2.0])
+    out = apply_penalties(logits, SamplingParams(repetition_penalty=2.0), [0], [1])
+    torch.testing.assert_close(out, torch.tensor([1.0, -2.0, 0.5, 3.0, -2.0]))
+    out = apply_penalties(
+        logits, SamplingParams(presence_penalty=0.5, frequency_penalty=1.0), [3], [2, 2, 4]
+    )
+    torch.testing.assert_close(out, torch.tensor([2.0, -1.0, -2.0, 3.0, -3.5]))  # not the prompt
+
+
+def test_greedy_with_a_repetition_penalty_avoids_the_seen_token():
+    logits = torch.tensor([1.0, 5.0, 4.0])
+    params = SamplingParams(temperature=0, repetition_penalty=2.0)
+    assert sample(logits, SamplingParams(temperature=0), make_generator(0)) == 1
+    assert sample(logits, params, make_generator(0), prompt=[1]) == 2  # 5/2 < 4

@@ -47,6 +47,11 @@ class GenerationFields(Strict):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    top_k: Annotated[int, Field(ge=-1)] = 0  # extension (as in vLLM); 0 or -1: off
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0  # extension
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0  # extension
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     seed: int | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     stream: bool = False

@@ -224,10 +224,17 @@ class Engine:
         greedy = logits.argmax(-1).tolist() if sampling else []
         new_tokens = {}
         for row, state in enumerate(sampling):
-            params = state.request.params
-            new_tokens[state.seq.seq_id] = (
-                greedy[row] if params.greedy else sample(logits[row], params, state.generator)
-            )
+            params, seq = state.request.params, state.seq
+            if params.greedy and not params.penalized:
+                new_tokens[seq.seq_id] = greedy[row]
+            else:
+                prompt, output = (
+                    seq.token_ids[: seq.num_prompt_tokens],
+                    seq.token_ids[seq.num_prompt_tokens :],
+                )
+                new_tokens[seq.seq_id] = sample(
+                    logits[row], params, state.generator, prompt, output
+                )
         self.scheduler.update(batch, new_tokens)
         for seq_id, token in new_tokens.items():
             self._deliver(self._active[seq_id], token)

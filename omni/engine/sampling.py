@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with a per-request seed."""
+"""Token sampling: penalties, greedy, temperature, top-k, top-p, min-p, per-request seed."""
 
 from __future__ import annotations
 
@@ -12,7 +12,11 @@ class SamplingParams:
     max_tokens: int = 16
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = 0  # 0: off
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0  # keep tokens at least this fraction as likely as the best one
+    repetition_penalty: float = 1.0  # > 1 discourages any token already seen
+    presence_penalty: float = 0.0  # OpenAI: subtracted once from generated tokens' logits
+    frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
@@ -20,6 +24,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+        )
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -32,8 +44,37 @@ def make_generator(seed: int | None) -> torch.Generator:
     return gen
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Pick the next token from one row of logits [vocab]."""
+def apply_penalties(
+    logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int]
+) -> torch.Tensor:
+    """Repetition penalty over prompt and output (CTRL-style: divide positive logits,
+    multiply negative ones); presence and frequency penalties over the output (OpenAI)."""
+    logits = logits.float().clone()
+    if params.repetition_penalty != 1.0 and (prompt or output):
+        seen = torch.tensor(sorted(set(prompt) | set(output)), device=logits.device)
+        values = logits[seen]
+        logits[seen] = torch.where(
+            values > 0, values / params.repetition_penalty, values * params.repetition_penalty
+        )
+    if output and (params.presence_penalty or params.frequency_penalty):
+        counts = torch.bincount(
+            torch.tensor(output, device=logits.device), minlength=logits.numel()
+        ).float()
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return logits
+
+
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    prompt: list[int] = (),
+    output: list[int] = (),
+) -> int:
+    """Pick the next token from one row of logits [vocab]; `prompt` and `output` are the
+    tokens so far, for the penalties."""
+    if params.penalized:
+        logits = apply_penalties(logits, params, list(prompt), list(output))
     if params.greedy:
         return int(torch.argmax(logits))
     logits = logits.float().cpu() / params.temperature
@@ -41,10 +82,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
+    if params.min_p > 0.0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         # keep the smallest set whose mass reaches top_p (always at least one token)
-        drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= params.top_p
+        drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= params.top_p * probs.sum()
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -87,6 +87,11 @@ class TextGenRoutes:
             max_tokens=limit or room,
             temperature=req.temperature,
             top_p=req.top_p,
+            top_k=max(req.top_k, 0),
+            min_p=req.min_p,
+            repetition_penalty=req.repetition_penalty,
+            presence_penalty=req.presence_penalty,
+            frequency_penalty=req.frequency_penalty,
             seed=req.seed,
             stop=req.stop_list,
         )
