@@ -245,3 +245,48 @@ def test_frequency_penalty_changes_a_repetitive_greedy_answer(client):
         return len(set(words)) / max(1, len(words))
 
     assert distinct_ratio(penalized) > distinct_ratio(plain)  # it repeats itself less
+
+
+def test_chat_logprobs(client):
+    resp = client.chat.completions.create(
+        model=TEXT,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+    )
+    entries = resp.choices[0].logprobs.content
+    assert len(entries) == resp.usage.completion_tokens
+    assert "".join(e.token for e in entries) == resp.choices[0].message.content
+    for e in entries:
+        tops = [t.logprob for t in e.top_logprobs]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True) and tops[0] <= 0
+        assert e.top_logprobs[0].token == e.token  # greedy: the chosen one is the likeliest
+        assert abs(e.logprob - tops[0]) < 1e-6
+    stream = client.chat.completions.create(
+        model=TEXT,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
+        stream=True,
+    )
+    streamed = [
+        e
+        for c in stream
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content
+    ]
+    assert [e.token for e in streamed] == [e.token for e in entries]
+
+
+def test_completion_logprobs_legacy_format(client):
+    resp = client.completions.create(
+        model=TEXT, prompt="The capital of France is", max_tokens=5, temperature=0, logprobs=2
+    )
+    lp = resp.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert all(len(t) == 2 for t in lp.top_logprobs)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert "".join(lp.tokens) == resp.choices[0].text

@@ -119,6 +119,15 @@ CASES = [
     ),
     pytest.param(
         "/v1/chat/completions",
+        {**CHAT, "top_logprobs": 2},
+        400,
+        error(
+            "top_logprobs requires logprobs to be true.", param="top_logprobs", code="invalid_value"
+        ),
+        id="top-logprobs-without-logprobs",
+    ),
+    pytest.param(
+        "/v1/chat/completions",
         {**CHAT, "n": 2},
         400,
         error(

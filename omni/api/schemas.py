@@ -77,6 +77,12 @@ class GenerationFields(Strict):
 class ChatCompletionRequest(GenerationFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+
+    @property
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def token_limit(self) -> int | None:
@@ -89,6 +95,11 @@ class CompletionRequest(GenerationFields):
         | Annotated[list[int], Field(min_length=1)]
         | Annotated[list[str], Field(min_length=1, max_length=1)]
     )
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None  # the legacy API's count
+
+    @property
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod

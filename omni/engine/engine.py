@@ -41,6 +41,8 @@ class StepOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    # per token: (id, logprob, [(alternative id, logprob), ...]) when the request asked
+    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     error: str | None = None
 
 
@@ -65,9 +67,11 @@ class _Active:
     stops: StopMatcher
     generator: torch.Generator
     eos: set[int]
+    logprob: tuple[int, float, list[tuple[int, float]]] | None = None  # of the newest token
 
     def output(self, text: str, tokens: list[int], reason: str | None = None) -> StepOutput:
         seq = self.seq
+        wanted = self.request.params.logprobs is not None and tokens and self.logprob
         return StepOutput(
             text,
             tokens,
@@ -76,6 +80,7 @@ class _Active:
             seq.num_prompt_tokens,
             seq.num_generated,
             seq.num_cached_tokens,
+            [self.logprob] if wanted else None,
         )
 
 
@@ -235,6 +240,16 @@ class Engine:
                 new_tokens[seq.seq_id] = sample(
                     logits[row], params, state.generator, prompt, output
                 )
+            if params.logprobs is not None:  # of the model's distribution, before sampling
+                logprobs = torch.log_softmax(logits[row].float(), dim=-1)
+                token = new_tokens[seq.seq_id]
+                top = torch.topk(logprobs, params.logprobs) if params.logprobs else None
+                alternatives = (
+                    list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+                    if top is not None
+                    else []
+                )
+                state.logprob = (token, float(logprobs[token]), alternatives)
         self.scheduler.update(batch, new_tokens)
         for seq_id, token in new_tokens.items():
             self._deliver(self._active[seq_id], token)

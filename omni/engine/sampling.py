@@ -18,6 +18,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI: subtracted once from generated tokens' logits
     frequency_penalty: float = 0.0  # OpenAI: subtracted per occurrence in the output
     seed: int | None = None
+    logprobs: int | None = None  # None: off; n: the chosen token's and the n most likely
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
 

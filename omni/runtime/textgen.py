@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import orjson
 from aiohttp import web
@@ -74,6 +74,17 @@ class TextGenRoutes:
                 param=param,
                 code="context_length_exceeded",
             )
+        if (
+            isinstance(req, ChatCompletionRequest)
+            and req.top_logprobs is not None
+            and not (req.logprobs)
+        ):
+            raise ApiError(
+                400,
+                "top_logprobs requires logprobs to be true.",
+                param="top_logprobs",
+                code="invalid_value",
+            )
         limit = req.token_limit
         if limit is not None and limit > room:
             raise ApiError(
@@ -92,6 +103,7 @@ class TextGenRoutes:
             repetition_penalty=req.repetition_penalty,
             presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty,
+            logprobs=req.logprob_count,
             seed=req.seed,
             stop=req.stop_list,
         )
@@ -100,17 +112,18 @@ class TextGenRoutes:
         self, request: web.Request, req: GenerationFields, prompt: list[int], chat: bool
     ) -> web.StreamResponse:
         gen = GenerationRequest(prompt, self._sampling(req, prompt), principal(request))
-        fmt = _Formatter(self.model_name, chat)
+        fmt = _Formatter(self.model_name, chat, self.engine.tokenizer.decode)
         outputs = self.engine.stream(gen)
         if req.stream:
             return await _stream(request, outputs, fmt, req.include_usage)
-        text, last = [], None
+        text, logprobs, last = [], [], None
         async for out in outputs:
             text.append(out.text)
+            logprobs.extend(out.logprobs or [])
             last = out
         if last.finish_reason == "error":
             raise RuntimeError(f"generation failed: {last.error}")
-        return json_response(fmt.whole("".join(text), last))
+        return json_response(fmt.whole("".join(text), last, logprobs))
 
 
 async def _stream(
@@ -121,14 +134,17 @@ async def _stream(
     try:
         if fmt.chat:
             await _send(resp, fmt.chunk({"role": "assistant", "content": ""}, None))
+        pending = []  # logprobs of tokens whose text is still held back
         async for out in outputs:
             if out.finish_reason == "error":
                 await _send(resp, error_body(f"generation failed: {out.error}", 500))
                 break
+            pending.extend(out.logprobs or [])
             if out.text:
-                await _send(resp, fmt.chunk(out.text, None))
+                await _send(resp, fmt.chunk(out.text, None, pending))
+                pending = []
             if out.finished:
-                await _send(resp, fmt.chunk(None, out.finish_reason))
+                await _send(resp, fmt.chunk(None, out.finish_reason, pending))
                 if usage:
                     await _send(resp, fmt.usage_chunk(out))
         await resp.write(b"data: [DONE]\n\n")
@@ -146,8 +162,10 @@ async def _send(resp: web.StreamResponse, data: dict) -> None:
 class _Formatter:
     """OpenAI response objects for one request."""
 
-    def __init__(self, model: str, chat: bool):
+    def __init__(self, model: str, chat: bool, token_text: Callable[[list[int]], str]):
         self.model, self.chat = model, chat
+        self._token_text = token_text
+        self._offset = 0  # completions' text_offset of the next token
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -163,17 +181,50 @@ class _Formatter:
             "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
         }
 
-    def whole(self, text: str, out: StepOutput) -> dict:
+    def _logprobs(self, entries: list) -> dict | None:
+        """OpenAI's logprobs object: chat's `content` list, or the legacy completions form."""
+        if not entries:
+            return None
+
+        def text(token_id: int) -> str:
+            return self._token_text([token_id])
+
+        if self.chat:
+
+            def entry(tid: int, lp: float) -> dict:
+                t = text(tid)
+                return {"token": t, "logprob": lp, "bytes": list(t.encode())}
+
+            return {
+                "content": [
+                    {**entry(tid, lp), "top_logprobs": [entry(a, b) for a, b in alts]}
+                    for tid, lp, alts in entries
+                ]
+            }
+        tokens, offsets = [text(tid) for tid, _, _ in entries], []
+        for t in tokens:
+            offsets.append(self._offset)
+            self._offset += len(t)
+        return {
+            "tokens": tokens,
+            "token_logprobs": [lp for _, lp, _ in entries],
+            "top_logprobs": [{text(a): b for a, b in alts} for _, _, alts in entries],
+            "text_offset": offsets,
+        }
+
+    def whole(self, text: str, out: StepOutput, logprobs: list) -> dict:
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}}
             body = self._envelope("chat.completion")
         else:
             choice = {"index": 0, "text": text}
             body = self._envelope("text_completion")
-        choice.update(finish_reason=out.finish_reason, logprobs=None)
+        choice.update(finish_reason=out.finish_reason, logprobs=self._logprobs(logprobs))
         return {**body, "choices": [choice], "usage": self._usage(out)}
 
-    def chunk(self, delta: str | dict | None, finish_reason: str | None) -> dict:
+    def chunk(
+        self, delta: str | dict | None, finish_reason: str | None, logprobs: list | None = None
+    ) -> dict:
         if self.chat:
             if isinstance(delta, str):
                 delta = {"content": delta}
@@ -182,7 +233,7 @@ class _Formatter:
         else:
             choice = {"index": 0, "text": delta or "", "finish_reason": finish_reason}
             body = self._envelope("text_completion")
-        choice["logprobs"] = None
+        choice["logprobs"] = self._logprobs(logprobs or [])
         return {**body, "choices": [choice]}
 
     def usage_chunk(self, out: StepOutput) -> dict:
