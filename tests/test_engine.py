@@ -243,3 +243,60 @@ def test_batched_prefill_and_decode_on_the_gpu_match_the_cpu_path(tmp_path):
     got, _ = generate(gpu, forced=tokens)
     for w, g in zip(want, got, strict=True):
         torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)  # TF32 dot products
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHES))
+def test_greedy_32_tokens_match_transformers_under_batching_preemption_and_prefix_hits(
+    arch, tmp_path
+):
+    hf, ckpt = tiny_checkpoint(tmp_path, ARCHES[arch]())
+    # 20 blocks of 8: far fewer slots than the requests need at once, so the scheduler
+    # preempts; 24 tokens a step, so prompts are prefilled in chunks
+    engine = Engine(
+        LlamaForCausalLM.load(ckpt),
+        TextTokenizer(ckpt),
+        block_size=8,
+        num_blocks=20,
+        max_batch_tokens=24,
+    )
+    rng = torch.Generator().manual_seed(1)
+    shared = torch.randint(0, 96, (24,), generator=rng).tolist()
+    first = [torch.randint(0, 96, (n,), generator=rng).tolist() for n in (7, 31, 18, 40)]
+    second = [shared + torch.randint(0, 96, (n,), generator=rng).tolist() for n in (3, 9)]
+    second += [first[1], first[3]]  # repeats: their prefixes are cached
+
+    def generate_all(prompts):
+        queues = [queue.Queue() for _ in prompts]
+        for prompt, q in zip(prompts, queues, strict=True):
+            params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+            engine.submit(GenerationRequest(prompt, params), q.put)
+        results = []
+        for q in queues:
+            steps = [q.get(timeout=120)]
+            while not steps[-1].finished:
+                steps.append(q.get(timeout=120))
+            results.append(steps)
+        return results
+
+    try:
+        warm = generate_all([[*shared, 1, 2, 3]])  # puts the shared prefix in the cache
+        results = generate_all(first) + generate_all(second)
+    finally:
+        engine.shutdown()
+    assert warm[0][-1].finish_reason == "length"
+    assert engine.scheduler.preemptions > 0, "no preemption: the test lost its pressure"
+    assert sum(r[-1].cached_tokens > 0 for r in results) >= 3  # shared prefix and repeats
+    for prompt, steps in zip(first + second, results, strict=True):
+        ours = [t for s in steps for t in s.token_ids]
+        ids = torch.tensor([prompt])
+        with torch.no_grad():  # an explicit mask: else generate takes every token 0 for padding
+            ref = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=32,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
+        assert ours == ref
+    assert engine.scheduler.blocks.num_free == 20

@@ -38,6 +38,7 @@ class Scheduler:
         self.max_seqs = max_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: newest last
+        self.preemptions = 0
 
     def fits(self, seq: Sequence) -> bool:
         """Whether `seq` can ever run: prompt and all its new tokens within the whole cache
@@ -96,6 +97,7 @@ class Scheduler:
         self.blocks.free(seq)
         seq.num_computed = 0
         seq.preemptions += 1
+        self.preemptions += 1
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 
