@@ -1,0 +1,115 @@
+"""A Llama-3-8B-shaped model (random bf16 weights, made in process) on the GPU.
+
+Against HF transformers on a 512-token prompt, and 64 concurrent requests
+against the same requests run one at a time (device machine only).
+"""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def models():
+    import transformers
+
+    from omni.engine.llama import LlamaConfig, LlamaForCausalLM, rope_inv_freq
+
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        hf = transformers.LlamaForCausalLM(hf_cfg).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.02)
+    cfg = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        max_position=8192,
+        tie_embeddings=False,
+        attention_bias=False,
+        qk_norm=False,
+        rope_scaling=None,
+    )
+    with torch.device("meta"):
+        ours = LlamaForCausalLM(cfg)
+    ours.load_state_dict(dict(hf.state_dict()), assign=True)  # the same tensors, no copy
+    ours.inv_freq = rope_inv_freq(cfg).cuda()
+    return hf, ours.eval()
+
+
+def test_logits_on_a_512_token_prompt_match_transformers(models):
+    from omni.engine.model_runner import ModelRunner, SoloSequence
+
+    hf, ours = models
+    ids = torch.randint(0, 128256, (512,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids[None].cuda()).logits[0].float()
+    got = SoloSequence(ModelRunner(ours, num_blocks=64)).extend(ids.tolist(), all_logits=True)
+    rel = ((got - want).norm() / want.norm()).item()
+    assert rel < 2e-2, rel
+
+
+def test_64_concurrent_requests_match_one_at_a_time(models):
+    from omni.engine.engine import Engine, GenerationRequest
+    from omni.engine.sampling import SamplingParams
+    from omni.engine.tokenizer import TextTokenizer
+
+    _, ours = models
+    tokenizer = TextTokenizer.__new__(TextTokenizer)  # ids only: no text needed here
+    tokenizer.eos_ids = set()
+    tokenizer.stream_decoder = lambda: type("D", (), {"push": lambda self, t: ""})()
+    engine = Engine(ours, tokenizer, num_blocks=2048)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [
+        torch.randint(0, 128256, (int(n),), generator=gen).tolist()
+        for n in torch.randint(16, 600, (64,), generator=gen)
+    ]
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+
+    def run(batch_of_prompts):
+        queues = [queue.Queue() for _ in batch_of_prompts]
+        for p, q in zip(batch_of_prompts, queues, strict=True):
+            engine.submit(GenerationRequest(p, params), q.put)
+        out = []
+        for q in queues:
+            steps = [q.get(timeout=600)]
+            while not steps[-1].finished:
+                steps.append(q.get(timeout=600))
+            out.append([t for s in steps for t in s.token_ids])
+        return out
+
+    try:
+        together = run(prompts)
+        alone = [run([p])[0] for p in prompts]
+    finally:
+        engine.shutdown()
+    same = sum(a == b for a, b in zip(together, alone, strict=True))
+    first_diff = [
+        next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+        for a, b in zip(together, alone, strict=True)
+    ]
+    assert same == 64, f"{same}/64 identical; first differing token per request: {first_diff}"
