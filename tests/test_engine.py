@@ -300,3 +300,35 @@ def test_greedy_32_tokens_match_transformers_under_batching_preemption_and_prefi
             )[0, len(prompt) :].tolist()
         assert ours == ref
     assert engine.scheduler.blocks.num_free == 20
+
+
+@pytest.mark.gpu
+def test_decode_graphs_replay_what_eager_decode_computes(tmp_path):
+    _, ckpt = tiny_checkpoint(tmp_path, ARCHES["qwen3"]())
+    model = LlamaForCausalLM.load(ckpt, device="cuda")
+    prompts = [torch.randint(0, 96, (n,)).tolist() for n in (5, 40, 17)]
+
+    def decode(use_graphs: bool) -> tuple[list[torch.Tensor], ModelRunner]:
+        runner = ModelRunner(model, block_size=16, num_blocks=32)
+        if not use_graphs:
+            runner.graphs = None
+        blocks = BlockManager(runner.num_blocks, runner.block_size)
+        seqs = [Sequence(token_ids=list(p)) for p in prompts]
+        for seq in seqs:
+            blocks.allocate(seq)
+        batch, out = Batch(seqs, [len(p) for p in prompts]), []
+        for step in range(10):
+            logits = runner.run(batch).float().cpu()
+            out.append(logits)
+            for seq, n in zip(seqs, batch.num_tokens, strict=True):
+                seq.num_computed += n
+                seq.token_ids.append((7 * step + seq.num_computed) % 96)  # same for both runs
+                blocks.append_slot(seq)
+            batch = Batch(seqs, [1] * len(seqs))
+        return out, runner
+
+    eager, _ = decode(False)
+    graphed, runner = decode(True)
+    assert set(runner.graphs.graphs) == {4}  # 3 sequences: one bucket, captured once
+    for e, g in zip(eager, graphed, strict=True):
+        torch.testing.assert_close(g, e, atol=1e-3, rtol=1e-3)

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from .block_manager import BlockManager
+from .cuda_graphs import DecodeGraphs
 from .llama import LlamaForCausalLM
 from .scheduler import Batch
 from .sequence import Sequence
@@ -49,6 +50,12 @@ class ModelRunner:
         shape = (cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.graphs = None  # decode steps on CUDA replay graphs (OMNI_CUDA_GRAPHS=0: off)
+        if self.device.type == "cuda" and os.environ.get("OMNI_CUDA_GRAPHS", "1") != "0":
+            max_tokens = min(cfg.max_position, self.num_blocks * block_size)
+            self.graphs = DecodeGraphs(
+                model, self.k_cache, self.v_cache, -(-max_tokens // block_size)
+            )
 
     def _cache_bytes(self) -> int:
         if self.device.type == "cuda":
@@ -92,7 +99,10 @@ class ModelRunner:
     def run(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
         """Logits of each sampling sequence's last token (or of every token)."""
         ids, step = self.prepare(batch)
-        hidden = self.model.hidden_states(ids, step, self.k_cache, self.v_cache)
+        if self.graphs and step.decode_only and self.graphs.bucket(len(batch.seqs)):
+            hidden = self.graphs.run(ids, step)
+        else:
+            hidden = self.model.hidden_states(ids, step, self.k_cache, self.v_cache)
         if not all_logits:
             last = step.cu_seqlens_q[1:] - 1
             keep = [i for i in range(len(batch.seqs)) if batch.samples(i)]

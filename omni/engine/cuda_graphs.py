@@ -1,0 +1,75 @@
+"""CUDA graphs for decode steps: one replay instead of hundreds of kernel launches.
+
+A graph is captured the first time a batch-size bucket is needed (start-up
+pays nothing for buckets never used) and replayed from static input buffers.
+Padding rows write nowhere (cache slot -1) and their outputs are dropped.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class DecodeGraphs:
+    def __init__(self, model, k_cache, v_cache, max_blocks_per_seq: int):
+        self.model, self.k_cache, self.v_cache = model, k_cache, v_cache
+        dev, size = k_cache.device, BUCKETS[-1]
+        self.ids = torch.zeros(size, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(size, dtype=torch.int64, device=dev)
+        self.slots = torch.full((size,), -1, dtype=torch.int64, device=dev)
+        self.tables = torch.zeros(size, max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.ones(size, dtype=torch.int32, device=dev)
+        self.cu = torch.arange(size + 1, dtype=torch.int32, device=dev)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = torch.cuda.graph_pool_handle()
+
+    @staticmethod
+    def bucket(n: int) -> int | None:
+        return next((b for b in BUCKETS if b >= n), None)
+
+    def run(self, ids: torch.Tensor, step) -> torch.Tensor:
+        """Hidden states of a decode step of n <= the largest bucket sequences."""
+        n = ids.shape[0]
+        b = self.bucket(n)
+        width = step.block_tables.shape[1]
+        self.ids[:n].copy_(ids)
+        self.positions[:n].copy_(step.positions)
+        self.slots[:n].copy_(step.slot_mapping)
+        self.slots[n:b].fill_(-1)
+        self.tables[:n, :width].copy_(step.block_tables)
+        self.seq_lens[:n].copy_(step.seq_lens)
+        self.seq_lens[n:b].fill_(1)
+        if b not in self.graphs:
+            self._capture(b)
+        self.graphs[b].replay()
+        return self.outputs[b][:n]
+
+    def _static_step(self, b: int):
+        from .model_runner import StepInputs
+
+        return StepInputs(
+            positions=self.positions[:b],
+            slot_mapping=self.slots[:b],
+            block_tables=self.tables[:b],
+            seq_lens=self.seq_lens[:b],
+            cu_seqlens_q=self.cu[: b + 1],
+            max_q_len=1,
+            decode_only=True,
+        )
+
+    def _capture(self, b: int) -> None:
+        step = self._static_step(b)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up: compiles the kernels for these shapes
+            self.model.hidden_states(self.ids[:b], step, self.k_cache, self.v_cache)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[b] = self.model.hidden_states(
+                self.ids[:b], step, self.k_cache, self.v_cache
+            )
+        self.graphs[b] = graph
