@@ -97,13 +97,8 @@ def child_decode() -> dict:
         num_heads=32,
         num_kv_heads=4,
         head_dim=64,
-        rms_norm_eps=1e-5,
         rope_theta=10000.0,
         max_position=2048,
-        tie_embeddings=False,
-        attention_bias=False,
-        qk_norm=False,
-        rope_scaling=None,
     )
     torch.manual_seed(0)
     with torch.device("cuda"):

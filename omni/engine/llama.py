@@ -30,13 +30,13 @@ class LlamaConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position: int
-    tie_embeddings: bool
-    attention_bias: bool  # Qwen2 has q/k/v biases
-    qk_norm: bool  # Qwen3 normalises q and k per head
-    rope_scaling: dict | None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position: int = 4096
+    tie_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has q/k/v biases
+    qk_norm: bool = False  # Qwen3 normalises q and k per head
+    rope_scaling: dict | None = None
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint) -> LlamaConfig:

@@ -32,10 +32,6 @@ def tiny_llama_logits(seed: int = 0) -> torch.Tensor:
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
         max_position=512,
-        tie_embeddings=False,
-        attention_bias=False,
-        qk_norm=False,
-        rope_scaling=None,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).float()

@@ -46,13 +46,8 @@ def models():
         num_heads=32,
         num_kv_heads=8,
         head_dim=128,
-        rms_norm_eps=1e-5,
         rope_theta=500000.0,
         max_position=8192,
-        tie_embeddings=False,
-        attention_bias=False,
-        qk_norm=False,
-        rope_scaling=None,
     )
     with torch.device("meta"):
         ours = LlamaForCausalLM(cfg)
