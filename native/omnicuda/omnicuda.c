@@ -599,32 +599,27 @@ EXPORT CUresult cuGetProcAddress_v2(const char *s, void **p, int v, cuuint64_t f
 
 /* ---------------------------------------------------------- NVML hooks */
 
+/* NVML's view under a quota: total = quota, free = quota - used. 0: no quota. */
+static int quota_view(unsigned long long *total, unsigned long long *free_bytes,
+                      unsigned long long *used) {
+    if (!__atomic_load_n(&g_ctl->quota_bytes, __ATOMIC_RELAXED)) return 0;
+    size_t f = 0, t = 0;
+    report_mem(&f, &t);
+    *total = t, *free_bytes = f, *used = t - f;
+    return 1;
+}
+
 typedef nvmlReturn_t (*nvmlDeviceGetMemoryInfo_t)(nvmlDevice_t, nvmlMemory_t *);
 static nvmlReturn_t hook_nvmlDeviceGetMemoryInfo(nvmlDevice_t dev, nvmlMemory_t *mem) {
     nvmlReturn_t rc = REAL(H_nvmlDeviceGetMemoryInfo, nvmlDeviceGetMemoryInfo_t)(dev, mem);
-    uint64_t quota = __atomic_load_n(&g_ctl->quota_bytes, __ATOMIC_RELAXED);
-    if (rc == NVML_SUCCESS && quota) {
-        size_t free_bytes = 0, total = 0;
-        report_mem(&free_bytes, &total);
-        mem->total = total;
-        mem->free = free_bytes;
-        mem->used = total - free_bytes;
-    }
+    if (rc == NVML_SUCCESS) quota_view(&mem->total, &mem->free, &mem->used);
     return rc;
 }
 
 typedef nvmlReturn_t (*nvmlDeviceGetMemoryInfo_v2_t)(nvmlDevice_t, nvmlMemory_v2_t *);
 static nvmlReturn_t hook_nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t dev, nvmlMemory_v2_t *mem) {
     nvmlReturn_t rc = REAL(H_nvmlDeviceGetMemoryInfo_v2, nvmlDeviceGetMemoryInfo_v2_t)(dev, mem);
-    uint64_t quota = __atomic_load_n(&g_ctl->quota_bytes, __ATOMIC_RELAXED);
-    if (rc == NVML_SUCCESS && quota) {
-        size_t free_bytes = 0, total = 0;
-        report_mem(&free_bytes, &total);
-        mem->total = total;
-        mem->reserved = 0;
-        mem->free = free_bytes;
-        mem->used = total - free_bytes;
-    }
+    if (rc == NVML_SUCCESS && quota_view(&mem->total, &mem->free, &mem->used)) mem->reserved = 0;
     return rc;
 }
 

@@ -32,6 +32,16 @@ def rope_and_cache_ref(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapp
 
 
 @triton.jit
+def _rotate_half_into(src_ptr, dst_ptr, j, mask, cos, sin, HALF: tl.constexpr):
+    """dst[:HALF], dst[HALF:] = x1 cos - x2 sin, x2 cos + x1 sin (x = src)."""
+    x1 = tl.load(src_ptr + j, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src_ptr + HALF + j, mask=mask, other=0.0).to(tl.float32)
+    out_ty = dst_ptr.dtype.element_ty
+    tl.store(dst_ptr + j, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
+    tl.store(dst_ptr + HALF + j, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
+
+
+@triton.jit
 def _rope_cache_kernel(
     q_ptr,
     k_ptr,
@@ -57,22 +67,14 @@ def _rope_cache_kernel(
     dim = 2 * HALF
     if h < n_q_heads:
         base = (t * n_q_heads + h) * dim
-        x1 = tl.load(q_ptr + base + j, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(q_ptr + base + HALF + j, mask=mask, other=0.0).to(tl.float32)
-        out_ty = q_out_ptr.dtype.element_ty
-        tl.store(q_out_ptr + base + j, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
-        tl.store(q_out_ptr + base + HALF + j, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
+        _rotate_half_into(q_ptr + base, q_out_ptr + base, j, mask, cos, sin, HALF)
     else:
         kh = h - n_q_heads
         slot = tl.load(slot_ptr + t)
         if slot >= 0:
             src = (t * n_kv_heads + kh) * dim
             dst = (slot * n_kv_heads + kh) * dim
-            x1 = tl.load(k_ptr + src + j, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(k_ptr + src + HALF + j, mask=mask, other=0.0).to(tl.float32)
-            out_ty = k_cache_ptr.dtype.element_ty
-            tl.store(k_cache_ptr + dst + j, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
-            tl.store(k_cache_ptr + dst + HALF + j, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
+            _rotate_half_into(k_ptr + src, k_cache_ptr + dst, j, mask, cos, sin, HALF)
             v1 = tl.load(v_ptr + src + j, mask=mask, other=0.0)
             v2 = tl.load(v_ptr + src + HALF + j, mask=mask, other=0.0)
             tl.store(v_cache_ptr + dst + j, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
