@@ -21,6 +21,8 @@ from omni.engine.sequence import Sequence
 from omni.engine.tokenizer import TextTokenizer
 from omni.runtime.defaults import SMOLLM_FILE, SMOLLM_PACKAGE, package_dir
 
+from .engine.runs import run_requests, tokens
+
 TEXTS = ["Hello, world! 12345 café 🚀 naïve", "  two spaces\n\ttab", "def f(x):\n    return x**2"]
 
 
@@ -155,11 +157,7 @@ def test_broken_checkpoints_name_the_file(tmp_path, text_model_dir):
 
 
 def run_engine(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[str, list]:
-    outputs: queue.Queue = queue.Queue()
-    engine.submit(GenerationRequest(prompt, params), outputs.put)
-    steps = []
-    while not (steps and steps[-1].finished):
-        steps.append(outputs.get(timeout=60))
+    steps = run_requests(engine, [prompt], params)[0]
     return "".join(s.text for s in steps), steps
 
 
@@ -266,17 +264,8 @@ def test_greedy_32_tokens_match_transformers_under_batching_preemption_and_prefi
     second += [first[1], first[3]]  # repeats: their prefixes are cached
 
     def generate_all(prompts):
-        queues = [queue.Queue() for _ in prompts]
-        for prompt, q in zip(prompts, queues, strict=True):
-            params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-            engine.submit(GenerationRequest(prompt, params), q.put)
-        results = []
-        for q in queues:
-            steps = [q.get(timeout=120)]
-            while not steps[-1].finished:
-                steps.append(q.get(timeout=120))
-            results.append(steps)
-        return results
+        params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+        return run_requests(engine, prompts, params)
 
     try:
         warm = generate_all([[*shared, 1, 2, 3]])  # puts the shared prefix in the cache
@@ -287,7 +276,7 @@ def test_greedy_32_tokens_match_transformers_under_batching_preemption_and_prefi
     assert engine.scheduler.preemptions > 0, "no preemption: the test lost its pressure"
     assert sum(r[-1].cached_tokens > 0 for r in results) >= 3  # shared prefix and repeats
     for prompt, steps in zip(first + second, results, strict=True):
-        ours = [t for s in steps for t in s.token_ids]
+        ours = tokens(steps)
         ids = torch.tensor([prompt])
         with torch.no_grad():  # an explicit mask: else generate takes every token 0 for padding
             ref = hf.generate(

@@ -25,6 +25,19 @@ class Fake:
     probe: Path
     shim: Path
 
+    def _under_shim(self, tmp: Path, quota: int, mode: Mode, libdir: Path | None = None):
+        """A fresh control block and call log, and the environment that uses them."""
+        block = ControlBlock.create(tmp / "control", quota, mode)
+        log = tmp / "cuda.log"
+        log.unlink(missing_ok=True)
+        env = {
+            **os.environ,
+            **instance_env(block.path, self.shim),
+            "LD_LIBRARY_PATH": str(libdir or self.libdir),
+            "FAKE_CUDA_LOG": str(log),
+        }
+        return block, log, env
+
     def run(
         self,
         tmp: Path,
@@ -35,15 +48,7 @@ class Fake:
         timeout: float = 60,
         libdir: Path | None = None,
     ) -> tuple[subprocess.CompletedProcess, ControlBlock, Path]:
-        block = ControlBlock.create(tmp / "control", quota, mode)
-        log = tmp / "cuda.log"
-        log.unlink(missing_ok=True)
-        env = {
-            **os.environ,
-            **instance_env(block.path, self.shim),
-            "LD_LIBRARY_PATH": str(libdir or self.libdir),
-            "FAKE_CUDA_LOG": str(log),
-        }
+        block, log, env = self._under_shim(tmp, quota, mode, libdir)
         result = subprocess.run(
             argv, env=env, input=stdin, capture_output=True, text=True, timeout=timeout
         )
@@ -51,14 +56,7 @@ class Fake:
 
     def spawn(self, tmp: Path, code: str, quota: int, mode: Mode):
         """A Python program under the shim that stays alive: (process, block, log)."""
-        block = ControlBlock.create(tmp / "control", quota, mode)
-        log = tmp / "cuda.log"
-        env = {
-            **os.environ,
-            **instance_env(block.path, self.shim),
-            "LD_LIBRARY_PATH": str(self.libdir),
-            "FAKE_CUDA_LOG": str(log),
-        }
+        block, log, env = self._under_shim(tmp, quota, mode)
         proc = subprocess.Popen(
             [sys.executable, "-c", code],
             env=env,

@@ -6,10 +6,10 @@ against the same requests run one at a time (device machine only).
 
 from __future__ import annotations
 
-import queue
-
 import pytest
 import torch
+
+from .runs import run_requests, tokens
 
 pytestmark = pytest.mark.gpu
 
@@ -81,7 +81,7 @@ def test_64_concurrent_requests_match_one_at_a_time(models, tmp_path):
     from tokenizers import models as tok_models
 
     from omni.engine.checkpoint import Checkpoint
-    from omni.engine.engine import Engine, GenerationRequest
+    from omni.engine.engine import Engine
     from omni.engine.sampling import SamplingParams
     from omni.engine.tokenizer import TextTokenizer
 
@@ -97,16 +97,7 @@ def test_64_concurrent_requests_match_one_at_a_time(models, tmp_path):
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 
     def run(batch_of_prompts):
-        queues = [queue.Queue() for _ in batch_of_prompts]
-        for p, q in zip(batch_of_prompts, queues, strict=True):
-            engine.submit(GenerationRequest(p, params), q.put)
-        out = []
-        for q in queues:
-            steps = [q.get(timeout=600)]
-            while not steps[-1].finished:
-                steps.append(q.get(timeout=600))
-            out.append([t for s in steps for t in s.token_ids])
-        return out
+        return [tokens(r) for r in run_requests(engine, batch_of_prompts, params, 600)]
 
     try:
         together = run(prompts)
