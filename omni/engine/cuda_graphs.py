@@ -57,7 +57,7 @@ class DecodeGraphs:
             seq_lens=self.seq_lens[:b],
             cu_seqlens_q=self.cu[: b + 1],
             max_q_len=1,
-            decode_only=True,
+            num_decodes=b,
         )
 
     def _capture(self, b: int) -> None:

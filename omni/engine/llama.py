@@ -106,15 +106,53 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, new_residual)
 
 
+def paged_attention(q, k_cache, v_cache, step, scale: float) -> torch.Tensor:
+    """Decoding sequences through the decode kernel, the rest through the prefill one.
+
+    Which kernel a token meets depends on its own sequence only (never on its batch
+    neighbours), so a request computes the same numbers alone or among others.
+    """
+    if q.device.type != "cuda":
+        return paged_attention_ref(
+            q, k_cache, v_cache, step.block_tables, step.seq_lens, step.cu_seqlens_q, scale
+        )
+    nd = step.num_decodes
+    if step.decode_only:
+        return paged_decode(q, k_cache, v_cache, step.block_tables, step.seq_lens, scale)
+    prefill = paged_prefill(
+        q[nd:],
+        k_cache,
+        v_cache,
+        step.block_tables[nd:],
+        step.seq_lens[nd:],
+        step.cu_seqlens_q[nd:] - nd if nd else step.cu_seqlens_q,
+        scale,
+        step.max_q_len,
+    )
+    if not nd:
+        return prefill
+    decode = paged_decode(
+        q[:nd], k_cache, v_cache, step.block_tables[:nd], step.seq_lens[:nd], scale
+    )
+    return torch.cat([decode, prefill])
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same checkpoint names) through the `ops` switch."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops(x.device).linear(x, self.weight, self.bias)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, q_dim, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q_dim, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, q_dim, bias=cfg.attention_bias)
+        self.k_proj = Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
+        self.v_proj = Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
+        self.o_proj = Linear(q_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -130,33 +168,16 @@ class Attention(nn.Module):
         q = ops(x.device).rope_and_cache(
             q, k, v, step.positions, inv_freq, kc, vc, step.slot_mapping
         )
-        scale = cfg.head_dim**-0.5
-        if x.device.type != "cuda":
-            out = paged_attention_ref(
-                q, kc, vc, step.block_tables, step.seq_lens, step.cu_seqlens_q, scale
-            )
-        elif step.decode_only:
-            out = paged_decode(q, kc, vc, step.block_tables, step.seq_lens, scale)
-        else:
-            out = paged_prefill(
-                q,
-                kc,
-                vc,
-                step.block_tables,
-                step.seq_lens,
-                step.cu_seqlens_q,
-                scale,
-                step.max_q_len,
-            )
+        out = paged_attention(q, kc, vc, step, cfg.head_dim**-0.5)
         return self.o_proj(out.reshape(n, -1))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -194,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     @torch.inference_mode()

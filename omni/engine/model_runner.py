@@ -31,7 +31,11 @@ class StepInputs:
     seq_lens: torch.Tensor  # [seqs] int32: context length after this step
     cu_seqlens_q: torch.Tensor  # [seqs + 1] int32
     max_q_len: int
-    decode_only: bool  # one token per sequence: the split-KV decode kernel
+    num_decodes: int  # the first sequences decode one token each: the split-KV decode kernel
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_decodes == self.seq_lens.shape[0]
 
 
 class ModelRunner:
@@ -68,6 +72,9 @@ class ModelRunner:
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, StepInputs]:
         ids, positions, slots, seq_lens, cu = [], [], [], [], [0]
+        num_decodes = sum(not seq.is_prefilling for seq in batch.seqs)
+        if any(seq.is_prefilling for seq in batch.seqs[:num_decodes]):
+            raise ValueError("a batch lists its decoding sequences first")
         bs = self.block_size
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):  # per sequence, not token
             start = seq.num_computed
@@ -91,7 +98,7 @@ class ModelRunner:
             seq_lens=t(seq_lens, torch.int32),
             cu_seqlens_q=t(cu, torch.int32),
             max_q_len=max(batch.num_tokens),
-            decode_only=all(n == 1 for n in batch.num_tokens),
+            num_decodes=num_decodes,
         )
         return t(ids, torch.int64), step
 

@@ -39,5 +39,7 @@ class Sequence(BlockOwner):
 
     @property
     def is_prefilling(self) -> bool:
-        """More than the newest token still lacks its K/V (prompt, or recompute)."""
-        return self.num_uncomputed > 1
+        """Prompt tokens, or more than the newest token, still lack their K/V (a prompt
+        or a recompute). Otherwise the sequence decodes: its next step is one generated
+        token through the decode kernel, however its neighbours are batched."""
+        return self.num_uncomputed > 1 or self.num_computed < self.num_prompt_tokens

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from omni.engine.kernels import (
+    linear,
+    linear_ref,
     paged_attention_ref,
     paged_decode,
     paged_prefill,
@@ -76,6 +78,53 @@ def test_rope_and_cache(gen):
     torch.testing.assert_close(caches[0], caches[2], **TOL)
     torch.testing.assert_close(caches[1], caches[3], **TOL)
     assert caches[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear(gen, bias):
+    n, k = (6144, 4096) if GPU else (200, 96)  # K not a multiple of the tile in the interpreter
+    x, w = rand(77, k, gen=gen), rand(n, k, gen=gen, scale=k**-0.5)
+    b = rand(n, gen=gen) if bias else None
+    torch.testing.assert_close(linear(x, w, b), linear_ref(x, w, b), **TOL)
+
+
+def test_linear_rows_do_not_depend_on_the_batch(gen):
+    """Bit for bit: a row's output is the same alone, in a small batch and in a large one,
+    though the tile shape follows the row count. On the GPU the tensor cores chain one
+    accumulator through K whatever the tile; the interpreter's dot is numpy's, whose
+    summation order follows the tile, so there only one tile shape is compared."""
+    n, k = (4096, 14336) if GPU else (160, 256)
+    total = 300 if GPU else 64
+    x, w = rand(total, k, gen=gen), rand(n, k, gen=gen, scale=k**-0.5)
+    full = linear(x, w)
+    for size in (1, 7, 63, 64, 200, 299):
+        for start in {0, total - size} if size <= total else ():
+            rows = slice(start, start + size)
+            assert torch.equal(linear(x[rows], w), full[rows]), rows
+
+
+def test_paged_prefill_does_not_depend_on_the_chunking(gen):
+    """A prompt prefilled in one pass or in chunks gets bit-identical attention outputs."""
+    length = 200 if GPU else 40
+    q, kc, vc, table, lens, cu = paged_batch(gen, [length], [length])
+    scale, block_m = q.shape[-1] ** -0.5, 64 if GPU else 16
+    whole = paged_prefill(q, kc, vc, table, lens, cu, scale, max_q_len=length, block_m=block_m)
+    done = 0
+    for chunk in (length // 3, 1, length - length // 3 - 1):
+        end = done + chunk
+        part = paged_prefill(
+            q[done:end].contiguous(),
+            kc,
+            vc,
+            table,
+            torch.tensor([end], dtype=torch.int32, device=DEVICE),
+            torch.tensor([0, chunk], dtype=torch.int32, device=DEVICE),
+            scale,
+            max_q_len=chunk,
+            block_m=block_m,
+        )
+        assert torch.equal(part, whole[done:end]), (done, end)
+        done = end
 
 
 def paged_batch(gen, seq_lens, q_lens):

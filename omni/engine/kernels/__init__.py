@@ -1,20 +1,26 @@
 """Triton kernels of the engine, each with the pure-torch reference it is tested against.
 
 The GPU path runs the kernels, the CPU path the references: `ops(device)` picks.
+OMNI_BATCH_INVARIANT=0 swaps the batch-invariant linear layer for cuBLAS (faster
+at some shapes, but a request's output then depends on its batch neighbours).
 """
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import torch
 
 from .activation import silu_and_mul, silu_and_mul_ref
 from .attention import paged_attention_ref, paged_decode, paged_prefill
+from .matmul import linear, linear_ref
 from .norm import rms_norm, rms_norm_ref
 from .rope import rope_and_cache, rope_and_cache_ref
 
 __all__ = [
+    "linear",
+    "linear_ref",
     "ops",
     "paged_attention_ref",
     "paged_decode",
@@ -28,11 +34,19 @@ __all__ = [
 ]
 
 
+BATCH_INVARIANT = os.environ.get("OMNI_BATCH_INVARIANT", "1") != "0"
+
 _KERNELS = SimpleNamespace(
-    rms_norm=rms_norm, silu_and_mul=silu_and_mul, rope_and_cache=rope_and_cache
+    rms_norm=rms_norm,
+    silu_and_mul=silu_and_mul,
+    rope_and_cache=rope_and_cache,
+    linear=linear if BATCH_INVARIANT else linear_ref,
 )
 _REFERENCES = SimpleNamespace(
-    rms_norm=rms_norm_ref, silu_and_mul=silu_and_mul_ref, rope_and_cache=rope_and_cache_ref
+    rms_norm=rms_norm_ref,
+    silu_and_mul=silu_and_mul_ref,
+    rope_and_cache=rope_and_cache_ref,
+    linear=linear_ref,
 )
 
 
