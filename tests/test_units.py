@@ -107,9 +107,30 @@ def test_backoff_doubles_caps_and_resets_after_stable_uptime():
     [
         ("models = 3", "'models' must be an array"),
         ("[[models]]\nname = 'x'", r"models\[0\].path: required string"),
-        ("[[models]]\nname = 'x'\npath = '/x'\nquota = 1", r"models\[0\]: unknown key 'quota'"),
+        ("[[models]]\nname = 'x'\npath = '/x'\nquota = 1", r"models\[0\].quota: only with 'gpu'"),
+        ("[[models]]\nname = 'x'\npath = '/x'\nbudget = 1", r"models\[0\]: unknown key 'budget'"),
+        ("[[models]]\nname = 'x'\npath = '/x'\ngpu = 0", r"models\[0\].gpu: GPU 0 has no"),
+        (
+            "[[gpus]]\nindex = 0\nbudget = '1GiB'\n[[models]]\nname = 'x'\npath = '/x'\ngpu = 0",
+            r"models\[0\].quota: required with 'gpu'",
+        ),
+        (
+            "[[gpus]]\nindex = 0\nbudget = '1GiB'\n"
+            "[[models]]\nname = 'x'\npath = '/x'\ngpu = 0\nquota = '2GiB'",
+            r"models\[0\].quota: larger than the budget of GPU 0",
+        ),
+        ("[[gpus]]\nindex = 0\nbudget = 'lots'", r"gpus\[0\].budget: 'lots' is not a size"),
+        ("[[gpus]]\nindex = 0", r"gpus\[0\].budget: required"),
+        ("[[models]]\nname = 'x'\npath = '/x'\nruntime = 'vllm'", r"models\[0\].runtime"),
+        ("[[models]]\nname = 'x'\npath = '/x'\npermits = 0", r"models\[0\].permits"),
+        ("[[models]]\nname = 'x'\npath = '/x'\ncold = true", r"models\[0\].cold: only with"),
         ("default_models = 'yes'", "'default_models' must be true or false"),
-        ("listen = 1", "unknown key 'listen'"),
+        ("listen = 1", "'listen' must be 'host:port'"),
+        ("listen = 'localhost'", "'listen' must be 'host:port'"),
+        ("swap_timeout = -1", "'swap_timeout' must be a positive number"),
+        ("state_dir = 'relative'", "'state_dir' must be an absolute path"),
+        ("sandbox = 'none'", "'sandbox' must be"),
+        ("colour = 'blue'", "unknown key 'colour'"),
         ("[[models]\n", "invalid TOML"),
     ],
 )

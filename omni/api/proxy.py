@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Callable
 
 import aiohttp
 import orjson
@@ -33,6 +34,16 @@ _SKIP_HEADERS = {
 }
 
 
+USAGE_TAIL = 8192
+
+
+def report_usage(body: bytes, on_usage: Callable[[dict], None]) -> None:
+    with contextlib.suppress(ValueError, TypeError):
+        usage = orjson.loads(body).get("usage")
+        if isinstance(usage, dict):
+            on_usage(usage)
+
+
 def relay_headers(headers, drop: frozenset[str] = frozenset()) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in _SKIP_HEADERS | drop}
 
@@ -46,8 +57,10 @@ async def relay(
     upstream_name: str,
     retry_after_s: float = 1.0,
     drop_headers: frozenset[str] = frozenset(),
+    on_usage: Callable[[dict], None] | None = None,
 ) -> web.StreamResponse:
-    """`drop_headers`: request headers (lower case) not to pass on."""
+    """`drop_headers`: request headers (lower case) not to pass on; `on_usage`: called
+    with the response's `usage` object when it reports one (for token metrics)."""
     try:
         upstream = await session.request(
             request.method, url, data=body, headers=relay_headers(request.headers, drop_headers)
@@ -67,12 +80,21 @@ async def relay(
                 raise unavailable(
                     f"{upstream_name} failed while answering; retry shortly.", retry_after_s
                 ) from None
+            if on_usage and upstream.status == 200:
+                report_usage(data, on_usage)
             return web.Response(body=data, status=upstream.status, headers=headers)
         resp = web.StreamResponse(status=upstream.status, headers=headers)
         await resp.prepare(request)
         try:
+            tail = b""  # the usage chunk, when asked for, is the last event before [DONE]
             async for chunk in upstream.content.iter_any():
                 await resp.write(chunk)
+                tail = (tail + chunk)[-USAGE_TAIL:]
+            if on_usage:
+                for line in reversed(tail.split(b"\n")):
+                    if line.startswith(b"data: {") and b'"usage"' in line:
+                        report_usage(line[6:], on_usage)
+                        break
         except ConnectionResetError:
             pass  # our client left; leaving the `async with` drops the upstream too
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:

@@ -113,6 +113,13 @@ class Engine:
     def kv_capacity_tokens(self) -> int:
         return self.runner.num_blocks * self.runner.block_size
 
+    def memory_bytes(self) -> int:
+        """What the model holds: weights and the KV-cache pool."""
+        tensors = {t.data_ptr(): t for t in self.runner.model.state_dict().values()}  # tied once
+        weights = sum(t.numel() * t.element_size() for t in tensors.values())
+        cache = self.runner.k_cache.numel() * self.runner.k_cache.element_size() * 2
+        return weights + cache
+
     def stats(self) -> dict:
         """A snapshot for health checks and tests (read without the worker's lock)."""
         sched = self.scheduler

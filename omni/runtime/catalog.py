@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from omni.engine.checkpoint import Checkpoint
@@ -43,6 +43,19 @@ def parse_size(value) -> int:
     raise ValueError(f"{value!r} is not a size (e.g. 4GiB, 512MiB or a byte count)")
 
 
+RUNTIMES = {"omni"}  # the engine instances run; the catalog names it so others can follow
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where an instance runs and how much of it omnid lets in at once."""
+
+    gpu: int | None = None  # None: the CPU path
+    quota_bytes: int | None = None  # GPU memory, enforced by the shim
+    permits: int = 64  # requests at the instance at once; more wait, then get 429
+    cold: bool = False  # load, then swap out at once
+
+
 @dataclass(frozen=True)
 class ModelEntry:
     name: str
@@ -50,10 +63,17 @@ class ModelEntry:
     kind: str  # "generate" | "embed"
     origin: str  # "default" | "config" | "admin"
     limits: Limits = DEFAULT_LIMITS
+    placement: Placement = Placement()
+    runtime: str = "omni"
 
     @classmethod
     def from_path(
-        cls, name: str, path: str | Path, origin: str, limits: Limits = DEFAULT_LIMITS
+        cls,
+        name: str,
+        path: str | Path,
+        origin: str,
+        limits: Limits = DEFAULT_LIMITS,
+        placement: Placement = Placement(),
     ) -> ModelEntry:
         """Validate the name and the checkpoint now, so a bad entry never reaches an instance."""
         if not isinstance(name, str) or not NAME_RE.match(name):
@@ -61,7 +81,7 @@ class ModelEntry:
                 f"model name {name!r} is invalid: use 1-64 letters, digits, '.', '_' or '-'"
             )
         ckpt = Checkpoint.open(Path(path).resolve())  # CheckpointError names the file
-        return cls(name, ckpt.path, ckpt.kind, origin, limits)
+        return cls(name, ckpt.path, ckpt.kind, origin, limits, placement)
 
     def to_json(self) -> dict:
         return {
@@ -69,9 +89,14 @@ class ModelEntry:
             "path": str(self.path),
             "kind": self.kind,
             "origin": self.origin,
+            "runtime": self.runtime,
             "memory_bytes": self.limits.memory_bytes,
             "cpus": self.limits.cpu_cores,
             "pids": self.limits.pids,
+            "gpu": self.placement.gpu,
+            "quota_bytes": self.placement.quota_bytes,
+            "permits": self.placement.permits,
+            "cold": self.placement.cold,
         }
 
 
@@ -80,34 +105,134 @@ class ModelConfig:
     name: str
     path: str
     limits: Limits = DEFAULT_LIMITS
+    placement: Placement = Placement()
 
 
 @dataclass(frozen=True)
 class NodeConfig:
-    default_models: bool
-    models: list[ModelConfig]
+    default_models: bool = True
+    models: list[ModelConfig] = field(default_factory=list)
+    gpus: dict[int, int] = field(default_factory=dict)  # index -> memory budget in bytes
+    listen: tuple[str, int] | None = None
+    state_dir: Path | None = None
+    runtime_dir: Path | None = None
+    sandbox: str | None = None
+    swap_timeout_s: float = 30.0
+    request_timeout_s: float = 60.0
 
 
-MODEL_KEYS = {"name", "path", "memory", "cpus", "pids"}
+NODE_KEYS = {
+    "default_models",
+    "models",
+    "gpus",
+    "listen",
+    "state_dir",
+    "runtime_dir",
+    "sandbox",
+    "swap_timeout",
+    "request_timeout",
+}
+MODEL_KEYS = {
+    "name",
+    "path",
+    "runtime",
+    "memory",
+    "cpus",
+    "pids",
+    "gpu",
+    "quota",
+    "permits",
+    "cold",
+}
+GPU_KEYS = {"index", "budget"}
 
 
-def _limits(item: dict, where: str) -> Limits:
+def _positive_int(item: dict, key: str, where: str, minimum: int = 1) -> int:
+    value = item[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise CatalogError(f"{where}.{key}: must be an integer of at least {minimum}")
+    return value
+
+
+def _size(item: dict, key: str, where: str) -> int:
+    try:
+        return parse_size(item[key])
+    except ValueError as exc:
+        raise CatalogError(f"{where}.{key}: {exc}") from None
+
+
+def _seconds(data: dict, key: str, where: str, default: float) -> float:
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise CatalogError(f"{where}: '{key}' must be a positive number of seconds")
+    return float(value)
+
+
+def limits_from(item: dict, where: str) -> Limits:
     memory, cpus, pids = DEFAULT_LIMITS.memory_bytes, None, DEFAULT_LIMITS.pids
     if "memory" in item:
-        try:
-            memory = parse_size(item["memory"])
-        except ValueError as exc:
-            raise CatalogError(f"{where}.memory: {exc}") from None
+        memory = _size(item, "memory", where)
     if "cpus" in item:
         cpus = item["cpus"]
         if isinstance(cpus, bool) or not isinstance(cpus, int | float) or cpus <= 0:
             raise CatalogError(f"{where}.cpus: must be a positive number of cores")
         cpus = float(cpus)
     if "pids" in item:
-        pids = item["pids"]
-        if isinstance(pids, bool) or not isinstance(pids, int) or pids < 8:
-            raise CatalogError(f"{where}.pids: must be an integer of at least 8")
+        pids = _positive_int(item, "pids", where, minimum=8)
     return Limits(memory_bytes=memory, cpu_cores=cpus, pids=pids)
+
+
+def placement_from(item: dict, where: str, gpus: dict[int, int] | None) -> Placement:
+    """`gpus`: the configured budgets to check against (None: checked by the node)."""
+    gpu = quota = None
+    if "gpu" in item:
+        gpu = _positive_int(item, "gpu", where, minimum=0)
+        if gpus is not None and gpu not in gpus:
+            raise CatalogError(f"{where}.gpu: GPU {gpu} has no [[gpus]] entry with a budget")
+        if "quota" not in item:
+            raise CatalogError(f"{where}.quota: required with 'gpu'")
+    if "quota" in item:
+        if gpu is None:
+            raise CatalogError(f"{where}.quota: only with 'gpu'")
+        quota = _size(item, "quota", where)
+        if gpus is not None and quota > gpus[gpu]:
+            raise CatalogError(f"{where}.quota: larger than the budget of GPU {gpu}")
+    permits = _positive_int(item, "permits", where) if "permits" in item else Placement.permits
+    cold = item.get("cold", False)
+    if not isinstance(cold, bool):
+        raise CatalogError(f"{where}.cold: must be true or false")
+    if cold and gpu is None:
+        raise CatalogError(f"{where}.cold: only with 'gpu' (a CPU instance cannot swap)")
+    return Placement(gpu, quota, permits, cold)
+
+
+def _gpus(data: dict, path: Path) -> dict[int, int]:
+    items = data.get("gpus", [])
+    if not isinstance(items, list):
+        raise CatalogError(f"{path}: 'gpus' must be an array of tables ([[gpus]])")
+    gpus: dict[int, int] = {}
+    for i, item in enumerate(items):
+        where = f"{path}: gpus[{i}]"
+        if not isinstance(item, dict):
+            raise CatalogError(f"{where}: must be a table")
+        extra = set(item) - GPU_KEYS
+        if extra:
+            raise CatalogError(f"{where}: unknown key {sorted(extra)[0]!r}")
+        for key in GPU_KEYS:
+            if key not in item:
+                raise CatalogError(f"{where}.{key}: required")
+        index = _positive_int(item, "index", where, minimum=0)
+        if index in gpus:
+            raise CatalogError(f"{where}.index: GPU {index} is already listed")
+        gpus[index] = _size(item, "budget", where)
+    return gpus
+
+
+def _listen(value, path: Path) -> tuple[str, int]:
+    host, _, port = value.rpartition(":") if isinstance(value, str) else ("", "", "")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise CatalogError(f"{path}: 'listen' must be 'host:port', e.g. '127.0.0.1:8081'")
+    return host.strip("[]"), int(port)
 
 
 def load_config(path: Path) -> NodeConfig:
@@ -118,12 +243,19 @@ def load_config(path: Path) -> NodeConfig:
         raise CatalogError(f"{path}: not found") from None
     except tomllib.TOMLDecodeError as exc:
         raise CatalogError(f"{path}: invalid TOML ({exc})") from None
-    unknown = set(data) - {"default_models", "models"}
+    unknown = set(data) - NODE_KEYS
     if unknown:
         raise CatalogError(f"{path}: unknown key {sorted(unknown)[0]!r}")
     defaults = data.get("default_models", True)
     if not isinstance(defaults, bool):
         raise CatalogError(f"{path}: 'default_models' must be true or false")
+    for key in ("state_dir", "runtime_dir"):
+        if key in data and not (isinstance(data[key], str) and data[key].startswith("/")):
+            raise CatalogError(f"{path}: '{key}' must be an absolute path")
+    sandbox = data.get("sandbox")
+    if sandbox is not None and sandbox not in ("auto", "isolated", "process"):
+        raise CatalogError(f"{path}: 'sandbox' must be 'auto', 'isolated' or 'process'")
+    gpus = _gpus(data, path)
     models = data.get("models", [])
     if not isinstance(models, list):
         raise CatalogError(f"{path}: 'models' must be an array of tables ([[models]])")
@@ -138,7 +270,28 @@ def load_config(path: Path) -> NodeConfig:
         for key in ("name", "path"):
             if not isinstance(item.get(key), str):
                 raise CatalogError(f"{where}.{key}: required string")
+        if item.get("runtime", "omni") not in RUNTIMES:
+            raise CatalogError(
+                f"{where}.runtime: {item['runtime']!r} is not one of {sorted(RUNTIMES)}"
+            )
         if any(m.name == item["name"] for m in out):
             raise CatalogError(f"{where}.name: {item['name']!r} is already listed")
-        out.append(ModelConfig(item["name"], item["path"], _limits(item, where)))
-    return NodeConfig(defaults, out)
+        out.append(
+            ModelConfig(
+                item["name"],
+                item["path"],
+                limits_from(item, where),
+                placement_from(item, where, gpus),
+            )
+        )
+    return NodeConfig(
+        default_models=defaults,
+        models=out,
+        gpus=gpus,
+        listen=_listen(data["listen"], path) if "listen" in data else None,
+        state_dir=Path(data["state_dir"]) if "state_dir" in data else None,
+        runtime_dir=Path(data["runtime_dir"]) if "runtime_dir" in data else None,
+        sandbox=sandbox,
+        swap_timeout_s=_seconds(data, "swap_timeout", str(path), 30.0),
+        request_timeout_s=_seconds(data, "request_timeout", str(path), 60.0),
+    )

@@ -15,20 +15,25 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 
+from omni.api.errors import ApiError
+from omni.cudashim import ControlBlock, Mode
+from omni.cudashim import instance_env as shim_env
 from omni.isolation.sandbox import ExitStatus, Sandbox, SandboxSpec
 
 from .catalog import ModelEntry
+from .residency import GpuPool, Tenant
 
 log = logging.getLogger(__name__)
 
 SandboxFactory = Callable[[SandboxSpec], Sandbox]
 
 
-ENV_PASSED = {"PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH"}
+ENV_PASSED = {"PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "LD_LIBRARY_PATH"}
 ENV_PREFIXES_PASSED = ("OMNI_", "CUDA_", "NVIDIA_", "TRITON_", "TORCH_", "OMP_", "HF_")
 
 
@@ -40,6 +45,15 @@ def instance_env() -> dict[str, str]:
     env.setdefault("PATH", "/usr/local/bin:/usr/bin:/bin")
     env.update(PYTHONDONTWRITEBYTECODE="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
     return env
+
+
+@dataclass(frozen=True)
+class GpuPlacement:
+    """What a GPU instance needs beyond a CPU one: its GPU's pool and the shim."""
+
+    pool: GpuPool
+    shim_library: Path
+    owner_uid: int | None  # the sandbox uid, which writes its half of the control block
 
 
 class State(enum.StrEnum):
@@ -77,9 +91,20 @@ class Instance:
         socket_dir: Path,
         sandbox_factory: SandboxFactory,
         backoff: Backoff | None = None,
+        gpu: GpuPlacement | None = None,
     ):
         self.entry = entry
         self.socket_path = socket_dir / entry.name / "sock"
+        self.control_path = socket_dir / entry.name / "cuda.ctl"  # visible in its sandbox
+        self.gpu = gpu
+        self.tenant = (
+            Tenant(entry.name, entry.placement.quota_bytes or 0, self.restart)
+            if gpu is not None
+            else None
+        )
+        self.permits = asyncio.Semaphore(entry.placement.permits)
+        self.in_flight = 0
+        self.waiting = 0  # requests waiting for a permit
         self._factory = sandbox_factory
         self._backoff = backoff or Backoff()
         self.state = State.STOPPED
@@ -92,6 +117,7 @@ class Instance:
         self._sandbox: Sandbox | None = None
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
+        self._restart_reason: str | None = None
         self.session = aiohttp.ClientSession(
             connector=aiohttp.UnixConnector(path=str(self.socket_path)),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
@@ -120,9 +146,10 @@ class Instance:
         await self.session.close()
         self.socket_path.unlink(missing_ok=True)
 
-    def restart(self) -> None:
+    def restart(self, reason: str | None = None) -> None:
         """Kill the process; supervision starts a fresh one at once."""
         self._backoff.failures = 0
+        self._restart_reason = reason
         self._wake.set()
 
     async def wait_ready(self, timeout_s: float) -> bool:
@@ -145,6 +172,10 @@ class Instance:
             "uptime_s": round(uptime, 1),
             "restarts": self.restarts,
             "last_exit": self.last_exit,
+            "gpu": self.entry.placement.gpu,
+            "permits": self.entry.placement.permits,
+            "in_flight": self.in_flight,
+            **(self.tenant.to_json() if self.tenant else {}),
         }
 
     def _spec(self) -> SandboxSpec:
@@ -162,9 +193,33 @@ class Instance:
         env = instance_env()
         if self.entry.limits.memory_bytes:
             env["OMNI_MEMORY_LIMIT_BYTES"] = str(self.entry.limits.memory_bytes)
+        gpus, extra_ro = None, ()
+        if self.gpu is not None:
+            index = self.gpu.pool.index
+            env.update(shim_env(self.control_path, self.gpu.shim_library))
+            env["CUDA_VISIBLE_DEVICES"] = str(index)
+            gpus = (index,)
+            libs = [Path(p) for p in env.get("LD_LIBRARY_PATH", "").split(":") if p]
+            extra_ro = (self.gpu.shim_library.parent, *(p for p in libs if p.is_dir()))
         return SandboxSpec(
-            self.name, argv, env, self.entry.path, self.socket_path.parent, self.entry.limits
+            self.name,
+            argv,
+            env,
+            self.entry.path,
+            self.socket_path.parent,
+            self.entry.limits,
+            gpus=gpus,
+            extra_ro=extra_ro,
         )
+
+    async def _claim_gpu(self) -> None:
+        """A fresh control block for the new process, and room for it on its GPU."""
+        assert self.gpu is not None and self.tenant is not None
+        self.control_path.parent.mkdir(parents=True, exist_ok=True)
+        block = ControlBlock.create(
+            self.control_path, self.tenant.quota_bytes, Mode.MANAGED, owner=self.gpu.owner_uid
+        )
+        await self.gpu.pool.starting(self.tenant, block)
 
     async def _supervise(self) -> None:
         while not self._stopping:
@@ -172,6 +227,8 @@ class Instance:
             self._wake.clear()
             t0 = time.monotonic()
             try:
+                if self.gpu is not None:
+                    await self._claim_gpu()
                 self._sandbox = self._factory(self._spec())
                 await self._sandbox.start()
             except Exception as exc:  # could not even start: back off like a crash
@@ -185,6 +242,8 @@ class Instance:
                     exit_status = ExitStatus(None, f"teardown-failed: {exc}")
             self._ready.clear()
             self._sandbox = None
+            if self.gpu is not None and self.tenant is not None:
+                await self.gpu.pool.stopped(self.tenant)
             if self._stopping:
                 break
             self.restarts += 1
@@ -210,7 +269,8 @@ class Instance:
                 return exited.result()
             self.state = State.STOPPING
             status = await self._sandbox.stop()
-            reason = "unhealthy" if checker.done() else "restarted"
+            reason = "unhealthy" if checker.done() else (self._restart_reason or "restarted")
+            self._restart_reason = None
             return ExitStatus(status.returncode, reason)
         finally:
             for fut in (checker, woken):
@@ -233,6 +293,11 @@ class Instance:
                 log.error("instance %s not healthy after %.0fs", self.name, self.START_TIMEOUT_S)
                 return
             await asyncio.sleep(0.1)
+        if self.gpu is not None and self.tenant is not None:
+            try:
+                await self.gpu.pool.ready(self.tenant, self.entry.placement.cold)
+            except ApiError:  # the cold swap-out failed: the pool asked for a restart
+                return
         self.state = State.READY
         self.started_at = time.time()
         self._ready.set()

@@ -1,24 +1,33 @@
 """omnid, the per-node daemon: catalog, instance supervision, inference and admin APIs.
 
-- HTTP (TCP) inference endpoint: OpenAI-compatible, routed to the model's instance.
-- Admin API (HTTP/JSON on a Unix socket): list, load, unload, restart; `omnictl` speaks it.
+- HTTP (TCP) inference endpoint: OpenAI-compatible, routed to the model's instance,
+  and Prometheus `/metrics`.
+- Admin API (HTTP/JSON on a Unix socket, 0660 root:omni, peers checked by SO_PEERCRED):
+  list, load, unload, restart, swap in/out, drain; `omnictl` speaks it.
+- GPU instances run under the CUDA shim; a residency pool per GPU keeps the
+  instances resident on it within its memory budget (see residency.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import grp
 import hashlib
+import json
 import logging
 import os
 import signal
+import socket
+import struct
 import time
 from dataclasses import replace
 from pathlib import Path
 
 from aiohttp import web
 
-from omni import paths
+from omni import paths, sdnotify
 from omni.api.errors import ApiError, error_middleware, json_response, model_not_found, unavailable
 from omni.api.proxy import relay
 from omni.api.schemas import (
@@ -27,6 +36,7 @@ from omni.api.schemas import (
     EmbeddingRequest,
     parse_request,
 )
+from omni.cudashim import ShimBuildError, library_path
 from omni.engine.checkpoint import CheckpointError
 from omni.isolation import seccomp
 from omni.isolation.cgroups import CgroupError, CgroupManager
@@ -35,14 +45,25 @@ from omni.isolation.sandbox import ProcessSandbox, SandboxSpec
 from omni.isolation.view import ViewConfig
 from omni.logs import setup_logging
 
-from .catalog import CatalogError, ModelEntry, load_config
+from .catalog import (
+    CatalogError,
+    ModelEntry,
+    NodeConfig,
+    limits_from,
+    load_config,
+    placement_from,
+)
 from .defaults import MINILM_PACKAGE, SMOLLM_PACKAGE, default_entries, package_dir
-from .instance import Instance, SandboxFactory
+from .instance import GpuPlacement, Instance, SandboxFactory
+from .metrics import CONTENT_TYPE, Metrics
+from .residency import GpuPool
 
 log = logging.getLogger("omnid")
 
 SANDBOX_UID_BASE = 200_000  # outside the range of any real account
 MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
+ADMIN_GROUP = "omni"  # members may use the admin socket
+PERMIT_QUEUE = 4  # requests that may wait for a permit, per permit
 # endpoint -> (schema, model kind that serves it)
 ENDPOINTS = {
     "/v1/chat/completions": (ChatCompletionRequest, "generate"),
@@ -52,15 +73,36 @@ ENDPOINTS = {
 
 
 class Node:
-    """The node's catalog and one supervised instance per model."""
+    """The node's catalog, one supervised instance per model, and its GPUs' pools."""
 
-    def __init__(self, runtime_dir: Path, ready_wait_s: float = 30.0):
+    def __init__(
+        self,
+        runtime_dir: Path,
+        ready_wait_s: float = 30.0,
+        gpus: dict[int, int] | None = None,
+        swap_timeout_s: float = 30.0,
+        request_timeout_s: float = 60.0,
+        state_dir: Path | None = None,
+    ):
         self.socket_dir = paths.instance_socket_dir(runtime_dir)
         self.ready_wait_s = ready_wait_s
+        self.request_timeout_s = request_timeout_s
         self.instances: dict[str, Instance] = {}
         self.started = int(time.time())
         self.sandbox_factory: SandboxFactory = ProcessSandbox
+        self.isolated = False  # instances get their own uids (sandboxed as root)
+        self.draining = False
+        self.catalog = CatalogStore(state_dir) if state_dir else None
+        self.metrics = Metrics(lambda: list(self.instances.values()), self.pools_list)
+        self.pools = {
+            index: GpuPool(index, budget, swap_timeout_s, observer=self.metrics.observe_swap)
+            for index, budget in (gpus or {}).items()
+        }
+        self._shim: Path | None = None
         self._uids: dict[str, int] = {}
+
+    def pools_list(self) -> list[GpuPool]:
+        return list(self.pools.values())
 
     def sandbox_uid(self, name: str) -> int:
         """Each instance its own unprivileged uid: no shared files, signals or rlimits."""
@@ -75,6 +117,27 @@ class Node:
             p for p in sources if p is not None
         )
 
+    def shim_library(self) -> Path:
+        """libomnicuda.so, built on first use (GPU instances only)."""
+        if self._shim is None:
+            try:
+                self._shim = library_path()
+            except ShimBuildError as exc:
+                raise ApiError(500, f"cannot build the CUDA shim: {exc}") from None
+        return self._shim
+
+    def _gpu_placement(self, entry: ModelEntry) -> GpuPlacement | None:
+        gpu = entry.placement.gpu
+        if gpu is None:
+            return None
+        pool = self.pools.get(gpu)
+        if pool is None:
+            raise ApiError(400, f"GPU {gpu} has no budget on this node.", param="gpu")
+        if (entry.placement.quota_bytes or 0) > pool.budget_bytes:
+            raise ApiError(400, f"The quota exceeds GPU {gpu}'s budget.", param="quota")
+        owner = self.sandbox_uid(entry.name) if self.isolated else None
+        return GpuPlacement(pool, self.shim_library(), owner)
+
     def add(self, entry: ModelEntry) -> Instance:
         if entry.name in self.instances:
             raise ApiError(
@@ -88,7 +151,12 @@ class Node:
                 "bytes; use a shorter runtime dir or model name.",
                 param="name",
             )
-        inst = Instance(entry, self.socket_dir, self.sandbox_factory)
+        if self.isolated:
+            check_readable_by_others(entry.path)
+        gpu = self._gpu_placement(entry)
+        inst = Instance(entry, self.socket_dir, self.sandbox_factory, gpu=gpu)
+        if gpu is not None and inst.tenant is not None:
+            gpu.pool.add(inst.tenant)
         self.instances[entry.name] = inst
         inst.start()
         return inst
@@ -98,6 +166,8 @@ class Node:
         if inst is None:
             raise model_not_found(name)
         await inst.stop()
+        if inst.gpu is not None:
+            await inst.gpu.pool.remove(name)
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(inst.stop() for inst in self.instances.values()))
@@ -108,6 +178,121 @@ class Node:
         if inst is None:
             raise model_not_found(name)
         return inst
+
+    @contextlib.asynccontextmanager
+    async def admission(self, inst: Instance, deadline: float):
+        """One of the instance's permits, and (on a GPU) its memory resident, for a request."""
+        if self.draining:
+            raise unavailable("This node is draining; retry on another node.", 5)
+        if inst.permits.locked() and inst.waiting >= PERMIT_QUEUE * inst.entry.placement.permits:
+            raise ApiError(
+                429,
+                f"Model '{inst.name}' is at capacity; retry shortly.",
+                code="rate_limit_exceeded",
+                retry_after=1,
+            )
+        inst.waiting += 1
+        try:
+            await asyncio.wait_for(inst.permits.acquire(), max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            raise unavailable(f"Model '{inst.name}' is busy; retry shortly.", 2) from None
+        finally:
+            inst.waiting -= 1
+        inst.in_flight += 1
+        try:
+            if inst.gpu is not None and inst.tenant is not None:
+                async with inst.gpu.pool.use(inst.tenant, deadline):
+                    yield
+            else:
+                yield
+        finally:
+            inst.in_flight -= 1
+            inst.permits.release()
+
+    async def drain(self) -> None:
+        """Stop routing, let in-flight requests finish, then stop every instance."""
+        self.draining = True
+        while any(i.in_flight for i in self.instances.values()):
+            await asyncio.sleep(0.1)
+        await self.shutdown()
+        log.info("node drained")
+
+
+def check_readable_by_others(model_dir: Path) -> None:
+    """A sandboxed instance runs as its own uid: it reads its model as 'other'."""
+    for path in [model_dir, *model_dir.rglob("*")]:
+        mode = path.stat().st_mode
+        need = 0o005 if path.is_dir() else 0o004
+        if mode & need != need:
+            raise ApiError(
+                400,
+                f"{path} is not readable by sandboxed instances (mode {mode & 0o777:o}); "
+                f"make it world-readable (chmod -R o+rX {model_dir}).",
+                param="path",
+            )
+
+
+class CatalogStore:
+    """Catalog changes made through the admin API, kept in the state dir across restarts."""
+
+    def __init__(self, state_dir: Path):
+        self.path = state_dir / "catalog.json"
+
+    def _read(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {"added": {}, "removed": []}
+        except (OSError, ValueError) as exc:
+            raise CatalogError(f"{self.path}: unreadable ({exc})") from None
+        return {"added": dict(data.get("added", {})), "removed": list(data.get("removed", []))}
+
+    def _write(self, data: dict) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, self.path)
+
+    def apply(self, entries: list[ModelEntry]) -> list[ModelEntry]:
+        """The configured entries, less those unloaded, plus those loaded through the API."""
+        data = self._read()
+        out = [e for e in entries if e.name not in data["removed"]]
+        for name, spec in data["added"].items():
+            if any(e.name == name for e in out):
+                continue
+            try:
+                out.append(entry_from_spec(name, spec))
+            except (CatalogError, CheckpointError) as exc:
+                log.error("persisted model %s skipped: %s", name, exc)
+        return out
+
+    def loaded(self, name: str, spec: dict) -> None:
+        data = self._read()
+        data["added"][name] = spec
+        data["removed"] = [n for n in data["removed"] if n != name]
+        self._write(data)
+
+    def unloaded(self, name: str, origin: str) -> None:
+        data = self._read()
+        data["added"].pop(name, None)
+        if origin != "admin" and name not in data["removed"]:
+            data["removed"].append(name)
+        self._write(data)
+
+
+SPEC_KEYS = {"path", "gpu", "quota", "permits", "cold", "memory", "cpus", "pids"}
+
+
+def entry_from_spec(name, spec: dict) -> ModelEntry:
+    """A catalog entry from an admin request's fields (the config's keys, by name)."""
+    extra = set(spec) - SPEC_KEYS - {"name"}
+    if extra:
+        raise CatalogError(f"unknown parameter {sorted(extra)[0]!r}")
+    path = spec.get("path")
+    if not isinstance(path, str) or not path:
+        raise CatalogError("'path' is required")
+    limits = limits_from(spec, "model")
+    placement = placement_from(spec, "model", None)
+    return ModelEntry.from_path(name, path, "admin", limits, placement)
 
 
 def sandbox_factory(mode: str, runtime_dir: Path, node: Node) -> SandboxFactory:
@@ -136,6 +321,7 @@ def sandbox_factory(mode: str, runtime_dir: Path, node: Node) -> SandboxFactory:
     log.info(
         "sandboxing instances (cgroup v%d, seccomp %s)", cgroups.version, "on" if bpf else "off"
     )
+    node.isolated = True
 
     def make(spec: SandboxSpec) -> IsolatedSandbox:
         uid = node.sandbox_uid(spec.name)
@@ -161,10 +347,24 @@ def inference_app(node: Node) -> web.Application:
         return json_response({"object": "list", "data": data})
 
     async def infer(request: web.Request) -> web.StreamResponse:
+        t0 = time.monotonic()
+        model, status = "-", 500
+        try:
+            resp = await route(request)
+            model, status = request["omni_model"], resp.status
+            return resp
+        except ApiError as exc:
+            model, status = request.get("omni_model", "-"), exc.status
+            raise
+        finally:
+            node.metrics.observe_request(model, request.path, status, time.monotonic() - t0)
+
+    async def route(request: web.Request) -> web.StreamResponse:
         schema, kind = ENDPOINTS[request.path]
         body = await request.read()
         req = parse_request(schema, body)
         inst = node.get(req.model)
+        request["omni_model"] = req.model
         if inst.entry.kind != kind:
             raise ApiError(
                 400,
@@ -172,37 +372,88 @@ def inference_app(node: Node) -> web.Application:
                 param="model",
                 code="wrong_model_kind",
             )
+        if node.draining:
+            raise unavailable("This node is draining; retry on another node.", 5)
         if not await inst.wait_ready(node.ready_wait_s):
             raise unavailable(
                 f"Model '{req.model}' is {inst.state}; retry shortly.", inst.retry_after_s()
             )
-        return await relay(
-            request,
-            inst.session,
-            inst.url(request.path),
-            body,
-            upstream_name=f"instance of '{req.model}'",
-            retry_after_s=inst.retry_after_s(),
-        )
+        async with node.admission(inst, time.monotonic() + node.request_timeout_s):
+            return await relay(
+                request,
+                inst.session,
+                inst.url(request.path),
+                body,
+                upstream_name=f"instance of '{req.model}'",
+                retry_after_s=inst.retry_after_s(),
+                on_usage=lambda usage: node.metrics.observe_usage(req.model, usage),
+            )
 
     async def healthz(_request: web.Request) -> web.Response:
+        if node.draining:
+            return json_response({"status": "draining"}, 503)
         return json_response({"status": "ok"})
+
+    async def metrics(_request: web.Request) -> web.Response:
+        body = await asyncio.to_thread(node.metrics.render)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
     app.router.add_get("/v1/models", models)
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
     for path in ENDPOINTS:
         app.router.add_post(path, infer)
     return app
 
 
+def peer_allowed(uid: int, gid: int, pid: int) -> bool:
+    """Root, omnid's own user, or a member of the `omni` group (SO_PEERCRED's identity)."""
+    if uid in (0, os.geteuid()):
+        return True
+    try:
+        omni_gid = grp.getgrnam(ADMIN_GROUP).gr_gid
+    except KeyError:
+        return False
+    if gid == omni_gid:
+        return True
+    try:  # supplementary groups of the connecting process
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Groups:"):
+                return str(omni_gid) in line.split()[1:]
+    except OSError:
+        pass
+    return False
+
+
+@web.middleware
+async def peer_credentials(request: web.Request, handler):
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    if sock is None or sock.family != socket.AF_UNIX:
+        raise ApiError(403, "The admin API is only served on its Unix socket.")
+    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    if not peer_allowed(uid, gid, pid):
+        log.warning("admin request refused: uid %d gid %d pid %d", uid, gid, pid)
+        raise ApiError(403, f"uid {uid} may not use omnid's admin API.", code="forbidden")
+    return await handler(request)
+
+
 def admin_app(node: Node) -> web.Application:
-    app = web.Application(middlewares=[error_middleware])
+    app = web.Application(middlewares=[error_middleware, peer_credentials])
 
     async def list_models(_request: web.Request) -> web.Response:
         return json_response({"models": [i.entry.to_json() for i in node.instances.values()]})
 
     async def list_instances(_request: web.Request) -> web.Response:
         return json_response({"instances": [i.to_json() for i in node.instances.values()]})
+
+    async def node_status(_request: web.Request) -> web.Response:
+        return json_response(
+            {
+                "draining": node.draining,
+                "instances": len(node.instances),
+                "gpus": [p.to_json() for p in node.pools.values()],
+            }
+        )
 
     async def load(request: web.Request) -> web.Response:
         try:
@@ -219,19 +470,25 @@ def admin_app(node: Node) -> web.Application:
             raise ApiError(
                 409, f"Model '{name}' is already loaded.", param="name", code="model_exists"
             )
+        spec = {k: v for k, v in body.items() if k != "name"}
         try:
-            entry = await asyncio.to_thread(ModelEntry.from_path, name, path, "admin")
+            entry = await asyncio.to_thread(entry_from_spec, name, spec)
         except (CatalogError, CheckpointError) as exc:
             raise ApiError(
-                400, str(exc), param="path" if isinstance(exc, CheckpointError) else "name"
+                400, str(exc), param="path" if isinstance(exc, CheckpointError) else None
             ) from None
         inst = node.add(entry)
+        if node.catalog:
+            node.catalog.loaded(name, spec)
         log.info("loaded %s from %s", name, entry.path)
         return json_response(inst.to_json(), 201)
 
     async def unload(request: web.Request) -> web.Response:
         name = request.match_info["name"]
+        origin = node.get(name).entry.origin
         await node.remove(name)
+        if node.catalog:
+            node.catalog.unloaded(name, origin)
         log.info("unloaded %s", name)
         return json_response({"name": name, "unloaded": True})
 
@@ -240,36 +497,82 @@ def admin_app(node: Node) -> web.Application:
         inst.restart()
         return json_response(inst.to_json(), 202)
 
+    async def swap(request: web.Request) -> web.Response:
+        inst = node.get(request.match_info["name"])
+        if inst.gpu is None or inst.tenant is None:
+            raise ApiError(409, f"Model '{inst.name}' has no GPU memory to swap.")
+        direction = request.match_info["direction"]
+        await inst.gpu.pool.force(inst.tenant, "out" if direction == "swap-out" else "in")
+        return json_response(inst.to_json())
+
+    async def drain(_request: web.Request) -> web.Response:
+        if not node.draining:
+            asyncio.get_running_loop().create_task(node.drain())
+        return json_response({"draining": True}, 202)
+
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/models", load)
     app.router.add_delete("/v1/models/{name}", unload)
     app.router.add_get("/v1/instances", list_instances)
     app.router.add_post("/v1/instances/{name}/restart", restart)
+    app.router.add_post("/v1/instances/{name}/{direction:swap-out|swap-in}", swap)
+    app.router.add_get("/v1/node", node_status)
+    app.router.add_post("/v1/node/drain", drain)
     return app
 
 
+def resolve(args: argparse.Namespace) -> tuple[argparse.Namespace, NodeConfig]:
+    """Flags over the config file over defaults."""
+    config = load_config(args.config) if args.config else NodeConfig()
+    host, port = config.listen or ("127.0.0.1", 8081)
+    env = os.environ.get
+    args.host = args.host or env("OMNID_HOST") or host
+    args.port = args.port or int(env("OMNID_PORT") or port)
+    args.runtime_dir = args.runtime_dir or config.runtime_dir or paths.runtime_dir()
+    args.data_dir = args.data_dir or config.state_dir or paths.data_dir()
+    args.sandbox = args.sandbox or env("OMNI_SANDBOX") or config.sandbox or "auto"
+    return args, config
+
+
+def secure_admin_socket(path: Path) -> None:
+    """0660 root:omni (the group when it exists): who may connect is checked again per peer."""
+    os.chmod(path, 0o660)
+    with contextlib.suppress(KeyError, PermissionError):
+        os.chown(path, -1, grp.getgrnam(ADMIN_GROUP).gr_gid)
+
+
 async def run(args: argparse.Namespace) -> None:
+    args, config = resolve(args)
     runtime_dir, data_dir = args.runtime_dir, args.data_dir
     runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
     data_dir.mkdir(parents=True, exist_ok=True)
-    config = load_config(args.config) if args.config else None
     entries: list[ModelEntry] = []
-    if args.defaults and (config is None or config.default_models):
+    if args.defaults and config.default_models:
         entries += await asyncio.to_thread(default_entries, data_dir)
-    for model in config.models if config else []:
+    for model in config.models:
         if any(e.name == model.name for e in entries):
             raise CatalogError(
                 f"{args.config}: model name {model.name!r} is taken by a default model"
             )
-        entries.append(ModelEntry.from_path(model.name, model.path, "config", model.limits))
+        entries.append(
+            ModelEntry.from_path(model.name, model.path, "config", model.limits, model.placement)
+        )
 
-    node = Node(runtime_dir, ready_wait_s=args.ready_wait)
+    node = Node(
+        runtime_dir,
+        ready_wait_s=args.ready_wait,
+        gpus=config.gpus,
+        swap_timeout_s=config.swap_timeout_s,
+        request_timeout_s=config.request_timeout_s,
+        state_dir=data_dir,
+    )
+    entries = node.catalog.apply(entries) if node.catalog else entries
     node.sandbox_factory = sandbox_factory(args.sandbox, runtime_dir, node)
     for entry in entries:
         try:
             node.add(entry)
-        except ApiError as exc:
-            raise CatalogError(f"model {entry.name!r}: {exc.message}") from None
+        except (ApiError, ValueError) as exc:
+            raise CatalogError(f"model {entry.name!r}: {getattr(exc, 'message', exc)}") from None
 
     runners = []
     inference = web.AppRunner(inference_app(node), handler_cancellation=True, access_log=None)
@@ -281,7 +584,7 @@ async def run(args: argparse.Namespace) -> None:
     admin = web.AppRunner(admin_app(node), access_log=None)
     await admin.setup()
     await web.UnixSite(admin, str(admin_path)).start()
-    os.chmod(admin_path, 0o660)
+    secure_admin_socket(admin_path)
     runners.append(admin)
     log.info(
         "omnid listening on http://%s:%d, admin socket %s; models: %s",
@@ -290,6 +593,8 @@ async def run(args: argparse.Namespace) -> None:
         admin_path,
         ", ".join(e.name for e in entries) or "none",
     )
+    sdnotify.notify("READY=1", f"STATUS=serving {len(entries)} models")
+    watchdog = asyncio.create_task(sdnotify.watchdog(lambda: True))
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -297,6 +602,8 @@ async def run(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("omnid stopping")
+    sdnotify.notify("STOPPING=1")
+    watchdog.cancel()
     for runner in runners:
         await runner.cleanup()
     await node.shutdown()
@@ -306,15 +613,17 @@ async def run(args: argparse.Namespace) -> None:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     env = os.environ.get
     parser = argparse.ArgumentParser(prog="omnid", description=__doc__)
-    parser.add_argument("--host", default=env("OMNID_HOST", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=int(env("OMNID_PORT", "8081")))
-    parser.add_argument("--runtime-dir", type=Path, default=paths.runtime_dir())
-    parser.add_argument("--data-dir", type=Path, default=paths.data_dir())
+    parser.add_argument("--host", help="inference address (config 'listen'; 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="inference port (config 'listen'; 8081)")
+    parser.add_argument("--runtime-dir", type=Path, help="admin socket, instance sockets")
+    parser.add_argument(
+        "--data-dir", type=Path, help="state: persisted catalog, imported default models"
+    )
     parser.add_argument(
         "--config",
         type=Path,
         default=env("OMNID_CONFIG"),
-        help="TOML config with [[models]] entries",
+        help="TOML config (e.g. /etc/omni/omnid.toml)",
     )
     parser.add_argument(
         "--no-defaults",
@@ -325,8 +634,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--sandbox",
         choices=["auto", "isolated", "process"],
-        default=env("OMNI_SANDBOX", "auto"),
-        help="isolated: cgroups + namespaces (needs root); auto: isolated when root",
+        help="isolated: cgroups + namespaces (needs root); auto (default): isolated when root",
     )
     parser.add_argument(
         "--ready-wait",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import logging
 import os
 import signal
@@ -27,13 +28,19 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
     """Load the model behind the routes its kind serves."""
     app = web.Application(middlewares=[error_middleware], client_max_size=64 << 20)
     if ckpt.kind == "generate":
+        import torch
+
         from omni.engine.engine import Engine
         from omni.engine.llama import LlamaForCausalLM
         from omni.engine.tokenizer import TextTokenizer
 
         from .textgen import TextGenRoutes
 
-        engine = Engine(LlamaForCausalLM.load(ckpt), TextTokenizer(ckpt))
+        on_gpu = torch.cuda.is_available()
+        device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
+        engine = Engine(LlamaForCausalLM.load(ckpt, device, dtype), TextTokenizer(ckpt))
+        if not on_gpu and os.environ.get("OMNI_CUDA_CONTROL"):
+            account_on_shim(engine.memory_bytes())
         TextGenRoutes(engine, name).add_to(app)
         extra_health = engine.stats
         app.on_shutdown.append(lambda _app: asyncio.to_thread(engine.shutdown))
@@ -60,6 +67,29 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
 
     app.router.add_get("/health", health)
     return app
+
+
+_SHIM_STAND_IN: list[ctypes.c_void_p] = []  # kept alive for the process's lifetime
+
+
+def account_on_shim(nbytes: int) -> None:
+    """A CPU instance placed on a GPU budget (CI, over a fake CUDA): hold as much unified
+    memory through the CUDA runtime as its weights and KV cache take, so the shim counts
+    it and omnid's swaps move it exactly as they would a GPU instance's."""
+    for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12"):
+        try:
+            cudart = ctypes.CDLL(name)
+            break
+        except OSError:
+            continue
+    else:
+        raise RuntimeError("placed on a GPU, but there is neither a GPU nor a CUDA runtime")
+    ptr = ctypes.c_void_p()
+    rc = cudart.cudaMallocManaged(ctypes.byref(ptr), ctypes.c_size_t(nbytes), 1)
+    if rc != 0:
+        raise RuntimeError(f"cudaMallocManaged({nbytes}) failed with error {rc} (over quota?)")
+    _SHIM_STAND_IN.append(ptr)
+    log.info("CPU instance accounted on the CUDA shim: %.1f MiB", nbytes / (1 << 20))
 
 
 async def serve(name: str, model_dir: Path, socket_path: Path) -> None:

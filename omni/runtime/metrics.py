@@ -1,0 +1,175 @@
+"""Prometheus metrics of omnid: what it serves, how fast, and where GPU memory is.
+
+Request counters and histograms are updated as requests finish; everything
+about instances (state, residency, memory per instance from the shim's control
+blocks, per GPU from NVML) is read when Prometheus scrapes, so it is never stale.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+SWAP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class NodeCollector(Collector):
+    """Gauges read from the node at scrape time."""
+
+    def __init__(self, instances: Callable[[], Iterable], pools: Callable[[], Iterable]):
+        self._instances, self._pools = instances, pools
+        self._nvml = _Nvml()
+
+    def collect(self):
+        state = GaugeMetricFamily(
+            "omni_instance_state", "1 for the state the instance is in", labels=["model", "state"]
+        )
+        residency = GaugeMetricFamily(
+            "omni_instance_residency",
+            "1 for where the instance's GPU memory is",
+            labels=["model", "residency"],
+        )
+        used = GaugeMetricFamily(
+            "omni_instance_gpu_memory_used_bytes",
+            "GPU memory the instance holds (its shim's count)",
+            labels=["model", "gpu"],
+        )
+        quota = GaugeMetricFamily(
+            "omni_instance_gpu_memory_quota_bytes", "GPU memory quota", labels=["model", "gpu"]
+        )
+        in_flight = GaugeMetricFamily(
+            "omni_instance_requests_in_flight", "Requests at the instance", labels=["model"]
+        )
+        restarts = GaugeMetricFamily(
+            "omni_instance_restarts", "Restarts since omnid started", labels=["model"]
+        )
+        for inst in self._instances():
+            info = inst.to_json()
+            name = info["name"]
+            state.add_metric([name, info["state"]], 1)
+            in_flight.add_metric([name], info["in_flight"])
+            restarts.add_metric([name], info["restarts"])
+            if "residency" in info:
+                gpu = str(info["gpu"])
+                residency.add_metric([name, info["residency"]], 1)
+                used.add_metric([name, gpu], info["used_bytes"])
+                quota.add_metric([name, gpu], info["quota_bytes"])
+        yield from (state, residency, used, quota, in_flight, restarts)
+
+        budget = GaugeMetricFamily(
+            "omni_gpu_budget_bytes", "GPU memory budget for instances", labels=["gpu"]
+        )
+        charged = GaugeMetricFamily(
+            "omni_gpu_resident_quota_bytes",
+            "Sum of the quotas of the instances resident on the GPU",
+            labels=["gpu"],
+        )
+        waiting = GaugeMetricFamily(
+            "omni_gpu_swap_waiting_requests", "Requests waiting for a swap-in", labels=["gpu"]
+        )
+        for pool in self._pools():
+            gpu = str(pool.index)
+            budget.add_metric([gpu], pool.budget_bytes)
+            charged.add_metric([gpu], pool.charged_bytes)
+            waiting.add_metric([gpu], pool.waiting)
+        yield from (budget, charged, waiting)
+
+        device = GaugeMetricFamily(
+            "omni_gpu_memory_used_bytes", "Device memory in use (NVML)", labels=["gpu"]
+        )
+        total = GaugeMetricFamily(
+            "omni_gpu_memory_total_bytes", "Device memory (NVML)", labels=["gpu"]
+        )
+        for index, used_b, total_b in self._nvml.memory():
+            device.add_metric([str(index)], used_b)
+            total.add_metric([str(index)], total_b)
+        yield from (device, total)
+
+
+class _Nvml:
+    """Per-GPU memory through nvidia-ml-py, when it and a driver are present."""
+
+    def __init__(self):
+        self._nvml = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+        except Exception as exc:  # no package, no driver, no GPU: no per-GPU gauges
+            log.debug("NVML unavailable: %s", exc)
+
+    def memory(self) -> list[tuple[int, int, int]]:
+        if self._nvml is None:
+            return []
+        out = []
+        try:
+            for i in range(self._nvml.nvmlDeviceGetCount()):
+                info = self._nvml.nvmlDeviceGetMemoryInfo(self._nvml.nvmlDeviceGetHandleByIndex(i))
+                out.append((i, int(info.used), int(info.total)))
+        except Exception as exc:
+            log.warning("NVML query failed: %s", exc)
+        return out
+
+
+class Metrics:
+    def __init__(self, instances: Callable[[], Iterable], pools: Callable[[], Iterable]):
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "omni_requests",
+            "Inference requests by outcome",
+            ["model", "endpoint", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "omni_request_duration_seconds",
+            "Time to the last byte of the response",
+            ["model", "endpoint"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.tokens = Counter(
+            "omni_tokens",
+            "Tokens processed, from the responses' usage",
+            ["model", "kind"],
+            registry=self.registry,
+        )
+        self.swaps = Counter(
+            "omni_swaps", "Swaps by direction", ["model", "direction"], registry=self.registry
+        )
+        self.swap_seconds = Histogram(
+            "omni_swap_duration_seconds",
+            "Swap durations as the shim measured them",
+            ["direction"],
+            buckets=SWAP_BUCKETS,
+            registry=self.registry,
+        )
+        self.swap_bytes = Counter(
+            "omni_swapped_bytes", "Bytes moved by swaps", ["direction"], registry=self.registry
+        )
+        self.registry.register(NodeCollector(instances, pools))
+
+    def observe_request(self, model: str, endpoint: str, status: int, seconds: float) -> None:
+        self.requests.labels(model, endpoint, str(status)).inc()
+        self.latency.labels(model, endpoint).observe(seconds)
+
+    def observe_usage(self, model: str, usage: dict | None) -> None:
+        for kind in ("prompt_tokens", "completion_tokens"):
+            if usage and isinstance(usage.get(kind), int):
+                self.tokens.labels(model, kind.removesuffix("_tokens")).inc(usage[kind])
+
+    def observe_swap(self, model: str, direction: str, result) -> None:
+        self.swaps.labels(model, direction).inc()
+        self.swap_seconds.labels(direction).observe(result.seconds)
+        self.swap_bytes.labels(direction).inc(result.bytes)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,293 @@
+"""Which instances hold GPU memory: a budget per GPU, LRU swap-out, one shared swap-in.
+
+Every GPU instance has a quota (the shim enforces it) and is charged its whole
+quota while its memory is on the GPU, so the instances resident on a GPU can
+never use more than its budget, though their quotas together may exceed it
+many times. A request for a swapped-out instance waits (boundedly) while the
+pool swaps out the least recently used idle instances and swaps the wanted one
+in; swaps of one GPU run one at a time, and concurrent requests for the same
+cold instance share one swap-in. A swap that fails or times out marks the
+instance unhealthy (its supervisor restarts it); the waiting requests get 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from omni.api.errors import ApiError, unavailable
+from omni.cudashim import ControlBlock, SwapError, SwapResult, swap_in, swap_out
+
+log = logging.getLogger(__name__)
+
+SWAP_HISTORY = 100  # recent swaps kept per instance for the admin API
+
+
+class Residency(enum.StrEnum):
+    STOPPED = "stopped"  # no process: charged nothing
+    STARTING = "starting"  # loading its weights: charged
+    RESIDENT = "resident"  # on the GPU: charged
+    MOVING = "moving"  # being swapped (either way): charged
+    SWAPPED = "swapped"  # in host memory: charged nothing
+
+
+CHARGED = {Residency.STARTING, Residency.RESIDENT, Residency.MOVING}
+
+
+@dataclass(frozen=True)
+class SwapRecord:
+    direction: str  # "in" | "out"
+    seconds: float  # as the shim measured it
+    bytes: int
+    at: float  # unix time
+
+    def to_json(self) -> dict:
+        return {
+            "direction": self.direction,
+            "seconds": round(self.seconds, 6),
+            "bytes": self.bytes,
+            "at": self.at,
+        }
+
+
+SwapObserver = Callable[[str, str, SwapResult], None]  # (instance, direction, result)
+
+
+@dataclass(eq=False)
+class Tenant:
+    """One instance's standing on its GPU."""
+
+    name: str
+    quota_bytes: int
+    on_failure: Callable[[str], None]  # restart the instance, with the reason
+    block: ControlBlock | None = None
+    state: Residency = Residency.STOPPED
+    in_flight: int = 0
+    last_used: float = 0.0  # monotonic
+    last_used_unix: float | None = None
+    swaps_in: int = 0
+    swaps_out: int = 0
+    history: deque[SwapRecord] = field(default_factory=lambda: deque(maxlen=SWAP_HISTORY))
+    _swap_in: asyncio.Task | None = None
+
+    def to_json(self) -> dict:
+        stats = self.block.stats() if self.block is not None else {}
+        return {
+            "residency": str(self.state),
+            "quota_bytes": self.quota_bytes,
+            "used_bytes": stats.get("used_bytes", 0),
+            "peak_bytes": stats.get("peak_bytes", 0),
+            "swaps_in": self.swaps_in,
+            "swaps_out": self.swaps_out,
+            "in_flight": self.in_flight,
+            "last_used": self.last_used_unix,
+            "swap_history": [r.to_json() for r in self.history],
+        }
+
+
+class GpuPool:
+    """The instances of one GPU and its memory budget."""
+
+    def __init__(
+        self,
+        index: int,
+        budget_bytes: int,
+        swap_timeout_s: float = 30.0,
+        max_waiting: int = 256,
+        observer: SwapObserver | None = None,
+    ):
+        self.index = index
+        self.budget_bytes = budget_bytes
+        self.swap_timeout_s = swap_timeout_s
+        self.max_waiting = max_waiting
+        self.observer = observer
+        self.tenants: dict[str, Tenant] = {}
+        self.waiting = 0
+        self._cond = asyncio.Condition()  # its lock serializes this GPU's swaps
+
+    # ------------------------------------------------------------- accounting
+
+    @property
+    def charged_bytes(self) -> int:
+        return sum(t.quota_bytes for t in self.tenants.values() if t.state in CHARGED)
+
+    def add(self, tenant: Tenant) -> None:
+        if tenant.quota_bytes > self.budget_bytes:
+            raise ValueError(
+                f"quota of {tenant.name} ({tenant.quota_bytes} bytes) exceeds the budget "
+                f"of GPU {self.index} ({self.budget_bytes} bytes)"
+            )
+        self.tenants[tenant.name] = tenant
+
+    async def remove(self, name: str) -> None:
+        async with self._cond:
+            self.tenants.pop(name, None)
+            self._cond.notify_all()
+
+    def to_json(self) -> dict:
+        return {
+            "index": self.index,
+            "budget_bytes": self.budget_bytes,
+            "charged_bytes": self.charged_bytes,
+            "resident": sorted(n for n, t in self.tenants.items() if t.state in CHARGED),
+            "waiting": self.waiting,
+        }
+
+    # --------------------------------------------------- instance lifecycle
+
+    async def starting(self, tenant: Tenant, block: ControlBlock) -> None:
+        """A new process is about to load its weights: make room for its quota first."""
+        async with self._cond:
+            await self._make_room(tenant, deadline=None)
+            tenant.block = block
+            tenant.state = Residency.STARTING
+            tenant._swap_in = None
+            self._cond.notify_all()
+
+    async def ready(self, tenant: Tenant, cold: bool) -> None:
+        """Loaded: resident now, or swapped out at once when it was asked to start cold."""
+        async with self._cond:
+            tenant.state = Residency.RESIDENT
+            tenant.last_used = time.monotonic()
+            self._cond.notify_all()
+            if cold:
+                await self._swap(tenant, "out")
+
+    async def stopped(self, tenant: Tenant) -> None:
+        """The process is gone, and its memory with it."""
+        async with self._cond:
+            tenant.state = Residency.STOPPED
+            if tenant.block is not None:
+                tenant.block.close()
+                tenant.block = None
+            self._cond.notify_all()
+
+    # -------------------------------------------------------------- requests
+
+    @contextlib.asynccontextmanager
+    async def use(self, tenant: Tenant, deadline: float) -> AsyncIterator[None]:
+        """Hold `tenant` resident for one request (swapping it in if needed)."""
+        if tenant.state is not Residency.RESIDENT:
+            await self._bring_in(tenant, deadline)
+        tenant.in_flight += 1
+        tenant.last_used, tenant.last_used_unix = time.monotonic(), time.time()
+        try:
+            yield
+        finally:
+            tenant.in_flight -= 1
+            tenant.last_used, tenant.last_used_unix = time.monotonic(), time.time()
+            if tenant.in_flight == 0:
+                async with self._cond:
+                    self._cond.notify_all()
+
+    async def _bring_in(self, tenant: Tenant, deadline: float) -> None:
+        if self.waiting >= self.max_waiting:
+            raise unavailable(f"GPU {self.index} has too many requests waiting for a swap.", 1.0)
+        self.waiting += 1
+        try:
+            while tenant.state is not Residency.RESIDENT:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise unavailable(f"Model '{tenant.name}' could not be swapped in in time.", 2)
+                if tenant.state is Residency.SWAPPED:
+                    if tenant._swap_in is None or tenant._swap_in.done():
+                        tenant._swap_in = asyncio.create_task(self._swap_in_task(tenant))
+                    # shielded: a request that gives up does not cancel the others' swap-in
+                    await asyncio.wait_for(asyncio.shield(tenant._swap_in), left)
+                else:  # starting, moving out, or restarting: wait for its next state
+                    async with self._cond:
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(
+                                self._cond.wait_for(lambda: tenant.state is Residency.RESIDENT),
+                                min(left, 0.5),
+                            )
+        except TimeoutError:
+            message = f"Model '{tenant.name}' could not be swapped in in time."
+            raise unavailable(message, 2) from None
+        finally:
+            self.waiting -= 1
+
+    async def _swap_in_task(self, tenant: Tenant) -> None:
+        async with self._cond:
+            if tenant.state is not Residency.SWAPPED:
+                return  # restarted or removed meanwhile
+            await self._make_room(tenant, deadline=None)
+            await self._swap(tenant, "in")
+
+    # ----------------------------------------------------------------- admin
+
+    async def force(self, tenant: Tenant, direction: str) -> None:
+        """Swap out (if idle) or in, now."""
+        async with self._cond:
+            if direction == "out":
+                if tenant.state is not Residency.RESIDENT:
+                    raise ApiError(409, f"Model '{tenant.name}' is {tenant.state}, not resident.")
+                if tenant.in_flight:
+                    raise ApiError(409, f"Model '{tenant.name}' has requests in flight.")
+                await self._swap(tenant, "out")
+            else:
+                if tenant.state is not Residency.SWAPPED:
+                    raise ApiError(409, f"Model '{tenant.name}' is {tenant.state}, not swapped.")
+                await self._make_room(tenant, deadline=time.monotonic() + self.swap_timeout_s)
+                await self._swap(tenant, "in")
+
+    # -------------------------------------------------------------- internals
+
+    async def _make_room(self, tenant: Tenant, deadline: float | None) -> None:
+        """With the lock held: swap out LRU idle instances until `tenant` fits the budget,
+        waiting (lock released) while every charged instance is busy."""
+        while self.charged_bytes + tenant.quota_bytes > self.budget_bytes:
+            idle = [
+                t
+                for t in self.tenants.values()
+                if t is not tenant and t.state is Residency.RESIDENT and t.in_flight == 0
+            ]
+            if idle:
+                with contextlib.suppress(ApiError):  # a failed victim restarts: charged 0
+                    await self._swap(min(idle, key=lambda t: t.last_used), "out")
+                continue
+            timeout = None if deadline is None else deadline - time.monotonic()
+            if timeout is not None and timeout <= 0:
+                raise unavailable(f"GPU {self.index} has no idle instance to swap out.", 2)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._cond.wait(), 1.0 if timeout is None else timeout)
+
+    async def _swap(self, tenant: Tenant, direction: str) -> None:
+        """With the lock held: move `tenant`'s memory; a failure restarts the instance."""
+        block = tenant.block
+        if block is None:
+            raise unavailable(f"Model '{tenant.name}' is restarting.", 2)
+        tenant.state = Residency.MOVING
+        move = swap_in if direction == "in" else swap_out
+        try:
+            result = await asyncio.to_thread(move, block, self.swap_timeout_s)
+        except (SwapError, OSError) as exc:
+            log.error("swap %s of %s failed: %s; restarting it", direction, tenant.name, exc)
+            tenant.state = Residency.STOPPED  # charged nothing once the process is killed
+            tenant.on_failure(f"swap-{direction} failed: {exc}")
+            self._cond.notify_all()
+            message = f"Model '{tenant.name}' failed to swap and is restarting."
+            raise unavailable(message, 5) from None
+        tenant.state = Residency.RESIDENT if direction == "in" else Residency.SWAPPED
+        if direction == "in":
+            tenant.swaps_in += 1
+            tenant.last_used = time.monotonic()  # its waiters are about to use it: not a victim
+        else:
+            tenant.swaps_out += 1
+        tenant.history.append(SwapRecord(direction, result.seconds, result.bytes, time.time()))
+        if self.observer:
+            self.observer(tenant.name, direction, result)
+        log.info(
+            "swapped %s %s: %.1f MiB in %.1f ms",
+            direction,
+            tenant.name,
+            result.bytes / (1 << 20),
+            result.seconds * 1e3,
+        )
+        self._cond.notify_all()

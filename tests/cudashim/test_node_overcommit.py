@@ -1,0 +1,236 @@
+"""A node packing 13 instances on one GPU budget that holds 3, on the CPU.
+
+The instances run the CPU engine under the real shim, over the fake CUDA: each
+one holds its weights' and KV cache's size in unified memory through the CUDA
+runtime, so the shim accounts for it and omnid's swaps move it as on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import transformers
+from prometheus_client.parser import text_string_to_metric_families
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from tests.conftest import free_port, wait_until
+
+MODELS = 13
+QUOTA = 48 << 20
+BUDGET = 3 * QUOTA  # fits 3 of the 13
+
+
+def make_checkpoint(path: Path) -> None:
+    cfg = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
+    transformers.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
+    vocab = {f"t{i}": i for i in range(96)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path / "tokenizer.json"))
+    for f in path.iterdir():  # transformers writes weights 0600; the sandbox reads as other
+        f.chmod(0o644)
+
+
+class Node:
+    def __init__(self, log_dir: Path, fake, cold: set[str]):
+        # The sandboxes' own uids must reach the models and the fake CUDA: pytest's
+        # tmp dirs are 0700, so both go to a world-readable dir.
+        tmp = Path(tempfile.mkdtemp(prefix="omni-overcommit-", dir="/tmp"))
+        tmp.chmod(0o755)
+        self.root = tmp
+        libdir = tmp / "cuda"
+        shutil.copytree(fake.libdir, libdir, symlinks=True, ignore=shutil.ignore_patterns("shim"))
+        libdir.chmod(0o755)
+        base = tmp / "models" / "base"
+        make_checkpoint(base)
+        lines = ["request_timeout = 120\n", f'[[gpus]]\nindex = 0\nbudget = "{BUDGET}"\n']
+        self.names = [f"m{i:02d}" for i in range(MODELS)]
+        for name in self.names:
+            shutil.copytree(base, tmp / "models" / name)
+            lines.append(
+                f'[[models]]\nname = "{name}"\npath = "{tmp / "models" / name}"\n'
+                f"gpu = 0\nquota = {QUOTA}\npermits = 4\ncold = {str(name in cold).lower()}\n"
+            )
+        config = tmp / "omnid.toml"
+        config.write_text("\n".join(lines))
+        self.port = free_port()
+        self.runtime_dir = Path(tempfile.mkdtemp(prefix="omni-", dir="/tmp")) / "run"
+        self.log_path = log_dir / "omnid.log"
+        env = {
+            **os.environ,
+            "LD_LIBRARY_PATH": str(libdir),  # the fake CUDA, passed on to instances
+            "OMNI_KV_CACHE_BYTES": str(2 << 20),
+            "OMNI_TORCH_THREADS": "1",
+        }
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "omni.runtime.omnid",
+                "--config",
+                str(config),
+                "--no-defaults",
+                "--port",
+                str(self.port),
+                "--runtime-dir",
+                str(self.runtime_dir),
+                "--data-dir",
+                str(tmp / "state"),
+            ],
+            stdout=self.log_path.open("w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+
+    def admin(self) -> httpx.Client:
+        return httpx.Client(
+            transport=httpx.HTTPTransport(uds=str(self.runtime_dir / "omnid.sock")),
+            base_url="http://omnid",
+            timeout=30,
+        )
+
+    def instances(self) -> dict[str, dict]:
+        with self.admin() as c:
+            return {i["name"]: i for i in c.get("/v1/instances").json()["instances"]}
+
+    def log(self) -> str:
+        return self.log_path.read_text()[-6000:]
+
+    def complete(self, model: str) -> httpx.Response:
+        return httpx.post(
+            f"http://127.0.0.1:{self.port}/v1/completions",
+            json={"model": model, "prompt": "t1 t2 t3 t4", "max_tokens": 3, "temperature": 0},
+            timeout=180,
+        )
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def node(fake, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("overcommit")
+    n = Node(tmp, fake, cold={f"m{i:02d}" for i in range(0, MODELS, 2)})
+
+    def all_ready():
+        if n.proc.poll() is not None:
+            raise AssertionError(f"omnid exited:\n{n.log()}")
+        try:
+            inst = n.instances()
+        except httpx.TransportError:
+            return None
+        return len(inst) == MODELS and all(i["state"] == "ready" for i in inst.values())
+
+    try:
+        wait_until(all_ready, 400, "13 instances ready", interval_s=0.5)
+        yield n
+    finally:
+        if n.proc.poll() is None:
+            n.stop()
+
+
+def test_random_traffic_over_13_instances_stays_within_the_budget(node):
+    over_budget, samples = [], []
+    done = threading.Event()
+
+    def watch():
+        while not done.is_set():
+            inst = node.instances()
+            charged = [i for i in inst.values() if i["residency"] in ("resident", "moving")]
+            used = sum(i["used_bytes"] for i in charged)
+            samples.append(len(charged))
+            if used > BUDGET or len(charged) > 3:
+                over_budget.append({n: i["residency"] for n, i in inst.items()})
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    rng = random.Random(7)
+    picks = [rng.choice(node.names) for _ in range(60)]
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            responses = list(pool.map(node.complete, picks))
+    finally:
+        done.set()
+        watcher.join()
+    failed = [(m, r.status_code, r.text[:200]) for m, r in zip(picks, responses, strict=True)]
+    failed = [f for f in failed if f[1] != 200]
+    assert not failed, f"{failed}\n{node.log()}"
+    assert all(len(r.json()["choices"][0]["text"]) > 0 for r in responses)
+    assert not over_budget, over_budget[:3]
+    assert samples and max(samples) <= 3
+    inst = node.instances()
+    assert sum(i["swaps_in"] for i in inst.values()) >= 10
+    assert sum(i["swaps_out"] for i in inst.values()) >= 10
+    # each swap moved the instance's whole accounted memory, as the shim measured it
+    for i in inst.values():
+        for swap in i["swap_history"]:
+            assert 0 < swap["bytes"] <= QUOTA
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(
+            httpx.get(f"http://127.0.0.1:{node.port}/metrics").text
+        )
+        for s in family.samples
+    }
+    swaps_in = sum(
+        v
+        for (n, labels), v in samples.items()
+        if n == "omni_swaps_total" and ("direction", "in") in labels
+    )
+    assert swaps_in == sum(i["swaps_in"] for i in inst.values())
+    assert samples[("omni_gpu_budget_bytes", (("gpu", "0"),))] == BUDGET
+    assert samples[("omni_gpu_resident_quota_bytes", (("gpu", "0"),))] <= BUDGET
+    ok = sum(
+        v
+        for (n, labels), v in samples.items()
+        if n == "omni_requests_total" and ("status", "200") in labels
+    )
+    assert ok >= len(picks)
+
+
+def test_concurrent_requests_for_a_cold_instance_share_one_swap_in(node):
+    name = node.names[5]
+    with node.admin() as c:
+        before = c.get("/v1/instances").json()
+        state = {i["name"]: i for i in before["instances"]}[name]
+        if state["residency"] == "resident":
+            r = c.post(f"/v1/instances/{name}/swap-out")
+            assert r.status_code == 200, r.text
+            assert r.json()["residency"] == "swapped"
+    swaps_before = node.instances()[name]["swaps_in"]
+    with ThreadPoolExecutor(6) as pool:
+        responses = list(pool.map(node.complete, [name] * 6))
+    assert [r.status_code for r in responses] == [200] * 6
+    after = node.instances()[name]
+    assert after["swaps_in"] == swaps_before + 1
+    assert after["residency"] == "resident"
+
+
+def test_admin_swap_errors_are_clear(node):
+    name = node.names[1]
+    with node.admin() as c:
+        node.complete(name)  # resident now
+        assert c.post(f"/v1/instances/{name}/swap-in").status_code == 409
+        assert c.post("/v1/instances/nope/swap-out").status_code == 404
