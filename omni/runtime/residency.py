@@ -6,7 +6,10 @@ never use more than its budget, though their quotas together may exceed it
 many times. A request for a swapped-out instance waits (boundedly) while the
 pool swaps out the least recently used idle instances and swaps the wanted one
 in; swaps of one GPU run one at a time, and concurrent requests for the same
-cold instance share one swap-in. A swap that fails or times out marks the
+cold instance share one swap-in. The victim is the idle instance with the least
+recent demand (requests decayed with a half-life, ties to the least recently
+used): plain LRU would evict the busiest model between two of its requests
+whenever a cold one arrives. A swap that fails or times out marks the
 instance unhealthy (its supervisor restarts it); the waiting requests get 503.
 """
 
@@ -27,6 +30,7 @@ from omni.cudashim import ControlBlock, SwapError, SwapResult, swap_in, swap_out
 log = logging.getLogger(__name__)
 
 SWAP_HISTORY = 100  # recent swaps kept per instance for the admin API
+DEMAND_HALF_LIFE_S = 30.0  # how fast a model's past requests stop protecting it
 
 
 class Residency(enum.StrEnum):
@@ -74,7 +78,16 @@ class Tenant:
     swaps_in: int = 0
     swaps_out: int = 0
     history: deque[SwapRecord] = field(default_factory=lambda: deque(maxlen=SWAP_HISTORY))
+    demand: float = 0.0  # requests, decayed to `demand_at`
+    demand_at: float = 0.0
     _swap_in: asyncio.Task | None = None
+
+    def demand_now(self, now: float) -> float:
+        return self.demand * 0.5 ** ((now - self.demand_at) / DEMAND_HALF_LIFE_S)
+
+    def requested(self) -> None:
+        now = time.monotonic()
+        self.demand, self.demand_at = self.demand_now(now) + 1.0, now
 
     def to_json(self) -> dict:
         stats = self.block.stats() if self.block is not None else {}
@@ -173,6 +186,7 @@ class GpuPool:
     @contextlib.asynccontextmanager
     async def use(self, tenant: Tenant, deadline: float) -> AsyncIterator[None]:
         """Hold `tenant` resident for one request (swapping it in if needed)."""
+        tenant.requested()
         if tenant.state is not Residency.RESIDENT:
             await self._bring_in(tenant, deadline)
         tenant.in_flight += 1
@@ -249,8 +263,10 @@ class GpuPool:
                 if t is not tenant and t.state is Residency.RESIDENT and t.in_flight == 0
             ]
             if idle:
+                now = time.monotonic()
+                victim = min(idle, key=lambda t: (t.demand_now(now), t.last_used))
                 with contextlib.suppress(ApiError):  # a failed victim restarts: charged 0
-                    await self._swap(min(idle, key=lambda t: t.last_used), "out")
+                    await self._swap(victim, "out")
                 continue
             timeout = None if deadline is None else deadline - time.monotonic()
             if timeout is not None and timeout <= 0:

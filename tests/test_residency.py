@@ -1,0 +1,124 @@
+"""The residency pool's policy, driven through stand-in control blocks.
+
+The blocks here answer swaps at once (or fail, or hang) so the pool's rules can
+be checked one by one; the same pool over the real shim and a fake CUDA is
+tested in tests/cudashim/test_node_overcommit.py, and on the GPU by the bench.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from omni.api.errors import ApiError
+from omni.cudashim import Residency as Where
+from omni.cudashim import SwapError, SwapResult
+from omni.runtime.residency import GpuPool, Residency, Tenant
+
+Q = 1 << 30
+
+
+class Block:
+    """Answers `move` like the shim: at once, after a delay, or with a failure."""
+
+    def __init__(self, delay_s: float = 0.0, fail: bool = False):
+        self.delay_s, self.fail, self.moves = delay_s, fail, []
+
+    def move(self, target: Where, timeout_s: float) -> SwapResult:
+        self.moves.append(target)
+        time.sleep(self.delay_s)
+        if self.fail:
+            raise SwapError("CUDA error 999")
+        return SwapResult(target, 0.01, Q // 2)
+
+    def close(self) -> None:
+        pass
+
+
+async def pool_with(names: list[str], budget_quotas: int, **blocks):
+    failures: list[tuple[str, str]] = []
+    pool = GpuPool(0, budget_quotas * Q, swap_timeout_s=5)
+    tenants = {}
+    for name in names:
+        t = Tenant(name, Q, lambda reason, n=name: failures.append((n, reason)))
+        pool.add(t)
+        await pool.starting(t, blocks.get(name) or Block())
+        await pool.ready(t, cold=True)
+        tenants[name] = t
+    return pool, tenants, failures
+
+
+async def request(pool, tenant, hold_s: float = 0.0, deadline_s: float = 5.0):
+    async with pool.use(tenant, time.monotonic() + deadline_s):
+        assert tenant.state is Residency.RESIDENT
+        assert pool.charged_bytes <= pool.budget_bytes
+        await asyncio.sleep(hold_s)
+
+
+def test_the_victim_is_the_least_demanded_idle_instance_not_the_least_recent():
+    async def main():
+        pool, t, _ = await pool_with(["hot", "rare", "new"], 2)
+        for _ in range(5):
+            await request(pool, t["hot"])
+        await request(pool, t["rare"])  # more recent than hot's last request
+        await request(pool, t["new"])  # needs room: rare goes, hot stays
+        return t
+
+    t = asyncio.run(main())
+    assert t["hot"].state is Residency.RESIDENT
+    assert t["rare"].state is Residency.SWAPPED
+    assert t["new"].state is Residency.RESIDENT
+
+
+def test_concurrent_requests_for_a_cold_instance_share_one_swap_in():
+    block = Block(delay_s=0.2)
+
+    async def main():
+        pool, t, _ = await pool_with(["a", "b"], 1, a=block)
+        await asyncio.gather(*(request(pool, t["a"]) for _ in range(6)))
+        return t
+
+    t = asyncio.run(main())
+    assert block.moves.count(Where.GPU) == 1
+    assert t["a"].swaps_in == 1
+
+
+def test_a_failed_swap_restarts_the_instance_and_answers_503():
+    async def main():
+        pool, t, failures = await pool_with(["a"], 1)
+        t["a"].block = Block(fail=True)
+        with pytest.raises(ApiError) as err:
+            await request(pool, t["a"])
+        return t, failures, err.value
+
+    t, failures, err = asyncio.run(main())
+    assert err.status == 503 and err.retry_after
+    assert failures and failures[0][0] == "a" and "swap-in failed" in failures[0][1]
+    assert t["a"].state is Residency.STOPPED
+
+
+def test_a_request_gives_up_with_503_when_every_resident_instance_stays_busy():
+    async def main():
+        pool, t, _ = await pool_with(["busy", "cold"], 1)
+        holder = asyncio.create_task(request(pool, t["busy"], hold_s=1.0))
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        with pytest.raises(ApiError) as err:
+            await request(pool, t["cold"], deadline_s=0.3)
+        waited = time.monotonic() - t0
+        await holder
+        await request(pool, t["cold"])  # once idle, the busy one can go
+        return err.value, waited, t
+
+    err, waited, t = asyncio.run(main())
+    assert err.status == 503
+    assert 0.25 < waited < 0.9
+    assert t["busy"].state is Residency.SWAPPED and t["cold"].state is Residency.RESIDENT
+
+
+def test_a_quota_larger_than_the_budget_is_refused():
+    pool = GpuPool(0, Q)
+    with pytest.raises(ValueError, match="exceeds the budget"):
+        pool.add(Tenant("big", 2 * Q, lambda _r: None))
