@@ -122,3 +122,19 @@ def test_a_quota_larger_than_the_budget_is_refused():
     pool = GpuPool(0, Q)
     with pytest.raises(ValueError, match="exceeds the budget"):
         pool.add(Tenant("big", 2 * Q, lambda _r: None))
+
+
+def test_a_much_hotter_idle_instance_is_spared_while_a_colder_one_finishes():
+    async def main():
+        pool, t, _ = await pool_with(["hot", "warm", "new"], 2)
+        for _ in range(10):
+            await request(pool, t["hot"])
+        holder = asyncio.create_task(request(pool, t["warm"], hold_s=0.3))
+        await asyncio.sleep(0.05)  # warm is busy, hot idle: hot would be plain LRU's pick
+        await request(pool, t["new"])
+        await holder
+        return t
+
+    t = asyncio.run(main())
+    assert t["hot"].state is Residency.RESIDENT and t["hot"].swaps_out == 1  # the cold start
+    assert t["warm"].state is Residency.SWAPPED

@@ -31,6 +31,10 @@ log = logging.getLogger(__name__)
 
 SWAP_HISTORY = 100  # recent swaps kept per instance for the admin API
 DEMAND_HALF_LIFE_S = 30.0  # how fast a model's past requests stop protecting it
+# An idle instance in much higher demand than the one coming in is spared for a moment
+# while a less wanted resident instance may still finish its requests.
+PROTECT_RATIO = 4.0
+PROTECT_WAIT_S = 2.0
 
 
 class Residency(enum.StrEnum):
@@ -256,15 +260,20 @@ class GpuPool:
     async def _make_room(self, tenant: Tenant, deadline: float | None) -> None:
         """With the lock held: swap out LRU idle instances until `tenant` fits the budget,
         waiting (lock released) while every charged instance is busy."""
+        spare_until = time.monotonic() + PROTECT_WAIT_S
         while self.charged_bytes + tenant.quota_bytes > self.budget_bytes:
-            idle = [
-                t
-                for t in self.tenants.values()
-                if t is not tenant and t.state is Residency.RESIDENT and t.in_flight == 0
-            ]
+            now = time.monotonic()
+            others = (t for t in self.tenants.values() if t is not tenant)
+            resident = [t for t in others if t.state is Residency.RESIDENT]
+            idle = [t for t in resident if t.in_flight == 0]
             if idle:
-                now = time.monotonic()
                 victim = min(idle, key=lambda t: (t.demand_now(now), t.last_used))
+                wanted = PROTECT_RATIO * max(tenant.demand_now(now), 1.0)
+                colder_busy = any(t.demand_now(now) < wanted for t in resident if t.in_flight)
+                if victim.demand_now(now) > wanted and colder_busy and now < spare_until:
+                    with contextlib.suppress(TimeoutError):  # a colder one may finish
+                        await asyncio.wait_for(self._cond.wait(), spare_until - now)
+                    continue
                 with contextlib.suppress(ApiError):  # a failed victim restarts: charged 0
                     await self._swap(victim, "out")
                 continue
