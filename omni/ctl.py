@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -67,29 +68,104 @@ def models(ctx: click.Context) -> None:
     _emit(ctx, data, "models", ["name", "kind", "origin", "path"])
 
 
+def _mib(value) -> str | None:
+    return None if value is None else f"{value / (1 << 20):.0f}"
+
+
+def _ago(unix: float | None) -> str | None:
+    return None if unix is None else f"{time.time() - unix:.0f}s"
+
+
 @main.command()
 @click.pass_context
 def instances(ctx: click.Context) -> None:
-    """List instances: state, pid, uptime, restarts."""
+    """List instances: state, residency, GPU memory, swaps, last use."""
     data = ctx.obj["admin"].call("GET", "/v1/instances")
+    for row in data["instances"]:
+        row["quota_mib"] = _mib(row.get("quota_bytes"))
+        row["used_mib"] = _mib(row.get("used_bytes"))
+        row["last_used"] = _ago(row.get("last_used"))
+        row["swaps"] = f"{row['swaps_in']}/{row['swaps_out']}" if row.get("residency") else None
     _emit(
         ctx,
         data,
         "instances",
-        ["name", "kind", "state", "pid", "uptime_s", "restarts", "last_exit"],
+        [
+            "name",
+            "state",
+            "residency",
+            "gpu",
+            "quota_mib",
+            "used_mib",
+            "swaps",
+            "in_flight",
+            "last_used",
+            "pid",
+            "restarts",
+            "last_exit",
+        ],
     )
 
 
 @main.command()
 @click.argument("name")
 @click.argument("path", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--gpu", type=int, help="Place it on this GPU (needs --quota).")
+@click.option("--quota", help="GPU memory quota, e.g. 4GiB.")
+@click.option("--permits", type=int, help="Requests at the instance at once.")
+@click.option("--cold", is_flag=True, help="Load, then swap out until first used.")
+@click.option("--memory", help="Host memory limit, e.g. 16GiB.")
 @click.pass_context
-def load(ctx: click.Context, name: str, path: Path) -> None:
-    """Add the HF checkpoint directory PATH to the catalog as NAME and start it."""
-    data = ctx.obj["admin"].call(
-        "POST", "/v1/models", json={"name": name, "path": str(path.resolve())}
-    )
+def load(ctx: click.Context, name: str, path: Path, **options) -> None:
+    """Add the HF checkpoint directory PATH to the catalog as NAME and start it.
+
+    The catalog change survives omnid restarts."""
+    body = {"name": name, "path": str(path.resolve())}
+    body.update({k: v for k, v in options.items() if v not in (None, False)})
+    data = ctx.obj["admin"].call("POST", "/v1/models", json=body)
     click.echo(json.dumps(data, indent=2) if ctx.obj["json"] else f"loaded {name}")
+
+
+@main.command("swap-out")
+@click.argument("name")
+@click.pass_context
+def swap_out(ctx: click.Context, name: str) -> None:
+    """Move NAME's GPU memory to host memory now (it must be idle)."""
+    data = ctx.obj["admin"].call("POST", f"/v1/instances/{name}/swap-out")
+    click.echo(json.dumps(data, indent=2) if ctx.obj["json"] else f"{name}: {data['residency']}")
+
+
+@main.command("swap-in")
+@click.argument("name")
+@click.pass_context
+def swap_in(ctx: click.Context, name: str) -> None:
+    """Bring NAME's memory back to its GPU now (swapping out others if needed)."""
+    data = ctx.obj["admin"].call("POST", f"/v1/instances/{name}/swap-in")
+    click.echo(json.dumps(data, indent=2) if ctx.obj["json"] else f"{name}: {data['residency']}")
+
+
+@main.command()
+@click.pass_context
+def node(ctx: click.Context) -> None:
+    """The node: draining or not, and each GPU's budget and resident instances."""
+    data = ctx.obj["admin"].call("GET", "/v1/node")
+    if ctx.obj["json"]:
+        click.echo(json.dumps(data, indent=2))
+        return
+    click.echo(f"draining: {data['draining']}, instances: {data['instances']}")
+    for gpu in data["gpus"]:
+        click.echo(
+            f"gpu {gpu['index']}: {_mib(gpu['charged_bytes'])}/{_mib(gpu['budget_bytes'])} MiB "
+            f"charged, resident: {', '.join(gpu['resident']) or '-'}, waiting: {gpu['waiting']}"
+        )
+
+
+@main.command()
+@click.pass_context
+def drain(ctx: click.Context) -> None:
+    """Stop taking requests, let those in flight finish, then stop every instance."""
+    ctx.obj["admin"].call("POST", "/v1/node/drain")
+    click.echo("draining")
 
 
 @main.command()

@@ -20,34 +20,14 @@ from pathlib import Path
 
 import httpx
 import pytest
-import transformers
 from prometheus_client.parser import text_string_to_metric_families
-from tokenizers import Tokenizer, models, pre_tokenizers
 
+from tests.checkpoints import tiny_llama
 from tests.conftest import free_port, wait_until
 
 MODELS = 13
 QUOTA = 48 << 20
 BUDGET = 3 * QUOTA  # fits 3 of the 13
-
-
-def make_checkpoint(path: Path) -> None:
-    cfg = transformers.LlamaConfig(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-    )
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-    vocab = {f"t{i}": i for i in range(96)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(path / "tokenizer.json"))
-    for f in path.iterdir():  # transformers writes weights 0600; the sandbox reads as other
-        f.chmod(0o644)
 
 
 class Node:
@@ -61,7 +41,7 @@ class Node:
         shutil.copytree(fake.libdir, libdir, symlinks=True, ignore=shutil.ignore_patterns("shim"))
         libdir.chmod(0o755)
         base = tmp / "models" / "base"
-        make_checkpoint(base)
+        tiny_llama(base)
         lines = ["request_timeout = 120\n", f'[[gpus]]\nindex = 0\nbudget = "{BUDGET}"\n']
         self.names = [f"m{i:02d}" for i in range(MODELS)]
         for name in self.names:

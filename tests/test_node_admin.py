@@ -1,0 +1,182 @@
+"""omnid as a node operator meets it: config, persisted catalog, admin socket, drain."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.checkpoints import tiny_llama
+from tests.conftest import free_port, wait_until
+
+NOBODY = 65534
+
+
+class Omnid:
+    def __init__(self, tmp: Path, config: str, runtime_dir: Path | None = None):
+        (tmp / "omnid.toml").write_text(config)
+        self.tmp, self.port = tmp, free_port()
+        self.runtime_dir = runtime_dir or Path(tempfile.mkdtemp(prefix="omni-", dir="/tmp"))
+        self.argv = [
+            sys.executable,
+            "-m",
+            "omni.runtime.omnid",
+            "--config",
+            str(tmp / "omnid.toml"),
+            "--no-defaults",
+            "--sandbox",
+            "process",
+            "--port",
+            str(self.port),
+            "--runtime-dir",
+            str(self.runtime_dir),
+        ]
+        self.log_path = tmp / "omnid.log"
+        self.proc = subprocess.Popen(
+            self.argv, stdout=self.log_path.open("a"), stderr=subprocess.STDOUT
+        )
+
+    @property
+    def socket(self) -> Path:
+        return self.runtime_dir / "omnid.sock"
+
+    def admin(self) -> httpx.Client:
+        transport = httpx.HTTPTransport(uds=str(self.socket))
+        return httpx.Client(transport=transport, base_url="http://omnid", timeout=30)
+
+    def models(self) -> list[str]:
+        def listed():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"omnid exited:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                with self.admin() as c:
+                    return c.get("/v1/models").json()  # truthy even with no models
+            except httpx.TransportError:
+                return None
+
+        return sorted(m["name"] for m in wait_until(listed, 60, "the admin API")["models"])
+
+    def wait_ready(self, name: str) -> None:
+        def ready():
+            with self.admin() as c:
+                inst = {i["name"]: i for i in c.get("/v1/instances").json()["instances"]}
+            return inst.get(name, {}).get("state") == "ready"
+
+        wait_until(ready, 120, f"{name} ready")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        assert self.proc.wait(timeout=60) == 0
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return tiny_llama(root / "a"), tiny_llama(root / "b")
+
+
+def test_catalog_changes_survive_an_omnid_restart(tmp_path, model_dirs):
+    a, b = model_dirs
+    config = f'state_dir = "{tmp_path / "state"}"\n[[models]]\nname = "a"\npath = "{a}"\n'
+    node = Omnid(tmp_path, config)
+    try:
+        assert node.models() == ["a"]
+        with node.admin() as c:
+            r = c.post("/v1/models", json={"name": "b", "path": str(b), "permits": 2})
+            assert r.status_code == 201, r.text
+            assert c.delete("/v1/models/a").status_code == 200
+        assert node.models() == ["b"]
+    finally:
+        node.stop()
+    saved = json.loads((tmp_path / "state" / "catalog.json").read_text())
+    assert list(saved["added"]) == ["b"] and saved["removed"] == ["a"]
+
+    again = Omnid(tmp_path, config, node.runtime_dir)  # same config, same state dir
+    try:
+        assert again.models() == ["b"]
+        with again.admin() as c:
+            b_entry = c.get("/v1/models").json()["models"][0]
+        assert b_entry["permits"] == 2 and b_entry["origin"] == "admin"
+    finally:
+        again.stop()
+
+
+def test_the_admin_socket_is_0660_and_checks_who_connects(tmp_path, model_dirs):
+    node = Omnid(tmp_path, "")
+    try:
+        node.models()
+        assert stat.S_IMODE(node.socket.stat().st_mode) == 0o660
+        node.runtime_dir.chmod(0o755)  # as /run/omni is
+        os.chmod(node.socket, 0o666)  # let anyone connect: SO_PEERCRED must still refuse
+        probe = (  # raw HTTP: nobody cannot read the interpreter's lazily imported modules
+            "import os, socket, sys; os.setgid(65534); os.setuid(65534);"
+            "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]);"
+            "s.sendall(b'GET /v1/models HTTP/1.0\\r\\nHost: omnid\\r\\n\\r\\n');"
+            "print(b''.join(iter(lambda: s.recv(4096), b'')).decode())"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", probe, str(node.socket)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.stdout.startswith("HTTP/1.0 403"), out.stdout + out.stderr
+        assert "uid 65534 may not use omnid's admin API" in out.stdout
+        with node.admin() as c:
+            assert c.get("/v1/models").status_code == 200  # root may
+    finally:
+        node.stop()
+
+
+def test_drain_finishes_what_is_in_flight_then_stops_everything(tmp_path, model_dirs):
+    a, _ = model_dirs
+    node = Omnid(tmp_path, f'[[models]]\nname = "a"\npath = "{a}"\n')
+    base = f"http://127.0.0.1:{node.port}"
+    try:
+        node.models()
+        node.wait_ready("a")
+        long = {"model": "a", "prompt": "t1 t2", "max_tokens": 200, "stream": True}
+        chunks: list[str] = []
+
+        def stream():
+            with httpx.stream("POST", f"{base}/v1/completions", json=long, timeout=120) as r:
+                for line in r.iter_lines():
+                    chunks.append(line)
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        wait_until(lambda: len(chunks) > 2, 60, "the stream to start")
+        with node.admin() as c:
+            assert c.post("/v1/node/drain").status_code == 202
+            assert c.get("/v1/node").json()["draining"] is True
+        refused = httpx.post(f"{base}/v1/completions", json={"model": "a", "prompt": "t1"})
+        assert refused.status_code == 503 and "Retry-After" in refused.headers
+        assert refused.json()["error"]["message"].startswith("This node is draining")
+        assert httpx.get(f"{base}/healthz").status_code == 503
+        reader.join(timeout=120)
+        events = [c for c in chunks if c]
+        assert events[-1] == "data: [DONE]"  # the request in flight was not cut off
+        assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] == "length"
+
+        def stopped():
+            with node.admin() as c:
+                return c.get("/v1/instances").json()["instances"] == []
+
+        wait_until(stopped, 30, "instances stopped")
+    finally:
+        node.stop()
+
+
+def test_an_invalid_config_keeps_omnid_from_starting(tmp_path):
+    node = Omnid(tmp_path, "[[gpus]]\nindex = 0\nbudget = 'plenty'\n")
+    assert node.proc.wait(timeout=60) == 2
+    assert "gpus[0].budget: 'plenty' is not a size" in node.log_path.read_text()
