@@ -37,12 +37,17 @@ def _emit(ctx: click.Context, data: dict, key: str, columns: list[str]) -> None:
     if ctx.obj["json"]:
         click.echo(json.dumps(data, indent=2))
         return
+    rows = data[key]
+    columns = [c for c in columns if any(r.get(c) is not None for r in rows)] or columns
     table = Table(box=None, header_style="bold")
     for col in columns:
-        table.add_column(col.upper())
-    for row in data[key]:
+        table.add_column(col.upper(), overflow="fold")
+    for row in rows:
         table.add_row(*("-" if row.get(c) is None else str(row.get(c)) for c in columns))
-    Console().print(table)
+    console = Console()
+    if not console.is_terminal:  # piped: never squeeze names to fit 80 columns
+        console = Console(width=400)
+    console.print(table)
 
 
 @click.group()

@@ -132,7 +132,13 @@ def start_server(tmp: Path, *extra: str, env: dict | None = None) -> Server:
         stdout=log_path.open("w"),
         stderr=subprocess.STDOUT,
         stdin=subprocess.DEVNULL,
-        env={**os.environ, "OMNI_DATA_DIR": str(DATA_DIR), **(env or {})},
+        # converted default models are shared; each server's catalog state is its own
+        env={
+            **os.environ,
+            "OMNI_DATA_DIR": str(DATA_DIR),
+            "OMNI_STATE_DIR": str(runtime_dir.parent / "state"),
+            **(env or {}),
+        },
     )
     server = Server(proc, port, omnid_port, runtime_dir, log_path)
 

@@ -530,6 +530,7 @@ def resolve(args: argparse.Namespace) -> tuple[argparse.Namespace, NodeConfig]:
     args.port = args.port or int(env("OMNID_PORT") or port)
     args.runtime_dir = args.runtime_dir or config.runtime_dir or paths.runtime_dir()
     args.data_dir = args.data_dir or config.state_dir or paths.data_dir()
+    args.state_dir = args.state_dir or Path(env("OMNI_STATE_DIR") or args.data_dir)
     args.sandbox = args.sandbox or env("OMNI_SANDBOX") or config.sandbox or "auto"
     return args, config
 
@@ -546,6 +547,7 @@ async def run(args: argparse.Namespace) -> None:
     runtime_dir, data_dir = args.runtime_dir, args.data_dir
     runtime_dir.mkdir(parents=True, exist_ok=True, mode=0o755)
     data_dir.mkdir(parents=True, exist_ok=True)
+    args.state_dir.mkdir(parents=True, exist_ok=True)
     entries: list[ModelEntry] = []
     if args.defaults and config.default_models:
         entries += await asyncio.to_thread(default_entries, data_dir)
@@ -564,7 +566,7 @@ async def run(args: argparse.Namespace) -> None:
         gpus=config.gpus,
         swap_timeout_s=config.swap_timeout_s,
         request_timeout_s=config.request_timeout_s,
-        state_dir=data_dir,
+        state_dir=args.state_dir,
     )
     entries = node.catalog.apply(entries) if node.catalog else entries
     node.sandbox_factory = sandbox_factory(args.sandbox, runtime_dir, node)
@@ -618,6 +620,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--runtime-dir", type=Path, help="admin socket, instance sockets")
     parser.add_argument(
         "--data-dir", type=Path, help="state: persisted catalog, imported default models"
+    )
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        help="where the catalog is persisted, when not the data dir ($OMNI_STATE_DIR)",
     )
     parser.add_argument(
         "--config",
