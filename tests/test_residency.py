@@ -138,3 +138,32 @@ def test_a_much_hotter_idle_instance_is_spared_while_a_colder_one_finishes():
     t = asyncio.run(main())
     assert t["hot"].state is Residency.RESIDENT and t["hot"].swaps_out == 1  # the cold start
     assert t["warm"].state is Residency.SWAPPED
+
+
+def test_queued_swap_ins_go_most_wanted_first():
+    order: list[str] = []
+
+    class Named(Block):
+        def __init__(self, name):
+            super().__init__()
+            self.name = name
+
+        def move(self, target, timeout_s):
+            if target is Where.GPU:
+                order.append(self.name)
+            return super().move(target, timeout_s)
+
+    async def main():
+        names = ["holder", "c1", "c2", "c3", "hot"]
+        pool, t, _ = await pool_with(names, 1, **{n: Named(n) for n in names})
+        order.clear()
+        for _ in range(10):
+            t["hot"].requested()  # hot has been in demand; it was swapped out meanwhile
+        tasks = [asyncio.create_task(request(pool, t["holder"], hold_s=0.3))]
+        for name in ("c1", "c2", "c3", "hot"):  # the cold ones queue first
+            await asyncio.sleep(0.05)
+            tasks.append(asyncio.create_task(request(pool, t[name])))
+        await asyncio.gather(*tasks)
+
+    asyncio.run(main())
+    assert order[:2] == ["holder", "hot"], order  # holder: the request that held the GPU

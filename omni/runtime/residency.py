@@ -1,15 +1,15 @@
-"""Which instances hold GPU memory: a budget per GPU, LRU swap-out, one shared swap-in.
+"""Which instances hold GPU memory: a budget per GPU, demand-aware swap-out, one shared swap-in.
 
 Every GPU instance has a quota (the shim enforces it) and is charged its whole
 quota while its memory is on the GPU, so the instances resident on a GPU can
 never use more than its budget, though their quotas together may exceed it
 many times. A request for a swapped-out instance waits (boundedly) while the
-pool swaps out the least recently used idle instances and swaps the wanted one
-in; swaps of one GPU run one at a time, and concurrent requests for the same
-cold instance share one swap-in. The victim is the idle instance with the least
-recent demand (requests decayed with a half-life, ties to the least recently
-used): plain LRU would evict the busiest model between two of its requests
-whenever a cold one arrives. A swap that fails or times out marks the
+pool swaps out idle instances and swaps the wanted one in. Swaps of one GPU run
+one at a time, the most wanted instance first, and concurrent requests for the
+same cold instance share one swap-in. The victim is the idle instance with the
+least recent demand (requests decayed with a half-life, ties to the least
+recently used): plain LRU would evict the busiest model between two of its
+requests whenever a cold one arrives. A swap that fails or times out marks the
 instance unhealthy (its supervisor restarts it); the waiting requests get 503.
 """
 
@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import enum
+import heapq
+import itertools
 import logging
 import time
 from collections import deque
@@ -34,7 +37,7 @@ DEMAND_HALF_LIFE_S = 30.0  # how fast a model's past requests stop protecting it
 # An idle instance in much higher demand than the one coming in is spared for a moment
 # while a less wanted resident instance may still finish its requests.
 PROTECT_RATIO = 4.0
-PROTECT_WAIT_S = 2.0
+PROTECT_WAIT_S = 5.0
 
 
 class Residency(enum.StrEnum):
@@ -46,6 +49,64 @@ class Residency(enum.StrEnum):
 
 
 CHARGED = {Residency.STARTING, Residency.RESIDENT, Residency.MOVING}
+
+
+SWAP_PRIORITY: contextvars.ContextVar[float] = contextvars.ContextVar("swap_priority", default=0.0)
+
+
+class PriorityLock:
+    """An asyncio lock whose waiters get it by priority (the calling task's
+    SWAP_PRIORITY, highest first; FIFO among equals): a hot model that was swapped
+    out goes back in before a queue of cold ones. Duck-types asyncio.Lock, so an
+    asyncio.Condition can wait on it.
+
+    The lock is granted one loop tick after it is free, so that tasks woken
+    together (a Condition's notify_all) have all queued before it picks one.
+    """
+
+    def __init__(self):
+        self._locked = False
+        self._granting = False
+        self._waiters: list[tuple[float, int, asyncio.Future]] = []
+        self._order = itertools.count()
+
+    def locked(self) -> bool:
+        return self._locked
+
+    async def acquire(self) -> bool:
+        fut = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (-SWAP_PRIORITY.get(), next(self._order), fut))
+        self._grant_soon()
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():  # granted just as we were cancelled
+                self.release()
+            raise
+        return True
+
+    def release(self) -> None:
+        self._locked = False
+        self._grant_soon()
+
+    def _grant_soon(self) -> None:
+        if not self._locked and not self._granting and self._waiters:
+            self._granting = True
+            asyncio.get_running_loop().call_soon(self._grant)
+
+    def _grant(self) -> None:
+        self._granting = False
+        while not self._locked and self._waiters:
+            _, _, fut = heapq.heappop(self._waiters)
+            if not fut.done():  # skip waiters that gave up
+                self._locked = True
+                fut.set_result(True)
+
+    async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(self, *exc) -> None:
+        self.release()
 
 
 @dataclass(frozen=True)
@@ -126,7 +187,7 @@ class GpuPool:
         self.observer = observer
         self.tenants: dict[str, Tenant] = {}
         self.waiting = 0
-        self._cond = asyncio.Condition()  # its lock serializes this GPU's swaps
+        self._cond = asyncio.Condition(PriorityLock())  # serializes this GPU's swaps
 
     # ------------------------------------------------------------- accounting
 
@@ -232,6 +293,7 @@ class GpuPool:
             self.waiting -= 1
 
     async def _swap_in_task(self, tenant: Tenant) -> None:
+        SWAP_PRIORITY.set(tenant.demand_now(time.monotonic()))  # this task's own context
         async with self._cond:
             if tenant.state is not Residency.SWAPPED:
                 return  # restarted or removed meanwhile
