@@ -37,7 +37,7 @@ DEMAND_HALF_LIFE_S = 30.0  # how fast a model's past requests stop protecting it
 # An idle instance in much higher demand than the one coming in is spared for a moment
 # while a less wanted resident instance may still finish its requests.
 PROTECT_RATIO = 4.0
-PROTECT_WAIT_S = 5.0
+PROTECT_WAIT_S = 2.0
 
 
 class Residency(enum.StrEnum):
