@@ -380,6 +380,45 @@ def summarize(recs: list[dict], before: list[dict], after: list[dict], since: fl
     }
 
 
+async def admission_snapshot(session: aiohttp.ClientSession, port: int) -> dict:
+    """omnid's admission-wait histogram per model (cumulative): count, sum, buckets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with session.get(f"http://127.0.0.1:{port}/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, dict] = {}
+    for family in text_string_to_metric_families(text):
+        if family.name != "omni_request_admission_seconds":
+            continue
+        for sample in family.samples:
+            model = out.setdefault(sample.labels["model"], {"count": 0, "sum": 0.0, "le": {}})
+            if sample.name.endswith("_count"):
+                model["count"] = sample.value
+            elif sample.name.endswith("_sum"):
+                model["sum"] = sample.value
+            elif sample.name.endswith("_bucket"):
+                model["le"][sample.labels["le"]] = sample.value
+    return out
+
+
+def admission_window(before: dict, after: dict) -> dict:
+    """Per model, within the window: mean wait before reaching the instance, and the
+    share of requests that waited more than 50 ms (a swap-in, or a full permit queue)."""
+    out = {}
+    for model, a in after.items():
+        b = before.get(model, {"count": 0, "sum": 0.0, "le": {}})
+        n = a["count"] - b["count"]
+        if n <= 0:
+            continue
+        quick = a["le"].get("0.05", 0) - b["le"].get("0.05", 0)
+        out[model] = {
+            "requests": int(n),
+            "mean_wait_s": round((a["sum"] - b["sum"]) / n, 4),
+            "waited_over_50ms": round(1 - quick / n, 3),
+        }
+    return out
+
+
 async def run_one(label: str, served: list[int], entries, args, budget: int, arrivals=None):
     """A fresh omnid serving `served`: warm-up, then the window (closed loop, or a replay)."""
     names, vocab = [e[0] for e in entries], entries[0][2]["vocab_size"]
@@ -398,6 +437,7 @@ async def run_one(label: str, served: list[int], entries, args, budget: int, arr
             warm = zipf_stream(args.models, args.zipf, vocab, args.prompt_tokens, args.seed + 1)
             await load.closed_loop((x for x in warm if x[0] in served), args.warmup)
             before, since = await omnid.instances(), time.time()
+            waits_before = await admission_snapshot(session, omnid.port)
             with BusySampler(args.gpu) as busy:
                 if arrivals is None:
                     stream = zipf_stream(
@@ -407,11 +447,13 @@ async def run_one(label: str, served: list[int], entries, args, budget: int, arr
                 else:
                     recs = await load.replay(arrivals)
             after = await omnid.instances()
+            waits = admission_window(waits_before, await admission_snapshot(session, omnid.port))
     finally:
         omnid.stop()
     result = summarize(recs, before, after, since, args)
     result.update(served=[names[i] for i in served], gpu_busy_fraction=busy.fraction)
     result["instances"] = after
+    result["admission"] = waits  # how much of the latency is waiting, not serving
     print(f"[{label}] {result['ok']}/{result['requests']} ok, {result['status_counts']}")
     shutil.rmtree(workdir, ignore_errors=True)
     return result, recs
@@ -443,6 +485,12 @@ def print_table(runs: dict) -> None:
         print(row(cells))
     for label, run in runs.items():
         print(f"  {label}: statuses {run.get('status_counts')}")
+        top = run.get("admission", {}).get("m00")
+        if top:
+            print(
+                f"  {label}: m00 waited {top['mean_wait_s'] * 1e3:.0f} ms on average before "
+                f"reaching its instance; {top['waited_over_50ms']:.0%} of its requests over 50 ms"
+            )
 
 
 def check_targets(runs: dict) -> dict:

@@ -136,6 +136,14 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.admission = Histogram(
+            "omni_request_admission_seconds",
+            "Time a request waited for a permit and for its instance to be resident "
+            "(swap-in included), before it reached the instance",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.tokens = Counter(
             "omni_tokens",
             "Tokens processed, from the responses' usage",
@@ -160,6 +168,9 @@ class Metrics:
     def observe_request(self, model: str, endpoint: str, status: int, seconds: float) -> None:
         self.requests.labels(model, endpoint, str(status)).inc()
         self.latency.labels(model, endpoint).observe(seconds)
+
+    def observe_admission(self, model: str, seconds: float) -> None:
+        self.admission.labels(model).observe(seconds)
 
     def observe_usage(self, model: str, usage: dict | None) -> None:
         for kind in ("prompt_tokens", "completion_tokens"):

@@ -378,7 +378,9 @@ def inference_app(node: Node) -> web.Application:
             raise unavailable(
                 f"Model '{req.model}' is {inst.state}; retry shortly.", inst.retry_after_s()
             )
-        async with node.admission(inst, time.monotonic() + node.request_timeout_s):
+        t_admit = time.monotonic()
+        async with node.admission(inst, t_admit + node.request_timeout_s):
+            node.metrics.observe_admission(req.model, time.monotonic() - t_admit)
             return await relay(
                 request,
                 inst.session,
