@@ -7,6 +7,7 @@ ends the stream with an error event, since the status line is already sent.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
@@ -44,6 +45,35 @@ def report_usage(body: bytes, on_usage: Callable[[dict], None]) -> None:
             on_usage(usage)
 
 
+async def drained(upstream: aiohttp.ClientResponse, on_done: Callable[[], None] | None):
+    """The upstream's chunks. With `on_done`, the upstream is read as fast as it sends
+    (a task buffers it) so `on_done` runs when it finishes, not when the client has
+    read everything; without, reading follows the client's pace (backpressure)."""
+    if on_done is None:
+        async for chunk in upstream.content.iter_any():
+            yield chunk
+        return
+    buffer: asyncio.Queue[bytes | BaseException | None] = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for chunk in upstream.content.iter_any():
+                buffer.put_nowait(chunk)
+            on_done()
+            buffer.put_nowait(None)
+        except Exception as exc:  # handed to the writer, which reports it
+            buffer.put_nowait(exc)
+
+    task = asyncio.create_task(pump())
+    try:
+        while (item := await buffer.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        task.cancel()
+
+
 def relay_headers(headers, drop: frozenset[str] = frozenset()) -> dict[str, str]:
     return {k: v for k, v in headers.items() if k.lower() not in _SKIP_HEADERS | drop}
 
@@ -57,14 +87,17 @@ async def relay(
     upstream_name: str,
     retry_after_s: float = 1.0,
     drop_headers: frozenset[str] = frozenset(),
+    extra_headers: dict[str, str] | None = None,
     on_usage: Callable[[dict], None] | None = None,
+    on_upstream_done: Callable[[], None] | None = None,
 ) -> web.StreamResponse:
-    """`drop_headers`: request headers (lower case) not to pass on; `on_usage`: called
-    with the response's `usage` object when it reports one (for token metrics)."""
+    """`drop_headers`: request headers (lower case) not to pass on; `extra_headers`: headers
+    to add; `on_usage`: called with the response's `usage` object when it reports one;
+    `on_upstream_done`: called once the upstream has sent everything (its GPU work is
+    over), before a slow client has read it all: the answer is then buffered here."""
+    headers = {**relay_headers(request.headers, drop_headers), **(extra_headers or {})}
     try:
-        upstream = await session.request(
-            request.method, url, data=body, headers=relay_headers(request.headers, drop_headers)
-        )
+        upstream = await session.request(request.method, url, data=body, headers=headers)
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         log.warning("%s unreachable: %s", upstream_name, exc)
         raise unavailable(
@@ -80,6 +113,8 @@ async def relay(
                 raise unavailable(
                     f"{upstream_name} failed while answering; retry shortly.", retry_after_s
                 ) from None
+            if on_upstream_done:
+                on_upstream_done()
             if on_usage and upstream.status == 200:
                 report_usage(data, on_usage)
             return web.Response(body=data, status=upstream.status, headers=headers)
@@ -87,7 +122,7 @@ async def relay(
         await resp.prepare(request)
         try:
             tail = b""  # the usage chunk, when asked for, is the last event before [DONE]
-            async for chunk in upstream.content.iter_any():
+            async for chunk in drained(upstream, on_upstream_done):
                 await resp.write(chunk)
                 tail = (tail + chunk)[-USAGE_TAIL:]
             if on_usage:

@@ -340,8 +340,14 @@ def inference_app(node: Node) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=64 << 20)
 
     async def models(_request: web.Request) -> web.Response:
-        data = [
-            {"id": name, "object": "model", "created": node.started, "owned_by": "omni"}
+        data = [  # `permits`: the instance's concurrency, which the edge queues fairly for
+            {
+                "id": name,
+                "object": "model",
+                "created": node.started,
+                "owned_by": "omni",
+                "permits": node.instances[name].entry.placement.permits,
+            }
             for name in sorted(node.instances)
         ]
         return json_response({"object": "list", "data": data})

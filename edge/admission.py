@@ -1,0 +1,143 @@
+"""What the edge decides before forwarding: who is asking, what it costs, and when it may go.
+
+One fair queue per model, sized to the permits omnid reports for it (polled, so
+catalog changes reach the edge without a restart). A request's cost is an
+estimate in tokens (prompt bytes / 4 + max_tokens), corrected from the answer's
+usage once known.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import aiohttp
+
+from omni.api.errors import ApiError
+
+from .fairq import FairQueue, Permit, Shed
+from .tenants import RateLimited, Tenant, TenantError, Tenants
+
+log = logging.getLogger(__name__)
+
+DEADLINE_HEADER = "x-omni-deadline-ms"
+DEFAULT_MAX_TOKENS = 256  # what an unbounded request is charged until its usage is known
+BYTES_PER_TOKEN = 4
+REFRESH_S = 2.0
+ANONYMOUS = Tenant("anonymous")  # without a tenants file: one tenant, no keys, no limits
+
+
+def estimate_cost(data: dict) -> float:
+    """Tokens a request will take: its text's size, plus what it may generate."""
+    text = data.get("prompt") or data.get("input") or ""
+    if "messages" in data and isinstance(data["messages"], list):
+        text = [m.get("content") for m in data["messages"] if isinstance(m, dict)]
+    prompt_bytes = len(repr(text).encode())
+    max_tokens = data.get("max_completion_tokens") or data.get("max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
+        max_tokens = 0 if "input" in data else DEFAULT_MAX_TOKENS  # embeddings generate nothing
+    return max(1.0, prompt_bytes / BYTES_PER_TOKEN + max_tokens)
+
+
+def deadline_from(headers, now: float) -> float | None:
+    value = headers.get(DEADLINE_HEADER)
+    if value is None:
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        ms = -1
+    if not ms > 0:
+        message = f"{DEADLINE_HEADER} must be a positive number of milliseconds."
+        raise ApiError(400, message, param=DEADLINE_HEADER, code="invalid_value")
+    return now + ms / 1000
+
+
+def api_error(exc: TenantError | Shed) -> ApiError:
+    if isinstance(exc, Shed):
+        if exc.reason == "deadline":
+            return ApiError(
+                504,
+                "The request could not be served before its deadline.",
+                code="deadline_exceeded",
+            )
+        return ApiError(
+            429,
+            "The service is overloaded; retry shortly.",
+            code="overloaded",
+            retry_after=exc.retry_after_s,
+        )
+    return ApiError(exc.status, exc.message, code=exc.code, retry_after=exc.retry_after_s)
+
+
+class Admission:
+    """Tenants and one fair queue per model."""
+
+    def __init__(self, upstream: str, tenants: Tenants | None, max_queued: int = 1024):
+        self.upstream = upstream
+        self.tenants = tenants
+        self.max_queued = max_queued
+        self.queues: dict[str, FairQueue] = {}
+        self._weights = {t.name: t.weight for t in tenants.tenants.values()} if tenants else {}
+        self._refresher: asyncio.Task | None = None
+
+    def tenant(self, authorization: str | None) -> Tenant:
+        if self.tenants is None:
+            return ANONYMOUS
+        try:
+            return self.tenants.authenticate(authorization)
+        except TenantError as exc:
+            raise api_error(exc) from None
+
+    def check_rate(self, tenant: Tenant, cost: float) -> None:
+        try:
+            tenant.check_rate(cost)
+        except RateLimited as exc:
+            raise api_error(exc) from None
+
+    async def permit(self, model: str, tenant: Tenant, cost: float, deadline) -> Permit | None:
+        """A permit for `model`, queued fairly; None for a model omnid does not list
+        (it answers 404 itself)."""
+        queue = self.queues.get(model)
+        if queue is None:
+            return None
+        try:
+            return await queue.acquire(tenant.name, cost, deadline)
+        except Shed as exc:
+            raise api_error(exc) from None
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        await self.refresh(session)
+        self._refresher = asyncio.create_task(self._refresh_forever(session))
+
+    async def stop(self) -> None:
+        if self._refresher:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+
+    async def refresh(self, session: aiohttp.ClientSession) -> None:
+        """Models and permits from omnid's /v1/models."""
+        try:
+            async with session.get(
+                f"{self.upstream}/v1/models", timeout=aiohttp.ClientTimeout(total=2)
+            ) as resp:
+                models = (await resp.json())["data"]
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError) as exc:
+            log.debug("model list unavailable: %s", exc)
+            return
+        for m in models:
+            permits = int(m.get("permits") or 64)
+            queue = self.queues.get(m["id"])
+            if queue is None:
+                self.queues[m["id"]] = FairQueue(
+                    permits, max_queued=self.max_queued, weights=self._weights
+                )
+            else:
+                queue.set_permits(permits)
+
+    async def _refresh_forever(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            await asyncio.sleep(REFRESH_S)
+            await self.refresh(session)

@@ -1,0 +1,174 @@
+"""The edge in front of a real omnid (CPU engine): keys, rate limits, tenants, deadlines."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from edge.tenants import hash_key
+from tests.checkpoints import tiny_llama
+from tests.conftest import free_port, wait_until
+
+KEYS = {"acme": "sk-acme-0123456789", "globex": "sk-globex-9876543210", "slow": "sk-slow-42"}
+
+
+def spawn(argv: list[str], log: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", *argv], stdout=log.open("w"), stderr=subprocess.STDOUT
+    )
+
+
+@pytest.fixture(scope="module")
+def edge(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("edge")
+    model = tiny_llama(tmp / "tiny")
+    (tmp / "omnid.toml").write_text(f'[[models]]\nname = "tiny"\npath = "{model}"\npermits = 1\n')
+    tenants = "".join(
+        f'[[tenants]]\nname = "{name}"\nweight = 1\nkeys = ["{hash_key(key)}"]\n'
+        + ("requests_per_minute = 2\n" if name == "slow" else "")
+        for name, key in KEYS.items()
+    )
+    (tmp / "tenants.toml").write_text(tenants)
+    omnid_port, edge_port = free_port(), free_port()
+    runtime = Path(tempfile.mkdtemp(prefix="omni-", dir="/tmp"))
+    procs = [
+        spawn(
+            [
+                "omni.runtime.omnid",
+                "--config",
+                str(tmp / "omnid.toml"),
+                "--no-defaults",
+                "--sandbox",
+                "process",
+                "--port",
+                str(omnid_port),
+                "--runtime-dir",
+                str(runtime),
+                "--data-dir",
+                str(tmp / "data"),
+            ],
+            tmp / "omnid.log",
+        ),
+        spawn(
+            [
+                "edge.server",
+                "--port",
+                str(edge_port),
+                "--upstream",
+                f"http://127.0.0.1:{omnid_port}",
+                "--tenants",
+                str(tmp / "tenants.toml"),
+            ],
+            tmp / "edge.log",
+        ),
+    ]
+    base = f"http://127.0.0.1:{edge_port}"
+
+    def serving():
+        for p in procs:
+            if p.poll() is not None:
+                raise AssertionError(
+                    (tmp / "omnid.log").read_text() + (tmp / "edge.log").read_text()
+                )
+        try:
+            r = httpx.post(
+                f"{base}/v1/completions",
+                json={"model": "tiny", "prompt": "t1", "max_tokens": 1},
+                headers=auth("acme"),
+                timeout=10,
+            )
+            return r.status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(serving, 120, "the edge serving tiny", interval_s=0.5)
+        yield base, tmp
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(timeout=30)
+
+
+def auth(tenant: str) -> dict:
+    return {"Authorization": f"Bearer {KEYS[tenant]}"}
+
+
+def complete(base, tenant, **body) -> httpx.Response:
+    body = {"model": "tiny", "prompt": "t1 t2", "max_tokens": 2, **body}
+    return httpx.post(f"{base}/v1/completions", json=body, headers=auth(tenant), timeout=60)
+
+
+def test_requests_need_a_valid_key_which_is_never_logged(edge):
+    base, tmp = edge
+    body = {"model": "tiny", "prompt": "t1", "max_tokens": 1}
+    missing = httpx.post(f"{base}/v1/completions", json=body)
+    assert missing.status_code == 401
+    assert missing.json()["error"]["code"] == "invalid_api_key"
+    wrong = httpx.post(
+        f"{base}/v1/completions", json=body, headers={"Authorization": "Bearer sk-nope-123"}
+    )
+    assert wrong.status_code == 401 and "sk-nope-123" not in wrong.text
+    assert httpx.get(f"{base}/v1/models").status_code == 401
+    assert httpx.get(f"{base}/v1/models", headers=auth("acme")).json()["data"][0]["id"] == "tiny"
+    assert complete(base, "acme").status_code == 200
+    logs = (tmp / "edge.log").read_text() + (tmp / "omnid.log").read_text()
+    assert not any(key in logs for key in [*KEYS.values(), "sk-nope-123"])
+
+
+def test_a_tenant_over_its_rate_limit_gets_429_with_retry_after(edge):
+    base, _ = edge
+    codes = [complete(base, "slow") for _ in range(3)]
+    assert [r.status_code for r in codes[:2]] == [200, 200]
+    assert codes[2].status_code == 429
+    assert int(codes[2].headers["Retry-After"]) >= 1
+    assert codes[2].json()["error"]["code"] == "rate_limit_exceeded"
+    assert complete(base, "acme").status_code == 200  # other tenants are not limited
+
+
+def test_prefix_caches_are_per_tenant_through_the_edge(edge):
+    base, _ = edge
+    prompt = " ".join(f"t{i % 90 + 1}" for i in range(80))  # five full 16-token blocks
+    first = complete(base, "acme", prompt=prompt, max_tokens=1)
+    again = complete(base, "acme", prompt=prompt, max_tokens=1)
+    other = complete(base, "globex", prompt=prompt, max_tokens=1)
+    cached = [r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (again, other)]
+    assert first.status_code == 200
+    assert cached[0] > 0 and cached[1] == 0
+
+
+def test_a_queued_request_past_its_deadline_gets_504_early(edge):
+    base, _ = edge
+    busy = [
+        threading.Thread(target=complete, args=(base, "acme"), kwargs={"max_tokens": 250})
+        for _ in range(4)
+    ]
+    for t in busy:
+        t.start()  # the model's only permit stays taken for a while
+    time.sleep(0.1)
+    t0 = time.monotonic()
+    late = httpx.post(
+        f"{base}/v1/completions",
+        json={"model": "tiny", "prompt": "t1", "max_tokens": 1},
+        headers={**auth("globex"), "x-omni-deadline-ms": "5"},
+        timeout=60,
+    )
+    waited = time.monotonic() - t0
+    for t in busy:
+        t.join()
+    assert late.status_code == 504, late.text
+    assert late.json()["error"]["code"] == "deadline_exceeded"
+    assert waited < 1.0  # refused when due, not after the queue ahead of it
+    bad = httpx.post(
+        f"{base}/v1/completions",
+        json={"model": "tiny", "prompt": "t1"},
+        headers={**auth("globex"), "x-omni-deadline-ms": "soon"},
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-omni-deadline-ms"
