@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,40 +56,14 @@ def gemm_table() -> list[dict]:
 
 def engine_decode(requests: int, new_tokens: int) -> list[dict]:
     """Tokens/s of the whole engine on an 8B shape with each linear, same prompts."""
-    import tempfile
-
-    from tokenizers import Tokenizer
-    from tokenizers import models as tok_models
-
-    from omni.engine.checkpoint import Checkpoint
     from omni.engine.engine import Engine
-    from omni.engine.llama import LlamaConfig, LlamaForCausalLM, rope_inv_freq
     from omni.engine.sampling import SamplingParams
-    from omni.engine.tokenizer import TextTokenizer
+    from tests.checkpoints import LLAMA3_8B, random_llama, text_tokenizer
     from tests.engine.runs import run_requests, tokens
 
-    cfg = LlamaConfig(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        rope_theta=500000.0,
-        max_position=8192,
-    )
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-    model.inv_freq = rope_inv_freq(cfg).cuda()
-    tmp = Path(tempfile.mkdtemp())
-    vocab = {f"t{i}": i for i in range(cfg.vocab_size)}
-    Tokenizer(tok_models.WordLevel(vocab, unk_token="t0")).save(str(tmp / "tokenizer.json"))
-    tok = TextTokenizer(Checkpoint(tmp, {}))
+    cfg = LLAMA3_8B
+    model = random_llama(cfg)
+    tok = text_tokenizer(Path(tempfile.mkdtemp()), cfg.vocab_size)
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, cfg.vocab_size, (128,), generator=gen).tolist()] * requests
     prompts = [[i, *p[1:]] for i, p in enumerate(prompts)]  # distinct: no prefix-cache hits

@@ -38,11 +38,11 @@ sys.path.insert(0, str(REPO))
 
 import aiohttp  # noqa: E402
 import torch  # noqa: E402
-from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 
 from bench.results_io import write_result  # noqa: E402
 from omni.paths import admin_socket  # noqa: E402
 from omni.runtime.catalog import parse_size  # noqa: E402
+from tests.checkpoints import save_word_level_tokenizer  # noqa: E402
 
 GIB = 1 << 30
 
@@ -138,10 +138,7 @@ def make_models(root: Path, n: int, tiny: bool) -> list[tuple[str, Path, dict]]:
             size, took = weights.stat().st_size / GIB, time.monotonic() - t0
             print(f"wrote {weights} ({size:.2f} GiB, {took:.0f}s)")
         if not tok.exists():
-            vocab = {f"t{j}": j for j in range(cfg["vocab_size"])}
-            tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
-            tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-            tokenizer.save(str(tok))
+            save_word_level_tokenizer(tok, cfg["vocab_size"])
         files.append((cfg, weights, tok))
     out = []
     for i in range(n):

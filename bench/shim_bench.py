@@ -86,8 +86,9 @@ def child_gemm() -> dict:
 def child_decode() -> dict:
     import torch
 
-    from omni.engine.llama import LlamaConfig, LlamaForCausalLM, rope_inv_freq
+    from omni.engine.llama import LlamaConfig
     from omni.engine.model_runner import ModelRunner, SoloSequence
+    from tests.checkpoints import random_llama
 
     cfg = LlamaConfig(
         vocab_size=32000,
@@ -100,13 +101,7 @@ def child_decode() -> dict:
         rope_theta=10000.0,
         max_position=2048,
     )
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-    model.inv_freq = rope_inv_freq(cfg).cuda()
+    model = random_llama(cfg)
     runner = ModelRunner(model, num_blocks=64)
     samples = []
     for _ in range(4):

@@ -8,7 +8,6 @@ import shutil
 import pytest
 import torch
 import transformers
-from tokenizers import Tokenizer, models
 
 from omni.engine.block_manager import BlockManager
 from omni.engine.checkpoint import Checkpoint, CheckpointError
@@ -21,6 +20,7 @@ from omni.engine.sequence import Sequence
 from omni.engine.tokenizer import TextTokenizer
 from omni.runtime.defaults import SMOLLM_FILE, SMOLLM_PACKAGE, package_dir
 
+from .checkpoints import save_word_level_tokenizer
 from .engine.runs import run_requests, tokens
 
 TEXTS = ["Hello, world! 12345 café 🚀 naïve", "  two spaces\n\ttab", "def f(x):\n    return x**2"]
@@ -64,8 +64,7 @@ def tiny_checkpoint(tmp_path, config) -> Checkpoint:
         for p in hf.parameters():
             p.normal_(0, 0.2)
     hf.save_pretrained(tmp_path, safe_serialization=True)
-    vocab = {f"t{i}": i for i in range(config.vocab_size)}  # the loader wants a tokenizer
-    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(tmp_path / "tokenizer.json"))
+    save_word_level_tokenizer(tmp_path / "tokenizer.json", config.vocab_size)  # loader needs one
     return hf, Checkpoint.open(tmp_path)
 
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.checkpoints import LLAMA3_8B, text_tokenizer
+
 from .runs import run_requests, tokens
 
 pytestmark = pytest.mark.gpu
@@ -18,7 +20,7 @@ pytestmark = pytest.mark.gpu
 def models():
     import transformers
 
-    from omni.engine.llama import LlamaConfig, LlamaForCausalLM, rope_inv_freq
+    from omni.engine.llama import LlamaForCausalLM, rope_inv_freq
 
     hf_cfg = transformers.LlamaConfig(
         vocab_size=128256,
@@ -38,17 +40,7 @@ def models():
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0, 0.02)
-    cfg = LlamaConfig(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        rope_theta=500000.0,
-        max_position=8192,
-    )
+    cfg = LLAMA3_8B
     with torch.device("meta"):
         ours = LlamaForCausalLM(cfg)
     ours.load_state_dict(dict(hf.state_dict()), assign=True)  # the same tensors, no copy
@@ -70,18 +62,11 @@ def test_logits_on_a_512_token_prompt_match_transformers(models):
 
 
 def test_64_concurrent_requests_match_one_at_a_time(models, tmp_path):
-    from tokenizers import Tokenizer
-    from tokenizers import models as tok_models
-
-    from omni.engine.checkpoint import Checkpoint
     from omni.engine.engine import Engine
     from omni.engine.sampling import SamplingParams
-    from omni.engine.tokenizer import TextTokenizer
 
     _, ours = models
-    vocab = {f"t{i}": i for i in range(128256)}  # the engine streams text: any vocabulary
-    Tokenizer(tok_models.WordLevel(vocab, unk_token="t0")).save(str(tmp_path / "tokenizer.json"))
-    engine = Engine(ours, TextTokenizer(Checkpoint(tmp_path, {})), num_blocks=2048)
+    engine = Engine(ours, text_tokenizer(tmp_path, LLAMA3_8B.vocab_size), num_blocks=2048)
     gen = torch.Generator().manual_seed(2)
     prompts = [
         torch.randint(0, 128256, (int(n),), generator=gen).tolist()
