@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -16,66 +14,18 @@ import httpx
 import pytest
 
 from tests.checkpoints import tiny_llama
-from tests.conftest import free_port, wait_until
+from tests.conftest import wait_until
+from tests.nodes import Omnid
 
 NOBODY = 65534
 
 
-class Omnid:
-    def __init__(self, tmp: Path, config: str, runtime_dir: Path | None = None):
-        (tmp / "omnid.toml").write_text(config)
-        self.tmp, self.port = tmp, free_port()
-        self.runtime_dir = runtime_dir or Path(tempfile.mkdtemp(prefix="omni-", dir="/tmp"))
-        self.argv = [
-            sys.executable,
-            "-m",
-            "omni.runtime.omnid",
-            "--config",
-            str(tmp / "omnid.toml"),
-            "--no-defaults",
-            "--sandbox",
-            "process",
-            "--port",
-            str(self.port),
-            "--runtime-dir",
-            str(self.runtime_dir),
-        ]
-        self.log_path = tmp / "omnid.log"
-        self.proc = subprocess.Popen(
-            self.argv, stdout=self.log_path.open("a"), stderr=subprocess.STDOUT
-        )
+def omnid(tmp: Path, config: str, runtime_dir: Path | None = None) -> Omnid:
+    return Omnid(tmp, config, "--sandbox", "process", runtime_dir=runtime_dir)
 
-    @property
-    def socket(self) -> Path:
-        return self.runtime_dir / "omnid.sock"
 
-    def admin(self) -> httpx.Client:
-        transport = httpx.HTTPTransport(uds=str(self.socket))
-        return httpx.Client(transport=transport, base_url="http://omnid", timeout=30)
-
-    def models(self) -> list[str]:
-        def listed():
-            if self.proc.poll() is not None:
-                raise AssertionError(f"omnid exited:\n{self.log_path.read_text()[-3000:]}")
-            try:
-                with self.admin() as c:
-                    return c.get("/v1/models").json()  # truthy even with no models
-            except httpx.TransportError:
-                return None
-
-        return sorted(m["name"] for m in wait_until(listed, 60, "the admin API")["models"])
-
-    def wait_ready(self, name: str) -> None:
-        def ready():
-            with self.admin() as c:
-                inst = {i["name"]: i for i in c.get("/v1/instances").json()["instances"]}
-            return inst.get(name, {}).get("state") == "ready"
-
-        wait_until(ready, 120, f"{name} ready")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        assert self.proc.wait(timeout=60) == 0
+def stop(node: Omnid) -> None:
+    assert node.stop() == 0
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +37,7 @@ def model_dirs(tmp_path_factory):
 def test_catalog_changes_survive_an_omnid_restart(tmp_path, model_dirs):
     a, b = model_dirs
     config = f'state_dir = "{tmp_path / "state"}"\n[[models]]\nname = "a"\npath = "{a}"\n'
-    node = Omnid(tmp_path, config)
+    node = omnid(tmp_path, config)
     try:
         assert node.models() == ["a"]
         with node.admin() as c:
@@ -96,22 +46,22 @@ def test_catalog_changes_survive_an_omnid_restart(tmp_path, model_dirs):
             assert c.delete("/v1/models/a").status_code == 200
         assert node.models() == ["b"]
     finally:
-        node.stop()
+        stop(node)
     saved = json.loads((tmp_path / "state" / "catalog.json").read_text())
     assert list(saved["added"]) == ["b"] and saved["removed"] == ["a"]
 
-    again = Omnid(tmp_path, config, node.runtime_dir)  # same config, same state dir
+    again = omnid(tmp_path, config, node.runtime_dir)  # same config, same state dir
     try:
         assert again.models() == ["b"]
         with again.admin() as c:
             b_entry = c.get("/v1/models").json()["models"][0]
         assert b_entry["permits"] == 2 and b_entry["origin"] == "admin"
     finally:
-        again.stop()
+        stop(again)
 
 
 def test_the_admin_socket_is_0660_and_checks_who_connects(tmp_path, model_dirs):
-    node = Omnid(tmp_path, "")
+    node = omnid(tmp_path, "")
     try:
         node.models()
         assert stat.S_IMODE(node.socket.stat().st_mode) == 0o660
@@ -134,16 +84,16 @@ def test_the_admin_socket_is_0660_and_checks_who_connects(tmp_path, model_dirs):
         with node.admin() as c:
             assert c.get("/v1/models").status_code == 200  # root may
     finally:
-        node.stop()
+        stop(node)
 
 
 def test_drain_finishes_what_is_in_flight_then_stops_everything(tmp_path, model_dirs):
     a, _ = model_dirs
-    node = Omnid(tmp_path, f'[[models]]\nname = "a"\npath = "{a}"\n')
-    base = f"http://127.0.0.1:{node.port}"
+    node = omnid(tmp_path, f'[[models]]\nname = "a"\npath = "{a}"\n')
+    base = node.base_url
     try:
         node.models()
-        node.wait_ready("a")
+        node.wait_ready(["a"])
         long = {"model": "a", "prompt": "t1 t2", "max_tokens": 200, "stream": True}
         chunks: list[str] = []
 
@@ -173,10 +123,10 @@ def test_drain_finishes_what_is_in_flight_then_stops_everything(tmp_path, model_
 
         wait_until(stopped, 30, "instances stopped")
     finally:
-        node.stop()
+        stop(node)
 
 
 def test_an_invalid_config_keeps_omnid_from_starting(tmp_path):
-    node = Omnid(tmp_path, "[[gpus]]\nindex = 0\nbudget = 'plenty'\n")
+    node = omnid(tmp_path, "[[gpus]]\nindex = 0\nbudget = 'plenty'\n")
     assert node.proc.wait(timeout=60) == 2
     assert "gpus[0].budget: 'plenty' is not a size" in node.log_path.read_text()

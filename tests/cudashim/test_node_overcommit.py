@@ -7,11 +7,8 @@ runtime, so the shim accounts for it and omnid's swaps move it as on a GPU.
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -23,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.checkpoints import tiny_llama
-from tests.conftest import free_port, wait_until
+from tests.nodes import Omnid
 
 MODELS = 13
 QUOTA = 48 << 20
@@ -50,61 +47,27 @@ class Node:
                 f'[[models]]\nname = "{name}"\npath = "{tmp / "models" / name}"\n'
                 f"gpu = 0\nquota = {QUOTA}\npermits = 4\ncold = {str(name in cold).lower()}\n"
             )
-        config = tmp / "omnid.toml"
-        config.write_text("\n".join(lines))
-        self.port = free_port()
-        self.runtime_dir = Path(tempfile.mkdtemp(prefix="omni-", dir="/tmp")) / "run"
-        self.log_path = log_dir / "omnid.log"
-        env = {
-            **os.environ,
-            "LD_LIBRARY_PATH": str(libdir),  # the fake CUDA, passed on to instances
-            "OMNI_KV_CACHE_BYTES": str(2 << 20),
-            "OMNI_TORCH_THREADS": "1",
-        }
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "omni.runtime.omnid",
-                "--config",
-                str(config),
-                "--no-defaults",
-                "--port",
-                str(self.port),
-                "--runtime-dir",
-                str(self.runtime_dir),
-                "--data-dir",
-                str(tmp / "state"),
-            ],
-            stdout=self.log_path.open("w"),
-            stderr=subprocess.STDOUT,
-            env=env,
+        self.omnid = Omnid(
+            log_dir,
+            "\n".join(lines),
+            "--data-dir",
+            str(tmp / "state"),
+            env={
+                "LD_LIBRARY_PATH": str(libdir),  # the fake CUDA, passed on to instances
+                "OMNI_KV_CACHE_BYTES": str(2 << 20),
+                "OMNI_TORCH_THREADS": "1",
+            },
         )
-
-    def admin(self) -> httpx.Client:
-        return httpx.Client(
-            transport=httpx.HTTPTransport(uds=str(self.runtime_dir / "omnid.sock")),
-            base_url="http://omnid",
-            timeout=30,
-        )
-
-    def instances(self) -> dict[str, dict]:
-        with self.admin() as c:
-            return {i["name"]: i for i in c.get("/v1/instances").json()["instances"]}
-
-    def log(self) -> str:
-        return self.log_path.read_text()[-6000:]
 
     def complete(self, model: str) -> httpx.Response:
         return httpx.post(
-            f"http://127.0.0.1:{self.port}/v1/completions",
+            f"{self.omnid.base_url}/v1/completions",
             json={"model": model, "prompt": "t1 t2 t3 t4", "max_tokens": 3, "temperature": 0},
             timeout=180,
         )
 
     def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
+        self.omnid.stop()
         shutil.rmtree(self.root, ignore_errors=True)
 
 
@@ -113,20 +76,11 @@ def node(fake, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("overcommit")
     n = Node(tmp, fake, cold={f"m{i:02d}" for i in range(0, MODELS, 2)})
 
-    def all_ready():
-        if n.proc.poll() is not None:
-            raise AssertionError(f"omnid exited:\n{n.log()}")
-        try:
-            inst = n.instances()
-        except httpx.TransportError:
-            return None
-        return len(inst) == MODELS and all(i["state"] == "ready" for i in inst.values())
-
     try:
-        wait_until(all_ready, 400, "13 instances ready", interval_s=0.5)
+        n.omnid.wait_ready(n.names, 400)
         yield n
     finally:
-        if n.proc.poll() is None:
+        if n.omnid.proc.poll() is None:
             n.stop()
 
 
@@ -136,7 +90,7 @@ def test_random_traffic_over_13_instances_stays_within_the_budget(node):
 
     def watch():
         while not done.is_set():
-            inst = node.instances()
+            inst = node.omnid.instances()
             charged = [i for i in inst.values() if i["residency"] in ("resident", "moving")]
             used = sum(i["used_bytes"] for i in charged)
             samples.append(len(charged))
@@ -156,11 +110,11 @@ def test_random_traffic_over_13_instances_stays_within_the_budget(node):
         watcher.join()
     failed = [(m, r.status_code, r.text[:200]) for m, r in zip(picks, responses, strict=True)]
     failed = [f for f in failed if f[1] != 200]
-    assert not failed, f"{failed}\n{node.log()}"
+    assert not failed, f"{failed}\n{node.omnid.log()}"
     assert all(len(r.json()["choices"][0]["text"]) > 0 for r in responses)
     assert not over_budget, over_budget[:3]
     assert samples and max(samples) <= 3
-    inst = node.instances()
+    inst = node.omnid.instances()
     assert sum(i["swaps_in"] for i in inst.values()) >= 10
     assert sum(i["swaps_out"] for i in inst.values()) >= 10
     # each swap moved the instance's whole accounted memory, as the shim measured it
@@ -170,7 +124,7 @@ def test_random_traffic_over_13_instances_stays_within_the_budget(node):
     samples = {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(
-            httpx.get(f"http://127.0.0.1:{node.port}/metrics").text
+            httpx.get(f"{node.omnid.base_url}/metrics").text
         )
         for s in family.samples
     }
@@ -192,25 +146,25 @@ def test_random_traffic_over_13_instances_stays_within_the_budget(node):
 
 def test_concurrent_requests_for_a_cold_instance_share_one_swap_in(node):
     name = node.names[5]
-    with node.admin() as c:
+    with node.omnid.admin() as c:
         before = c.get("/v1/instances").json()
         state = {i["name"]: i for i in before["instances"]}[name]
         if state["residency"] == "resident":
             r = c.post(f"/v1/instances/{name}/swap-out")
             assert r.status_code == 200, r.text
             assert r.json()["residency"] == "swapped"
-    swaps_before = node.instances()[name]["swaps_in"]
+    swaps_before = node.omnid.instances()[name]["swaps_in"]
     with ThreadPoolExecutor(6) as pool:
         responses = list(pool.map(node.complete, [name] * 6))
     assert [r.status_code for r in responses] == [200] * 6
-    after = node.instances()[name]
+    after = node.omnid.instances()[name]
     assert after["swaps_in"] == swaps_before + 1
     assert after["residency"] == "resident"
 
 
 def test_admin_swap_errors_are_clear(node):
     name = node.names[1]
-    with node.admin() as c:
+    with node.omnid.admin() as c:
         node.complete(name)  # resident now
         assert c.post(f"/v1/instances/{name}/swap-in").status_code == 409
         assert c.post("/v1/instances/nope/swap-out").status_code == 404

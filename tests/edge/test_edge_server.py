@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -15,60 +13,32 @@ import pytest
 from edge.tenants import hash_key
 from tests.checkpoints import tiny_llama
 from tests.conftest import free_port, wait_until
+from tests.nodes import Omnid
 
 KEYS = {"acme": "sk-acme-0123456789", "globex": "sk-globex-9876543210", "slow": "sk-slow-42"}
-
-
-def spawn(argv: list[str], log: Path) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", *argv], stdout=log.open("w"), stderr=subprocess.STDOUT
-    )
 
 
 @pytest.fixture(scope="module")
 def edge(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("edge")
     model = tiny_llama(tmp / "tiny")
-    (tmp / "omnid.toml").write_text(f'[[models]]\nname = "tiny"\npath = "{model}"\npermits = 1\n')
     tenants = "".join(
         f'[[tenants]]\nname = "{name}"\nweight = 1\nkeys = ["{hash_key(key)}"]\n'
         + ("requests_per_minute = 2\n" if name == "slow" else "")
         for name, key in KEYS.items()
     )
     (tmp / "tenants.toml").write_text(tenants)
-    omnid_port, edge_port = free_port(), free_port()
-    runtime = Path(tempfile.mkdtemp(prefix="omni-", dir="/tmp"))
-    procs = [
-        spawn(
-            [
-                "omni.runtime.omnid",
-                "--config",
-                str(tmp / "omnid.toml"),
-                "--no-defaults",
-                "--sandbox",
-                "process",
-                "--port",
-                str(omnid_port),
-                "--runtime-dir",
-                str(runtime),
-                "--data-dir",
-                str(tmp / "data"),
-            ],
-            tmp / "omnid.log",
-        ),
-        spawn(
-            [
-                "edge.server",
-                "--port",
-                str(edge_port),
-                "--upstream",
-                f"http://127.0.0.1:{omnid_port}",
-                "--tenants",
-                str(tmp / "tenants.toml"),
-            ],
-            tmp / "edge.log",
-        ),
-    ]
+    omnid = Omnid(
+        tmp, f'[[models]]\nname = "tiny"\npath = "{model}"\npermits = 1\n', "--sandbox", "process"
+    )
+    edge_port = free_port()
+    edge_argv = ["-m", "edge.server", "--port", str(edge_port), "--upstream", omnid.base_url]
+    edge_proc = subprocess.Popen(
+        [sys.executable, *edge_argv, "--tenants", str(tmp / "tenants.toml")],
+        stdout=(tmp / "edge.log").open("w"),
+        stderr=subprocess.STDOUT,
+    )
+    procs = [omnid.proc, edge_proc]
     base = f"http://127.0.0.1:{edge_port}"
 
     def serving():
@@ -92,9 +62,9 @@ def edge(tmp_path_factory):
         wait_until(serving, 120, "the edge serving tiny", interval_s=0.5)
         yield base, tmp
     finally:
-        for p in procs:
-            p.terminate()
-            p.wait(timeout=30)
+        edge_proc.terminate()
+        edge_proc.wait(timeout=30)
+        omnid.stop()
 
 
 def auth(tenant: str) -> dict:

@@ -1,0 +1,90 @@
+"""A real omnid process for tests that drive a node through its APIs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import httpx
+
+from tests.conftest import free_port, wait_until
+
+
+class Omnid:
+    """omnid on a free port with `config`, its log and config in `tmp`; the runtime dir is
+    short and under /tmp (Unix socket paths are limited to 107 bytes)."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        config: str,
+        *extra: str,
+        runtime_dir: Path | None = None,
+        env: dict[str, str] | None = None,
+    ):
+        (tmp / "omnid.toml").write_text(config)
+        self.port = free_port()
+        self.runtime_dir = runtime_dir or Path(tempfile.mkdtemp(prefix="omni-", dir="/tmp"))
+        self.log_path = tmp / "omnid.log"
+        argv = [sys.executable, "-m", "omni.runtime.omnid", "--config", str(tmp / "omnid.toml")]
+        argv += ["--no-defaults", "--port", str(self.port), "--runtime-dir", str(self.runtime_dir)]
+        self.proc = subprocess.Popen(
+            [*argv, *extra],
+            stdout=self.log_path.open("a"),  # a restarted omnid appends to the same log
+            stderr=subprocess.STDOUT,
+            # its own data dir unless the config names a state dir (never /var/lib/omni)
+            env={**os.environ, "OMNI_DATA_DIR": str(tmp / "data"), **(env or {})},
+        )
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def socket(self) -> Path:
+        return self.runtime_dir / "omnid.sock"
+
+    def admin(self) -> httpx.Client:
+        transport = httpx.HTTPTransport(uds=str(self.socket))
+        return httpx.Client(transport=transport, base_url="http://omnid", timeout=30)
+
+    def log(self) -> str:
+        return self.log_path.read_text()[-6000:]
+
+    def instances(self) -> dict[str, dict]:
+        with self.admin() as c:
+            return {i["name"]: i for i in c.get("/v1/instances").json()["instances"]}
+
+    def models(self) -> list[str]:
+        """The catalog, once the admin API answers."""
+
+        def listed():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"omnid exited:\n{self.log()}")
+            try:
+                with self.admin() as c:
+                    return c.get("/v1/models").json()  # truthy even with no models
+            except httpx.TransportError:
+                return None
+
+        return sorted(m["name"] for m in wait_until(listed, 60, "the admin API")["models"])
+
+    def wait_ready(self, names: list[str], timeout_s: float = 120) -> None:
+        def ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"omnid exited:\n{self.log()}")
+            try:
+                inst = self.instances()
+            except httpx.TransportError:
+                return False
+            return all(inst.get(n, {}).get("state") == "ready" for n in names)
+
+        wait_until(ready, timeout_s, f"instances {names} ready", interval_s=0.5)
+
+    def stop(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
