@@ -73,6 +73,12 @@ def models(ctx: click.Context) -> None:
     _emit(ctx, data, "models", ["name", "kind", "origin", "path"])
 
 
+def _act(ctx: click.Context, method: str, path: str, summary, **kwargs) -> None:
+    """One admin call: its JSON answer with --json, else a one-line summary of it."""
+    data = ctx.obj["admin"].call(method, path, **kwargs)
+    click.echo(json.dumps(data, indent=2) if ctx.obj["json"] else summary(data))
+
+
 def _mib(value) -> str | None:
     return None if value is None else f"{value / (1 << 20):.0f}"
 
@@ -127,8 +133,7 @@ def load(ctx: click.Context, name: str, path: Path, **options) -> None:
     The catalog change survives omnid restarts."""
     body = {"name": name, "path": str(path.resolve())}
     body.update({k: v for k, v in options.items() if v not in (None, False)})
-    data = ctx.obj["admin"].call("POST", "/v1/models", json=body)
-    click.echo(json.dumps(data, indent=2) if ctx.obj["json"] else f"loaded {name}")
+    _act(ctx, "POST", "/v1/models", lambda _d: f"loaded {name}", json=body)
 
 
 @main.command("swap-out")
@@ -136,8 +141,7 @@ def load(ctx: click.Context, name: str, path: Path, **options) -> None:
 @click.pass_context
 def swap_out(ctx: click.Context, name: str) -> None:
     """Move NAME's GPU memory to host memory now (it must be idle)."""
-    data = ctx.obj["admin"].call("POST", f"/v1/instances/{name}/swap-out")
-    click.echo(json.dumps(data, indent=2) if ctx.obj["json"] else f"{name}: {data['residency']}")
+    _act(ctx, "POST", f"/v1/instances/{name}/swap-out", lambda d: f"{name}: {d['residency']}")
 
 
 @main.command("swap-in")
@@ -145,8 +149,7 @@ def swap_out(ctx: click.Context, name: str) -> None:
 @click.pass_context
 def swap_in(ctx: click.Context, name: str) -> None:
     """Bring NAME's memory back to its GPU now (swapping out others if needed)."""
-    data = ctx.obj["admin"].call("POST", f"/v1/instances/{name}/swap-in")
-    click.echo(json.dumps(data, indent=2) if ctx.obj["json"] else f"{name}: {data['residency']}")
+    _act(ctx, "POST", f"/v1/instances/{name}/swap-in", lambda d: f"{name}: {d['residency']}")
 
 
 @main.command()
@@ -178,8 +181,7 @@ def drain(ctx: click.Context) -> None:
 @click.pass_context
 def unload(ctx: click.Context, name: str) -> None:
     """Stop NAME's instance and remove it from the catalog."""
-    data = ctx.obj["admin"].call("DELETE", f"/v1/models/{name}")
-    click.echo(json.dumps(data, indent=2) if ctx.obj["json"] else f"unloaded {name}")
+    _act(ctx, "DELETE", f"/v1/models/{name}", lambda _d: f"unloaded {name}")
 
 
 @main.command()
@@ -187,8 +189,7 @@ def unload(ctx: click.Context, name: str) -> None:
 @click.pass_context
 def restart(ctx: click.Context, name: str) -> None:
     """Restart NAME's instance."""
-    data = ctx.obj["admin"].call("POST", f"/v1/instances/{name}/restart")
-    click.echo(json.dumps(data, indent=2) if ctx.obj["json"] else f"restarting {name}")
+    _act(ctx, "POST", f"/v1/instances/{name}/restart", lambda _d: f"restarting {name}")
 
 
 if __name__ == "__main__":
