@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -206,18 +207,24 @@ def placement_from(item: dict, where: str, gpus: dict[int, int] | None) -> Place
     return Placement(gpu, quota, permits, cold)
 
 
-def _gpus(data: dict, path: Path) -> dict[int, int]:
-    items = data.get("gpus", [])
+def _tables(data: dict, key: str, path: Path, allowed: set[str]) -> Iterator[tuple[str, dict]]:
+    """The [[key]] tables with where each one is, each checked to hold only `allowed` keys."""
+    items = data.get(key, [])
     if not isinstance(items, list):
-        raise CatalogError(f"{path}: 'gpus' must be an array of tables ([[gpus]])")
-    gpus: dict[int, int] = {}
+        raise CatalogError(f"{path}: '{key}' must be an array of tables ([[{key}]])")
     for i, item in enumerate(items):
-        where = f"{path}: gpus[{i}]"
+        where = f"{path}: {key}[{i}]"
         if not isinstance(item, dict):
             raise CatalogError(f"{where}: must be a table")
-        extra = set(item) - GPU_KEYS
+        extra = set(item) - allowed
         if extra:
             raise CatalogError(f"{where}: unknown key {sorted(extra)[0]!r}")
+        yield where, item
+
+
+def _gpus(data: dict, path: Path) -> dict[int, int]:
+    gpus: dict[int, int] = {}
+    for where, item in _tables(data, "gpus", path, GPU_KEYS):
         for key in GPU_KEYS:
             if key not in item:
                 raise CatalogError(f"{where}.{key}: required")
@@ -256,17 +263,8 @@ def load_config(path: Path) -> NodeConfig:
     if sandbox is not None and sandbox not in ("auto", "isolated", "process"):
         raise CatalogError(f"{path}: 'sandbox' must be 'auto', 'isolated' or 'process'")
     gpus = _gpus(data, path)
-    models = data.get("models", [])
-    if not isinstance(models, list):
-        raise CatalogError(f"{path}: 'models' must be an array of tables ([[models]])")
     out: list[ModelConfig] = []
-    for i, item in enumerate(models):
-        where = f"{path}: models[{i}]"
-        if not isinstance(item, dict):
-            raise CatalogError(f"{where}: must be a table")
-        extra = set(item) - MODEL_KEYS
-        if extra:
-            raise CatalogError(f"{where}: unknown key {sorted(extra)[0]!r}")
+    for where, item in _tables(data, "models", path, MODEL_KEYS):
         for key in ("name", "path"):
             if not isinstance(item.get(key), str):
                 raise CatalogError(f"{where}.{key}: required string")
