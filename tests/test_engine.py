@@ -320,3 +320,24 @@ def test_decode_graphs_replay_what_eager_decode_computes(tmp_path):
     assert set(runner.graphs.graphs) == {4}  # 3 sequences: one bucket, captured once
     for e, g in zip(eager, graphed, strict=True):
         torch.testing.assert_close(g, e, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_warm_up_captures_every_bucket_and_writes_nothing_to_the_cache(tmp_path):
+    """Warm-up runs fake steps (cache slots -1): it must leave no trace a request could see."""
+    _, ckpt = tiny_checkpoint(tmp_path, ARCHES["llama"]())
+    model = LlamaForCausalLM.load(ckpt, device="cuda")
+    runner = ModelRunner(model, block_size=16, num_blocks=32)
+    runner.k_cache.normal_()  # random contents: a stray write would change them
+    runner.v_cache.normal_()
+    k_before, v_before = runner.k_cache.clone(), runner.v_cache.clone()
+    runner.warm_up(max_seqs=6, max_batch_tokens=64)
+    assert set(runner.graphs.graphs) == {1, 2, 4, 8}  # 6 sequences pad to the bucket of 8
+    assert torch.equal(runner.k_cache, k_before) and torch.equal(runner.v_cache, v_before)
+
+    seq = Sequence(token_ids=torch.randint(0, 96, (21,)).tolist())
+    blocks = BlockManager(runner.num_blocks, runner.block_size)
+    blocks.allocate(seq)
+    prefill = runner.run(Batch([seq], [21])).float()
+    solo = SoloSequence(ModelRunner(model, block_size=16, num_blocks=32))
+    torch.testing.assert_close(prefill[0], solo.extend(seq.token_ids).float())

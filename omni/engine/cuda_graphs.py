@@ -1,7 +1,7 @@
 """CUDA graphs for decode steps: one replay instead of hundreds of kernel launches.
 
-A graph is captured the first time a batch-size bucket is needed (start-up
-pays nothing for buckets never used) and replayed from static input buffers.
+A graph is captured for each batch-size bucket at start-up (ModelRunner.warm_up),
+or else the first time the bucket is needed, and replayed from static input buffers.
 Padding rows write nowhere (cache slot -1) and their outputs are dropped.
 """
 
@@ -42,8 +42,7 @@ class DecodeGraphs:
         self.tables[:n, :width].copy_(step.block_tables)
         self.seq_lens[:n].copy_(step.seq_lens)
         self.seq_lens[n:b].fill_(1)
-        if b not in self.graphs:
-            self._capture(b)
+        self.capture(b)
         self.graphs[b].replay()
         return self.outputs[b][:n]
 
@@ -60,7 +59,9 @@ class DecodeGraphs:
             num_decodes=b,
         )
 
-    def _capture(self, b: int) -> None:
+    def capture(self, b: int) -> None:
+        if b in self.graphs:
+            return
         step = self._static_step(b)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -109,6 +109,11 @@ class Engine:
         self._thread = threading.Thread(target=self._run, name="omni-engine", daemon=True)
         self._thread.start()
 
+    def warm_up(self) -> None:
+        """Compile and capture what any step needs (GPU), before the first request: a
+        served model's first requests of each size would otherwise pay for it."""
+        self.runner.warm_up(self.scheduler.max_seqs, self.scheduler.max_batch_tokens)
+
     @property
     def kv_capacity_tokens(self) -> int:
         return self.runner.num_blocks * self.runner.block_size

@@ -14,11 +14,15 @@ import numpy as np
 import torch
 
 from .block_manager import BlockManager
-from .cuda_graphs import DecodeGraphs
+from .cuda_graphs import BUCKETS, DecodeGraphs
 from .llama import LlamaForCausalLM
 from .scheduler import Batch
 from .sequence import Sequence
 
+# Step sizes (tokens) whose kernels warm_up compiles: one of each tile class of the linear
+# kernel (<= 64, <= 256, wider rows) and of Triton's integer specializations (1, multiples
+# of 16, others); a first request of a new size would otherwise wait seconds for the compiler.
+WARM_STEP_TOKENS = (1, 7, 16, 48, 100, 128, 200, 256, 300, 512)
 CPU_CACHE_BYTES = 1 << 30  # default KV pool without a GPU; OMNI_KV_CACHE_BYTES overrides
 GPU_CACHE_FRACTION = 0.85  # of the memory left after the weights
 
@@ -69,6 +73,34 @@ class ModelRunner:
             return int(env)
         limit = int(os.environ.get("OMNI_MEMORY_LIMIT_BYTES", "0"))
         return min(CPU_CACHE_BYTES, limit // 4) if limit else CPU_CACHE_BYTES
+
+    @torch.inference_mode()
+    def warm_up(self, max_seqs: int, max_batch_tokens: int) -> None:
+        """Compile the kernels of every step-size class and capture every decode graph a
+        step of at most `max_seqs` sequences can need, before the first request. Nothing is
+        written to the cache (slots -1); the CPU path has nothing to compile."""
+        if self.device.type != "cuda":
+            return
+        width = self.graphs.tables.shape[1] if self.graphs else 1
+        for n in (n for n in WARM_STEP_TOKENS if n <= max_batch_tokens):
+            step = StepInputs(
+                positions=torch.arange(n, device=self.device),
+                slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
+                block_tables=torch.zeros(1, width, dtype=torch.int32, device=self.device),
+                seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+                cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+                max_q_len=n,
+                num_decodes=0,
+            )
+            ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+            hidden = self.model.hidden_states(ids, step, self.k_cache, self.v_cache)
+            self.model.logits(hidden[: min(n, max_seqs)])  # the lm head at as many rows
+        if self.graphs:
+            for b in BUCKETS:  # up to the bucket that pads `max_seqs`
+                self.graphs.capture(b)
+                if b >= max_seqs:
+                    break
+        torch.cuda.synchronize(self.device)
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, StepInputs]:
         ids, positions, slots, seq_lens, cu = [], [], [], [], [0]

@@ -39,6 +39,7 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
         on_gpu = torch.cuda.is_available()
         device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
         engine = Engine(LlamaForCausalLM.load(ckpt, device, dtype), TextTokenizer(ckpt))
+        engine.warm_up()
         if not on_gpu and os.environ.get("OMNI_CUDA_CONTROL"):
             account_on_shim(engine.memory_bytes())
         TextGenRoutes(engine, name).add_to(app)
