@@ -118,17 +118,45 @@ def test_a_request_gives_up_with_503_when_every_resident_instance_stays_busy():
     assert t["busy"].state is Residency.SWAPPED and t["cold"].state is Residency.RESIDENT
 
 
+def test_a_resident_instance_answers_while_another_swaps():
+    """A swap holds the GPU's lock for its whole length; requests of resident instances
+    must not wait for it, not even to say they are done."""
+
+    async def main():
+        slow = {"a": Block(delay_s=0.4), "cold": Block(delay_s=0.4)}
+        pool, t, _ = await pool_with(["hot", "a", "cold"], 2, **slow)
+        await request(pool, t["a"])
+        for _ in range(3):  # the most wanted: a goes, hot stays
+            await request(pool, t["hot"])
+        swapping = asyncio.create_task(request(pool, t["cold"]))  # a out, then cold in
+        await asyncio.sleep(0.1)
+        t0 = time.monotonic()
+        await request(pool, t["hot"], hold_s=0.05)
+        took = time.monotonic() - t0
+        await swapping
+        return took, t
+
+    took, t = asyncio.run(main())
+    assert took < 0.3, f"the hot request waited {took:.2f}s for another instance's swap"
+    assert t["cold"].state is Residency.RESIDENT and t["a"].state is Residency.SWAPPED
+
+
 def test_a_quota_larger_than_the_budget_is_refused():
     pool = GpuPool(0, Q)
     with pytest.raises(ValueError, match="exceeds the budget"):
         pool.add(Tenant("big", 2 * Q, lambda _r: None))
 
 
-def test_a_much_hotter_idle_instance_is_spared_while_a_colder_one_finishes():
+def test_a_hotter_idle_instance_is_spared_while_a_colder_one_finishes():
+    """Budget 2, so the hot set is the one most wanted instance: twice as wanted as warm
+    is enough, and new waits for warm's request rather than evict hot between two of its."""
+
     async def main():
         pool, t, _ = await pool_with(["hot", "warm", "new"], 2)
         for _ in range(10):
             await request(pool, t["hot"])
+        for _ in range(5):
+            await request(pool, t["warm"])
         holder = asyncio.create_task(request(pool, t["warm"], hold_s=0.3))
         await asyncio.sleep(0.05)  # warm is busy, hot idle: hot would be plain LRU's pick
         await request(pool, t["new"])

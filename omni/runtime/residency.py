@@ -9,8 +9,11 @@ one at a time, the most wanted instance first, and concurrent requests for the
 same cold instance share one swap-in. The victim is the idle instance with the
 least recent demand (requests decayed with a half-life, ties to the least
 recently used): plain LRU would evict the busiest model between two of its
-requests whenever a cold one arrives. A swap that fails or times out marks the
-instance unhealthy (its supervisor restarts it); the waiting requests get 503.
+requests whenever a cold one arrives. The hottest instances that fit the budget
+with one quota to spare are never evicted for a colder one: cold models take
+turns in the room left, and the hot ones never wait for a swap. A swap that
+fails or times out marks the instance unhealthy (its supervisor restarts it);
+the waiting requests get 503.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import enum
 import heapq
 import itertools
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -34,10 +38,6 @@ log = logging.getLogger(__name__)
 
 SWAP_HISTORY = 100  # recent swaps kept per instance for the admin API
 DEMAND_HALF_LIFE_S = 30.0  # how fast a model's past requests stop protecting it
-# An idle instance in much higher demand than the one coming in is spared for a moment
-# while a less wanted resident instance may still finish its requests.
-PROTECT_RATIO = 4.0
-PROTECT_WAIT_S = 2.0
 
 
 class Residency(enum.StrEnum):
@@ -188,6 +188,7 @@ class GpuPool:
         self.tenants: dict[str, Tenant] = {}
         self.waiting = 0
         self._cond = asyncio.Condition(PriorityLock())  # serializes this GPU's swaps
+        self._notifies: set[asyncio.Task] = set()
 
     # ------------------------------------------------------------- accounting
 
@@ -262,8 +263,21 @@ class GpuPool:
             tenant.in_flight -= 1
             tenant.last_used, tenant.last_used_unix = time.monotonic(), time.time()
             if tenant.in_flight == 0:
-                async with self._cond:
-                    self._cond.notify_all()
+                self._notify_soon()
+
+    def _notify_soon(self) -> None:
+        """Wake the requests waiting for an idle instance, from a task of its own and
+        ahead of queued swaps: the request that went idle returns now, instead of
+        after every swap that holds or waits for this GPU's lock."""
+
+        async def notify() -> None:
+            SWAP_PRIORITY.set(math.inf)  # this task's own context
+            async with self._cond:
+                self._cond.notify_all()
+
+        task = asyncio.create_task(notify())
+        self._notifies.add(task)
+        task.add_done_callback(self._notifies.discard)
 
     async def _bring_in(self, tenant: Tenant, deadline: float) -> None:
         if self.waiting >= self.max_waiting:
@@ -319,23 +333,39 @@ class GpuPool:
 
     # -------------------------------------------------------------- internals
 
+    def _hot_set(self, now: float) -> set[Tenant]:
+        """The most wanted instances that fit the budget with room for the largest quota
+        left over: a colder instance never evicts one of these, so the hot models stay on
+        the GPU and the cold ones take turns in the room that is left."""
+        room = self.budget_bytes - max((t.quota_bytes for t in self.tenants.values()), default=0)
+        hot: set[Tenant] = set()
+        for t in sorted(self.tenants.values(), key=lambda t: -t.demand_now(now)):
+            if t.demand_now(now) <= 0 or t.quota_bytes > room:
+                break
+            room -= t.quota_bytes
+            hot.add(t)
+        return hot
+
+    def _pick_victim(self, tenant: Tenant, now: float) -> Tenant | None:
+        """The idle resident instance in least demand that `tenant` may evict; None to wait
+        for one (a colder instance is busy, starting or moving, and will free room)."""
+        others = [t for t in self.tenants.values() if t is not tenant]
+        idle = [t for t in others if t.state is Residency.RESIDENT and t.in_flight == 0]
+        if not idle:
+            return None
+        hot, wanted = self._hot_set(now), tenant.demand_now(now)
+        spared = {t for t in hot if t.demand_now(now) > wanted}
+        allowed = [t for t in idle if t not in spared]
+        if not allowed and not any(t.state in CHARGED and t not in spared for t in others):
+            allowed = idle  # nothing else will ever free room: the hot one has to go
+        return min(allowed, key=lambda t: (t.demand_now(now), t.last_used), default=None)
+
     async def _make_room(self, tenant: Tenant, deadline: float | None) -> None:
-        """With the lock held: swap out LRU idle instances until `tenant` fits the budget,
-        waiting (lock released) while every charged instance is busy."""
-        spare_until = time.monotonic() + PROTECT_WAIT_S
+        """With the lock held: swap out idle instances until `tenant` fits the budget,
+        waiting (lock released) while none may go."""
         while self.charged_bytes + tenant.quota_bytes > self.budget_bytes:
-            now = time.monotonic()
-            others = (t for t in self.tenants.values() if t is not tenant)
-            resident = [t for t in others if t.state is Residency.RESIDENT]
-            idle = [t for t in resident if t.in_flight == 0]
-            if idle:
-                victim = min(idle, key=lambda t: (t.demand_now(now), t.last_used))
-                wanted = PROTECT_RATIO * max(tenant.demand_now(now), 1.0)
-                colder_busy = any(t.demand_now(now) < wanted for t in resident if t.in_flight)
-                if victim.demand_now(now) > wanted and colder_busy and now < spare_until:
-                    with contextlib.suppress(TimeoutError):  # a colder one may finish
-                        await asyncio.wait_for(self._cond.wait(), spare_until - now)
-                    continue
+            victim = self._pick_victim(tenant, time.monotonic())
+            if victim is not None:
                 with contextlib.suppress(ApiError):  # a failed victim restarts: charged 0
                     await self._swap(victim, "out")
                 continue
