@@ -1,6 +1,7 @@
 """GPU memory overcommit: 13 models whose quotas sum to 4x the budget, a Zipf request mix.
 
-Three runs, each a fresh omnid over the same random checkpoints and request sequence:
+Three runs, each a fresh omnid over the same random checkpoints and request sequence
+(closed loop: `--concurrency` clients; or open loop: `--rate` Poisson arrivals per second):
 - overcommit: every model, all cold; omnid swaps them in on demand;
 - baseline-fit: only the models that fit the budget (most popular first); the rest 404;
 - single: the hottest model alone, replaying its arrivals from the overcommit run, so its
@@ -162,6 +163,16 @@ def zipf_stream(n: int, s: float, vocab: int, length: int, seed: int) -> Iterato
     while True:
         m = rng.choices(range(n), weights)[0]
         yield m, " ".join(f"t{rng.randrange(1, vocab)}" for _ in range(length))
+
+
+def poisson_arrivals(stream: Iterator[tuple[int, str]], rate: float, seconds: float, seed: int):
+    """Open-loop arrivals: `rate` requests/s on average (exponential gaps) for `seconds`,
+    each with its (model, prompt) from `stream`; the records replay() sends."""
+    rng, at, out = random.Random(seed), 0.0, []
+    while (at := at + rng.expovariate(rate)) < seconds:
+        m, prompt = next(stream)
+        out.append({"model": m, "prompt": prompt, "start": at})
+    return out
 
 
 def percentile(values: list[float], p: float) -> float | None:
@@ -377,6 +388,27 @@ def summarize(recs: list[dict], before: list[dict], after: list[dict], since: fl
     }
 
 
+def swap_overlap(recs: list[dict], instances: list[dict], window_unix: float) -> dict:
+    """m00's latency split by whether any swap (in or out, of any model) ran during the
+    request: tells swap interference apart from sharing the GPU's compute."""
+    swaps = [
+        (h["at"] - h["seconds"] - window_unix, h["at"] - window_unix)
+        for i in instances
+        for h in i.get("swap_history") or []
+        if h.get("at", 0) >= window_unix
+    ]
+
+    def overlaps(r: dict) -> bool:
+        return any(a < r["start"] + r["latency"] and b > r["start"] for a, b in swaps)
+
+    top = [r for r in recs if r["model"] == 0 and r["status"] == 200]
+    out = {}
+    for label, group in (("during_swaps", True), ("no_swap", False)):
+        vals = [r["latency"] for r in top if overlaps(r) == group]
+        out[label] = {"n": len(vals), "p50_s": percentile(vals, 50), "p99_s": percentile(vals, 99)}
+    return out
+
+
 async def admission_snapshot(session: aiohttp.ClientSession, port: int) -> dict:
     """omnid's admission-wait histogram per model (cumulative): count, sum, buckets."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -432,14 +464,19 @@ async def run_one(label: str, served: list[int], entries, args, budget: int, arr
             for i in served:  # one request each first: first-use costs stay out of the window
                 await load.complete(i, "t1 t2 t3", 0.0)
             warm = zipf_stream(args.models, args.zipf, vocab, args.prompt_tokens, args.seed + 1)
-            await load.closed_loop((x for x in warm if x[0] in served), args.warmup)
+            warm = (x for x in warm if x[0] in served)
+            if args.rate:
+                await load.replay(poisson_arrivals(warm, args.rate, args.warmup, args.seed + 1))
+            else:
+                await load.closed_loop(warm, args.warmup)
             before, since = await omnid.instances(), time.time()
             waits_before = await admission_snapshot(session, omnid.port)
             with BusySampler(args.gpu) as busy:
+                window_unix = time.time()  # requests' `start` counts from here (about)
+                stream = zipf_stream(args.models, args.zipf, vocab, args.prompt_tokens, args.seed)
+                if arrivals is None and args.rate:
+                    arrivals = poisson_arrivals(stream, args.rate, args.duration, args.seed)
                 if arrivals is None:
-                    stream = zipf_stream(
-                        args.models, args.zipf, vocab, args.prompt_tokens, args.seed
-                    )
                     recs = await load.closed_loop(stream, args.duration)
                 else:
                     recs = await load.replay(arrivals)
@@ -449,6 +486,8 @@ async def run_one(label: str, served: list[int], entries, args, budget: int, arr
         omnid.stop()
     result = summarize(recs, before, after, since, args)
     result.update(served=[names[i] for i in served], gpu_busy_fraction=busy.fraction)
+    result["hot_vs_swaps"] = swap_overlap(recs, after, window_unix)
+    result["records"] = [{k: r[k] for k in ("model", "start", "latency", "status")} for r in recs]
     result["instances"] = after
     result["admission"] = waits  # how much of the latency is waiting, not serving
     print(f"[{label}] {result['ok']}/{result['requests']} ok, {result['status_counts']}")
@@ -482,6 +521,13 @@ def print_table(runs: dict) -> None:
         print(row(cells))
     for label, run in runs.items():
         print(f"  {label}: statuses {run.get('status_counts')}")
+        split = run.get("hot_vs_swaps")
+        if split and split["during_swaps"]["n"]:
+            d, q = split["during_swaps"], split["no_swap"]
+            print(
+                f"  {label}: m00 p50/p99 during a swap {fmt(d['p50_s'])}/{fmt(d['p99_s'])} s "
+                f"(n={d['n']}), with none {fmt(q['p50_s'])}/{fmt(q['p99_s'])} s (n={q['n']})"
+            )
         top = run.get("admission", {}).get("m00")
         if top:
             print(
@@ -534,6 +580,8 @@ async def main_async(args) -> int:
     raw: dict = {}
     plan = {"overcommit": range(args.models), "baseline-fit": range(fit), "single": [0]}
     for label, served in plan.items():
+        if label not in args.runs.split(","):
+            continue
         arrivals = None
         if label == "single":  # the hot model's share of the overcommit stream, same offsets
             arrivals = [r for r in raw.get("overcommit", []) if r["model"] == 0]
@@ -566,10 +614,14 @@ def main() -> None:
     ap.add_argument("--hot", type=int, default=3, help="top Zipf ranks reported as hot")
     ap.add_argument("--duration", type=float, default=60.0, help="measured window, seconds")
     ap.add_argument("--warmup", type=float, default=20.0, help="unmeasured load first, seconds")
-    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--concurrency", type=int, default=16, help="closed-loop clients")
+    ap.add_argument(
+        "--rate", type=float, default=0.0, help="open loop instead: Poisson arrivals, req/s"
+    )
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--permits", type=int, default=16)
+    ap.add_argument("--runs", default="overcommit,baseline-fit,single", help="which, in order")
     ap.add_argument("--gpu", type=int, default=0)
     ap.add_argument("--sandbox", default="auto", help="omnid's --sandbox mode")
     ap.add_argument("--seed", type=int, default=0)
