@@ -1,9 +1,10 @@
 """What the edge decides before forwarding: who is asking, what it costs, and when it may go.
 
-One fair queue per model, sized to the permits omnid reports for it (polled, so
-catalog changes reach the edge without a restart). A request's cost is an
-estimate in tokens (prompt bytes / 4 + max_tokens), corrected from the answer's
-usage once known.
+One fair queue per model, sized to the permits its healthy nodes report for it
+(polled, so catalog changes and node failures reach the edge without a
+restart). A request's cost is an estimate in tokens (prompt bytes / 4 +
+max_tokens), corrected from the answer's usage once known. `fifo` queueing puts
+every tenant in one queue: the baseline that fair queueing is measured against.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import aiohttp
 from omni.api.errors import ApiError
 
 from .fairq import FairQueue, Permit, Shed
+from .nodes import REFRESH_S, NodeSet
 from .tenants import RateLimited, Tenant, TenantError, Tenants
 
 log = logging.getLogger(__name__)
@@ -24,8 +26,24 @@ log = logging.getLogger(__name__)
 DEADLINE_HEADER = "x-omni-deadline-ms"
 DEFAULT_MAX_TOKENS = 256  # what an unbounded request is charged until its usage is known
 BYTES_PER_TOKEN = 4
-REFRESH_S = 2.0
 ANONYMOUS = Tenant("anonymous")  # without a tenants file: one tenant, no keys, no limits
+
+
+def text_bytes(value: object) -> int:
+    """Bytes of the strings in a JSON value, walked without recursion (a body may nest
+    deeper than Python's recursion limit); other scalars count as their text."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item.encode(errors="replace"))
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif item is not None:
+            total += len(str(item))
+    return total
 
 
 def estimate_cost(data: dict) -> float:
@@ -33,7 +51,7 @@ def estimate_cost(data: dict) -> float:
     text = data.get("prompt") or data.get("input") or ""
     if "messages" in data and isinstance(data["messages"], list):
         text = [m.get("content") for m in data["messages"] if isinstance(m, dict)]
-    prompt_bytes = len(repr(text).encode())
+    prompt_bytes = text_bytes(text)
     max_tokens = data.get("max_completion_tokens") or data.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 0:
         max_tokens = 0 if "input" in data else DEFAULT_MAX_TOKENS  # embeddings generate nothing
@@ -74,9 +92,18 @@ def api_error(exc: TenantError | Shed) -> ApiError:
 class Admission:
     """Tenants and one fair queue per model."""
 
-    def __init__(self, upstream: str, tenants: Tenants | None, max_queued: int = 1024):
-        self.upstream = upstream
+    def __init__(
+        self,
+        nodes: NodeSet,
+        tenants: Tenants | None,
+        max_queued: int = 1024,
+        queueing: str = "fair",
+    ):
+        if queueing not in ("fair", "fifo"):
+            raise ValueError(f"queueing must be 'fair' or 'fifo', not {queueing!r}")
+        self.nodes = nodes
         self.tenants = tenants
+        self.fifo = queueing == "fifo"
         self.max_queued = max_queued
         self.queues: dict[str, FairQueue] = {}
         self._weights = {t.name: t.weight for t in tenants.tenants.values()} if tenants else {}
@@ -103,7 +130,7 @@ class Admission:
         if queue is None:
             return None
         try:
-            return await queue.acquire(tenant.name, cost, deadline)
+            return await queue.acquire("all" if self.fifo else tenant.name, cost, deadline)
         except Shed as exc:
             raise api_error(exc) from None
 
@@ -118,24 +145,22 @@ class Admission:
                 await self._refresher
 
     async def refresh(self, session: aiohttp.ClientSession) -> None:
-        """Models and permits from omnid's /v1/models."""
-        try:
-            async with session.get(
-                f"{self.upstream}/v1/models", timeout=aiohttp.ClientTimeout(total=2)
-            ) as resp:
-                models = (await resp.json())["data"]
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError) as exc:
-            log.debug("model list unavailable: %s", exc)
-            return
-        for m in models:
-            permits = int(m.get("permits") or 64)
-            queue = self.queues.get(m["id"])
+        """Models and permits from every node's /v1/models."""
+        await self.nodes.refresh(session)
+        self.resize()
+
+    def resize(self) -> None:
+        """Each model's queue to the permits of its healthy nodes (a model whose nodes
+        are all down keeps its queue, at no permits: its requests wait or shed)."""
+        permits = self.nodes.models()
+        for model in set(permits) | set(self.queues):
+            queue = self.queues.get(model)
             if queue is None:
-                self.queues[m["id"]] = FairQueue(
-                    permits, max_queued=self.max_queued, weights=self._weights
+                self.queues[model] = FairQueue(
+                    permits[model], max_queued=self.max_queued, weights=self._weights
                 )
             else:
-                queue.set_permits(permits)
+                queue.set_permits(permits.get(model, 0))
 
     async def _refresh_forever(self, session: aiohttp.ClientSession) -> None:
         while True:

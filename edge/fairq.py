@@ -164,6 +164,13 @@ class FairQueue:
         return self._in_use
 
     @property
+    def permits(self) -> int:
+        return self._permits
+
+    def queued_by_tenant(self) -> dict[str, int]:
+        return {t: len(q) for t, q in self._queues.items() if q}
+
+    @property
     def shed_counts(self) -> dict[str, int]:
         return dict(self._shed)
 

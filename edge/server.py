@@ -1,12 +1,16 @@
-"""omni-edge, the front door: checks requests, forwards /v1/* to omnid, relays answers.
+"""omni-edge, the front door: checks requests, picks a node, relays answers.
 
 Each inference request is authenticated to a tenant (API keys from `--tenants`;
 without it, one anonymous tenant), checked against the tenant's rate limits, and
-queued fairly per model for one of the model's permits. The permit goes back
-as soon as omnid has sent the whole answer (early release), while a slow client
-may still be reading it from the edge. The tenant travels to omnid in
-x-omni-tenant (prefix caches are per tenant); a client can never set it.
-Errors from omnid pass through unchanged.
+queued fairly per model for one of the permits of the model's nodes. Then a node
+is picked (edge/nodes.py: the session's own node for `x-session-affinity`, else
+the better of two random ones by latency and free permits). The permit goes
+back as soon as the node has sent the whole answer (early release), while a
+slow client may still be reading it from the edge. A node that fails before any
+of its answer reached the client is counted towards its ejection and the request
+goes to another node, within a retry budget. The tenant travels to omnid in
+x-omni-tenant (prefix caches are per tenant; a client can never set it), with a
+W3C traceparent naming the edge's span. Errors from omnid pass through unchanged.
 """
 
 from __future__ import annotations
@@ -15,26 +19,34 @@ import argparse
 import asyncio
 import logging
 import os
+import secrets
 import signal
 import time
 
 import aiohttp
 import orjson
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 
-from omni.api.errors import ApiError, error_middleware, json_response
-from omni.api.proxy import relay
+from omni.api.errors import ApiError, error_middleware, json_response, unavailable
+from omni.api.proxy import UpstreamFailed, relay
 from omni.logs import setup_logging
 
 from .admission import Admission, deadline_from, estimate_cost
+from .metrics import CONTENT_TYPE, EdgeMetrics
+from .nodes import Attempt, Node, NodeSet
 from .tenants import TenantConfigError, Tenants
 
 log = logging.getLogger("omni-edge")
+access = logging.getLogger("omni-edge.access")  # one JSON line per request; never a key
 
 DEFAULT_MAX_BODY = 4 << 20
 # Set by the edge itself (from the caller's credentials), never taken from a client.
 TRUSTED_HEADERS = frozenset({"x-omni-tenant"})
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+AFFINITY_HEADER = "x-session-affinity"
+SESSION = web.AppKey("session", aiohttp.ClientSession)
+MAX_ATTEMPTS = 3  # nodes tried for one request that failed before anything was streamed
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
@@ -45,10 +57,14 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise too_large
     body = bytearray()
-    async for chunk in request.content.iter_any():
-        body += chunk
-        if len(body) > limit:
-            raise too_large
+    try:
+        async for chunk in request.content.iter_any():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+    except RequestPayloadError:
+        message = "Request body could not be read (bad Content-Encoding or framing)."
+        raise ApiError(400, message, code="invalid_body") from None
     return bytes(body)
 
 
@@ -67,31 +83,84 @@ def check_inference_body(body: bytes) -> dict:
     return data
 
 
-def edge_app(upstream: str, max_body: int, tenants: Tenants | None = None) -> web.Application:
+class RetryBudget:
+    """Retries may add at most `ratio` of the requests' load (plus a small burst): a
+    failing fleet is not hit twice as hard by its own clients' retries."""
+
+    def __init__(self, ratio: float = 0.2, burst: float = 10.0):
+        self.ratio, self.burst, self.tokens = ratio, burst, burst
+
+    def request(self) -> None:
+        self.tokens = min(self.burst, self.tokens + self.ratio)
+
+    def take(self) -> bool:
+        if self.tokens < 1:
+            return False
+        self.tokens -= 1
+        return True
+
+
+def trace_header(incoming: str | None) -> str:
+    """W3C traceparent for the hop to the node: the caller's trace with the edge's own
+    span, or a new trace when the caller sent none (or a malformed one)."""
+    parts = (incoming or "").strip().lower().split("-")
+    span = secrets.token_hex(8)
+    if (
+        len(parts) == 4
+        and parts[0] == "00"
+        and len(parts[1]) == 32
+        and len(parts[3]) == 2
+        and all(c in "0123456789abcdef" for c in parts[1] + parts[3])
+        and parts[1] != "0" * 32
+    ):
+        return f"00-{parts[1]}-{span}-{parts[3]}"
+    return f"00-{secrets.token_hex(16)}-{span}-01"
+
+
+def edge_app(
+    upstream: str | list[str],
+    max_body: int,
+    tenants: Tenants | None = None,
+    queueing: str = "fair",
+    max_queued: int = 1024,
+    early_release: bool = True,
+) -> web.Application:
+    """`upstream`: the nodes' (omnid's) inference endpoints; `max_queued`: requests a
+    model's queue holds before shedding; `early_release=False` holds each permit until
+    the client has read the whole answer (the baseline early release is measured against)."""
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body)
-    upstream = upstream.rstrip("/")
-    admission = Admission(upstream, tenants)
+    nodes = NodeSet([upstream] if isinstance(upstream, str) else upstream)
+    admission = Admission(nodes, tenants, max_queued=max_queued, queueing=queueing)
+    retries = RetryBudget()
+    metrics = EdgeMetrics(admission, nodes)
 
     async def start(app: web.Application) -> None:
-        app["session"] = aiohttp.ClientSession(
+        app[SESSION] = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
         )
-        await admission.start(app["session"])
+        await admission.start(app[SESSION])
 
     async def close(app: web.Application) -> None:
         await admission.stop()
-        await app["session"].close()
+        await app[SESSION].close()
 
     app.on_startup.append(start)
     app.on_cleanup.append(close)
+
+    def any_node(model: str | None = None) -> Node:
+        node = nodes.pick(model) if model else None
+        node = node or next((n for n in nodes.nodes if n.healthy), None)
+        if node is None:
+            raise unavailable("No node is available; retry shortly.", 1)
+        return node
 
     async def list_models(request: web.Request) -> web.StreamResponse:
         admission.tenant(request.headers.get("Authorization"))
         return await relay(
             request,
-            request.app["session"],
-            upstream + request.path_qs,
+            request.app[SESSION],
+            any_node().url + request.path_qs,
             None,
             upstream_name="omnid",
             drop_headers=TRUSTED_HEADERS,
@@ -102,10 +171,26 @@ def edge_app(upstream: str, max_body: int, tenants: Tenants | None = None) -> we
         tenant = admission.tenant(request.headers.get("Authorization"))
         body = await read_body(request, max_body)
         data = check_inference_body(body)
+        model = data["model"]
         deadline = deadline_from(request.headers, arrived)
         cost = estimate_cost(data)
         admission.check_rate(tenant, cost)
-        permit = await admission.permit(data["model"], tenant, cost, deadline)
+        try:
+            permit = await admission.permit(model, tenant, cost, deadline)
+        except ApiError as exc:
+            metrics.shed.labels(tenant.name, exc.code or str(exc.status)).inc()
+            metrics.requests.labels(tenant.name, model, exc.status).inc()
+            raise
+        queued_s = time.monotonic() - arrived
+        metrics.queue_wait.labels(tenant.name).observe(queued_s)
+        session_key = request.headers.get(AFFINITY_HEADER) or None
+        headers = {
+            "x-omni-tenant": tenant.name,
+            "traceparent": trace_header(request.headers.get("traceparent")),
+        }
+        retries.request()
+        tried: list[Node] = []
+        status: int | str = "error"
 
         def usage(u: dict) -> None:
             actual = float((u.get("prompt_tokens") or 0) + (u.get("completion_tokens") or 0))
@@ -113,38 +198,90 @@ def edge_app(upstream: str, max_body: int, tenants: Tenants | None = None) -> we
                 permit.correct_cost(actual)
                 tenant.correct_tokens(cost, actual)
 
+        attempt: Attempt | None = None
+
+        def upstream_done() -> None:  # early release: the node's GPU work is over
+            if attempt is not None and attempt.open:
+                attempt.end(ok=True)
+                metrics.upstream.labels(attempt.node.url).observe(
+                    time.monotonic() - attempt.started
+                )
+            if permit is not None:
+                permit.release()
+
         try:
-            return await relay(
-                request,
-                request.app["session"],
-                upstream + request.path_qs,
-                body,
-                upstream_name="omnid",
-                drop_headers=TRUSTED_HEADERS,
-                extra_headers={"x-omni-tenant": tenant.name},
-                on_usage=usage,
-                on_upstream_done=permit.release if permit is not None else None,
-            )
+            while True:
+                node = nodes.pick(model, session_key, exclude=tried) if permit else None
+                node = node or (any_node(model) if not tried else None)
+                if node is None:
+                    raise unavailable(f"No node can serve '{model}' now; retry shortly.", 1)
+                tried.append(node)
+                attempt = Attempt(nodes, node, model)
+                try:
+                    resp = await relay(
+                        request,
+                        request.app[SESSION],
+                        node.url + request.path_qs,
+                        body,
+                        upstream_name="omnid",
+                        drop_headers=TRUSTED_HEADERS | {"traceparent"},
+                        extra_headers=headers,
+                        on_usage=usage,
+                        on_upstream_done=upstream_done if early_release else None,
+                    )
+                except UpstreamFailed:  # nothing reached the client: another node may serve it
+                    attempt.end(ok=False)
+                    if len(tried) < MAX_ATTEMPTS and retries.take():
+                        log.info("retrying a request for %s on another node", model)
+                        metrics.retries.inc()
+                        continue
+                    raise
+                status = resp.status
+                return resp
+        except ApiError as exc:
+            status = exc.status
+            raise
         finally:
+            if attempt is not None:
+                attempt.end(ok=True)  # the client left, or the relay ended without a callback
             if permit is not None:
                 permit.release()  # once only: a no-op after the early release
+            metrics.requests.labels(tenant.name, model, status).inc()
+            access.info(
+                "%s",
+                orjson.dumps(
+                    {
+                        "tenant": tenant.name,
+                        "model": model,
+                        "path": request.path,
+                        "status": status,
+                        "nodes": [n.url for n in tried],
+                        "queued_ms": round(queued_s * 1e3, 3),
+                        "ms": round((time.monotonic() - arrived) * 1e3, 3),
+                        "traceparent": headers["traceparent"],
+                    }
+                ).decode(),
+            )
 
     async def healthz(request: web.Request) -> web.Response:
-        try:
-            async with request.app["session"].get(
-                upstream + "/healthz", timeout=aiohttp.ClientTimeout(total=2)
-            ) as resp:
-                ok = resp.status == 200
-        except (aiohttp.ClientError, OSError, TimeoutError):
-            ok = False
-        if ok:
-            return json_response({"status": "ok"})
+        healthy = [n for n in nodes.nodes if n.healthy and n.models]
+        if healthy:
+            return json_response({"status": "ok", "nodes": len(healthy)})
         return json_response(
             {"status": "degraded", "omnid": "unreachable"}, 503, {"Retry-After": "1"}
         )
 
+    async def metrics_page(_request: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def node_view(request: web.Request) -> web.Response:
+        admission.tenant(request.headers.get("Authorization"))
+        return json_response({"nodes": [n.to_json() for n in nodes.nodes]})
+
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/edge/nodes", node_view)
+    app.router.add_get("/metrics", metrics_page)
     for path in INFERENCE_PATHS:
         app.router.add_post(path, infer)
     return app
@@ -153,13 +290,22 @@ def edge_app(upstream: str, max_body: int, tenants: Tenants | None = None) -> we
 async def run(args: argparse.Namespace) -> None:
     tenants = Tenants.from_file(args.tenants) if args.tenants else None
     runner = web.AppRunner(
-        edge_app(args.upstream, args.max_body_bytes, tenants),
+        edge_app(
+            args.upstream,
+            args.max_body_bytes,
+            tenants,
+            queueing=args.queueing,
+            max_queued=args.max_queued,
+            early_release=not args.no_early_release,
+        ),
         handler_cancellation=True,
         access_log=None,
     )
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
-    log.info("omni-edge listening on http://%s:%d -> %s", args.host, args.port, args.upstream)
+    log.info(
+        "omni-edge listening on http://%s:%d -> %s", args.host, args.port, ", ".join(args.upstream)
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -175,8 +321,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=int(env("OMNI_EDGE_PORT", "8080")))
     parser.add_argument(
         "--upstream",
-        default=env("OMNI_UPSTREAM", "http://127.0.0.1:8081"),
-        help="omnid's inference endpoint",
+        action="append",
+        help="a node's (omnid's) inference endpoint; repeat for several nodes "
+        "(default: $OMNI_UPSTREAM, comma-separated, else http://127.0.0.1:8081)",
+    )
+    parser.add_argument(
+        "--queueing",
+        choices=("fair", "fifo"),
+        default=env("OMNI_EDGE_QUEUEING", "fair"),
+        help="fair: weighted fair queues per tenant; fifo: one queue (a baseline)",
     )
     parser.add_argument(
         "--max-body-bytes", type=int, default=int(env("OMNI_MAX_BODY_BYTES", str(DEFAULT_MAX_BODY)))
@@ -186,7 +339,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=env("OMNI_TENANTS"),
         help="TOML file of tenants and their API keys (without it: no keys, one tenant)",
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--max-queued",
+        type=int,
+        default=int(env("OMNI_EDGE_MAX_QUEUED", "1024")),
+        help="requests one model's queue holds; beyond, the tenants over their share shed",
+    )
+    parser.add_argument(
+        "--no-early-release",
+        action="store_true",
+        help="hold a permit until the client has read everything (a baseline)",
+    )
+    args = parser.parse_args(argv)
+    if not args.upstream:
+        args.upstream = env("OMNI_UPSTREAM", "http://127.0.0.1:8081").split(",")
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,8 +1,9 @@
 """Relay a request upstream and its response back, streaming included.
 
 Used by the edge (to omnid) and by omnid (to an instance). An upstream that
-fails before answering becomes a 503 with Retry-After; one that fails mid-stream
-ends the stream with an error event, since the status line is already sent.
+fails before answering becomes a 503 with Retry-After (UpstreamFailed: the
+caller may try another); one that fails mid-stream ends the stream with an error
+event, since the status line is already sent.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from .errors import error_body, unavailable
+from .errors import ApiError, error_body, unavailable
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,16 @@ _SKIP_HEADERS = {
 
 
 USAGE_TAIL = 8192
+
+
+class UpstreamFailed(ApiError):
+    """The upstream failed before any of its answer reached our client (a 503): the
+    request may go to another upstream."""
+
+
+def _failed(message: str, retry_after_s: float) -> UpstreamFailed:
+    err = unavailable(message, retry_after_s)
+    return UpstreamFailed(503, err.message, code=err.code, retry_after=err.retry_after)
 
 
 def report_usage(body: bytes, on_usage: Callable[[dict], None]) -> None:
@@ -100,9 +111,7 @@ async def relay(
         upstream = await session.request(request.method, url, data=body, headers=headers)
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         log.warning("%s unreachable: %s", upstream_name, exc)
-        raise unavailable(
-            f"{upstream_name} is unavailable; retry shortly.", retry_after_s
-        ) from None
+        raise _failed(f"{upstream_name} is unavailable; retry shortly.", retry_after_s) from None
     async with upstream:
         headers = relay_headers(upstream.headers)
         if upstream.content_type != "text/event-stream":
@@ -110,9 +119,8 @@ async def relay(
                 data = await upstream.read()
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 log.warning("%s failed mid-response: %s", upstream_name, exc)
-                raise unavailable(
-                    f"{upstream_name} failed while answering; retry shortly.", retry_after_s
-                ) from None
+                message = f"{upstream_name} failed while answering; retry shortly."
+                raise _failed(message, retry_after_s) from None
             if on_upstream_done:
                 on_upstream_done()
             if on_usage and upstream.status == 200:

@@ -1,0 +1,184 @@
+"""The nodes behind the edge: what each hosts, how loaded and how far it is, and which to use.
+
+Each node's models and permits come from polling its /v1/models; its latency is
+a moving average of measured round trips; its load is the edge's own count of
+requests in flight there, so picking needs no network call. A pick is power of
+two random choices (two healthy candidates with a free permit, the cheaper one,
+by round trip and load, more likely to win): no herd on the single best node,
+no hotspot. A
+session key instead goes to its own node by rendezvous hashing (the node that
+holds its prefix cache), and to the next node of its order when that one is
+full or down. Consecutive failures eject a node for a backoff that doubles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+REFRESH_S = 2.0
+EJECT_AFTER = 3  # consecutive failures
+EJECT_BASE_S = 1.0
+EJECT_MAX_S = 30.0
+LATENCY_ALPHA = 0.2  # weight of a new sample in the moving average
+DEFAULT_PERMITS = 64
+
+
+@dataclass(eq=False)
+class Node:
+    url: str
+    models: dict[str, int] = field(default_factory=dict)  # model -> permits
+    in_flight: dict[str, int] = field(default_factory=dict)
+    latency_s: float = 0.001
+    failures: int = 0
+    ejections: int = 0
+    ejected_until: float = 0.0
+
+    @property
+    def healthy(self) -> bool:
+        return time.monotonic() >= self.ejected_until
+
+    def free(self, model: str) -> int:
+        return self.models.get(model, 0) - self.in_flight.get(model, 0)
+
+    def cost(self, model: str) -> float:
+        """How bad a choice this node is now: its round trip, times the requests it
+        already runs, over the permits it has left."""
+        return self.latency_s * (1 + self.in_flight.get(model, 0)) / max(1, self.free(model))
+
+    def to_json(self) -> dict:
+        return {
+            "url": self.url,
+            "healthy": self.healthy,
+            "models": self.models,
+            "in_flight": {m: n for m, n in self.in_flight.items() if n},
+            "latency_ms": round(self.latency_s * 1e3, 3),
+            "ejections": self.ejections,
+        }
+
+
+def _rank(key: str, node: Node) -> bytes:
+    return hashlib.blake2b(f"{key}\0{node.url}".encode(), digest_size=8).digest()
+
+
+class NodeSet:
+    """Every node the edge routes to."""
+
+    def __init__(self, urls: list[str], rng: random.Random | None = None):
+        self.nodes = [Node(url.rstrip("/")) for url in urls]
+        self.rng = rng or random.Random()
+        self.decisions: Counter[str] = Counter()  # how picks were made, for the metrics
+
+    # ------------------------------------------------------------ the view
+
+    def models(self) -> dict[str, int]:
+        """Each model served by a healthy node, with its permits summed over them."""
+        out: dict[str, int] = {}
+        for node in self.nodes:
+            if node.healthy:
+                for model, permits in node.models.items():
+                    out[model] = out.get(model, 0) + permits
+        return out
+
+    def hosts(self, model: str) -> list[Node]:
+        return [n for n in self.nodes if n.healthy and model in n.models]
+
+    # ------------------------------------------------------------- picking
+
+    def pick(self, model: str, session_key: str | None = None, exclude=()) -> Node | None:
+        """The node for one request: the session's own node while it has room, else
+        the better of two random ones with room, else the least loaded host."""
+        hosts = [n for n in self.hosts(model) if n not in exclude]
+        if not hosts:
+            self.decisions["no_node"] += 1
+            return None
+        if session_key:
+            ordered = sorted(hosts, key=lambda n: _rank(session_key, n), reverse=True)
+            node = next((n for n in ordered if n.free(model) > 0), ordered[0])
+            self.decisions["affinity" if node is ordered[0] else "affinity_fallback"] += 1
+            return node
+        roomy = [n for n in hosts if n.free(model) > 0] or hosts
+        if len(roomy) == 1:
+            self.decisions["single"] += 1
+            return roomy[0]
+        # Of two random nodes, each wins in inverse proportion to its cost: a clearly
+        # better node nearly always, two alike about evenly (a strict comparison would
+        # send everything to whichever measured a microsecond faster).
+        a, b = self.rng.sample(roomy, 2)
+        self.decisions["two_choices"] += 1
+        cost_a, cost_b = a.cost(model), b.cost(model)
+        return a if self.rng.random() * (cost_a + cost_b) < cost_b else b
+
+    def started(self, node: Node, model: str) -> None:
+        node.in_flight[model] = node.in_flight.get(model, 0) + 1
+
+    def finished(self, node: Node, model: str, ok: bool) -> None:
+        """One request done there; a failure counts towards ejection. (The latency is
+        the polls' round trip: a request's own time says more about its size.)"""
+        node.in_flight[model] = max(0, node.in_flight.get(model, 0) - 1)
+        if ok:
+            node.failures = 0
+        else:
+            self.failed(node)
+
+    def failed(self, node: Node) -> None:
+        node.failures += 1
+        if node.failures >= EJECT_AFTER and node.healthy:
+            backoff = min(EJECT_MAX_S, EJECT_BASE_S * 2**node.ejections)
+            node.ejections += 1
+            node.ejected_until = time.monotonic() + backoff
+            log.warning(
+                "node %s ejected for %.0fs after %d failures", node.url, backoff, node.failures
+            )
+
+    # ------------------------------------------------------------ polling
+
+    async def refresh(self, session: aiohttp.ClientSession) -> None:
+        await asyncio.gather(*(self._poll(session, n) for n in self.nodes))
+
+    async def _poll(self, session: aiohttp.ClientSession, node: Node) -> None:
+        """The node's models and permits; a node that cannot answer counts a failure
+        (an ejected node is polled too: its first good answer brings it back)."""
+        t0 = time.monotonic()
+        try:
+            async with session.get(
+                f"{node.url}/v1/models", timeout=aiohttp.ClientTimeout(total=2)
+            ) as resp:
+                data = (await resp.json())["data"]
+            models = {m["id"]: int(m.get("permits") or DEFAULT_PERMITS) for m in data}
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            log.debug("node %s: model list unavailable: %s", node.url, exc)
+            self.failed(node)
+            return
+        node.models = models
+        node.failures = 0
+        if not node.healthy:
+            node.ejected_until = 0.0
+            log.info("node %s is back", node.url)
+        else:
+            node.ejections = 0
+        rtt = time.monotonic() - t0
+        node.latency_s += LATENCY_ALPHA * (rtt - node.latency_s)
+
+
+class Attempt:
+    """One try of a request on one node: in flight there until it ends, once."""
+
+    def __init__(self, nodes: NodeSet, node: Node, model: str):
+        self.nodes, self.node, self.model, self.open = nodes, node, model, True
+        self.started = time.monotonic()
+        nodes.started(node, model)
+
+    def end(self, ok: bool) -> None:
+        if self.open:
+            self.open = False
+            self.nodes.finished(self.node, self.model, ok)

@@ -1,0 +1,85 @@
+"""Node picking: two random choices, session affinity, ejection and return."""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+
+from edge.nodes import EJECT_AFTER, NodeSet
+
+
+def node_set(n: int, permits: int = 4, seed: int = 0) -> NodeSet:
+    nodes = NodeSet([f"http://n{i}" for i in range(n)], rng=random.Random(seed))
+    for node in nodes.nodes:
+        node.models = {"m": permits}
+    return nodes
+
+
+def test_two_choices_send_work_to_the_less_loaded_node():
+    nodes = node_set(2)
+    busy, idle = nodes.nodes
+    busy.in_flight["m"] = 3
+    picks = Counter(nodes.pick("m").url for _ in range(200))
+    assert picks[idle.url] > 170, picks  # 16x cheaper: wins ~94%
+
+
+def test_two_choices_spread_load_over_nodes_that_differ_by_noise():
+    nodes = node_set(4, seed=1)
+    for i, node in enumerate(nodes.nodes):
+        node.latency_s = 0.001 + i * 1e-5  # loopback jitter must not pick a favourite
+    picks = Counter(nodes.pick("m").url for _ in range(400))
+    assert len(picks) == 4 and min(picks.values()) > 70, picks  # no hotspot, no herd
+
+
+def test_a_farther_node_gets_less_work():
+    nodes = node_set(2, seed=2)
+    near, far = nodes.nodes
+    near.latency_s, far.latency_s = 0.001, 0.050
+    picks = Counter(nodes.pick("m").url for _ in range(200))
+    assert picks[near.url] > 180, picks  # 50x closer: wins ~98%
+
+
+def test_a_session_keeps_its_node_and_moves_only_when_that_one_is_full_or_down():
+    nodes = node_set(5)
+    homes = {key: nodes.pick("m", key) for key in ("a", "b", "c", "d")}
+    for _ in range(10):
+        assert all(nodes.pick("m", key) is node for key, node in homes.items())
+    home = homes["a"]
+    home.in_flight["m"] = 4  # full
+    spill = nodes.pick("m", "a")
+    assert spill is not home
+    home.in_flight["m"] = 0
+    home.ejected_until = time.monotonic() + 60  # down
+    assert nodes.pick("m", "a") is spill  # the same next choice: its order is stable
+    # removing a node moves only the sessions that lived there (rendezvous hashing)
+    others = {k: v for k, v in homes.items() if v is not home}
+    assert all(nodes.pick("m", key) is node for key, node in others.items())
+
+
+def test_consecutive_failures_eject_a_node_with_doubling_backoff():
+    nodes = node_set(2)
+    bad, good = nodes.nodes
+    for _ in range(EJECT_AFTER - 1):
+        nodes.failed(bad)
+    assert bad.healthy
+    nodes.failed(bad)
+    assert not bad.healthy and bad.ejections == 1
+    first = bad.ejected_until - time.monotonic()
+    assert all(nodes.pick("m") is good for _ in range(20))
+    assert nodes.models() == {"m": 4}  # its permits are gone from the edge's view
+    bad.ejected_until = time.monotonic()  # backoff over, still failing
+    for _ in range(EJECT_AFTER):
+        nodes.failed(bad)
+    assert bad.ejected_until - time.monotonic() > 1.5 * first
+
+
+def test_a_success_resets_the_failure_count():
+    nodes = node_set(1)
+    (node,) = nodes.nodes
+    for _ in range(EJECT_AFTER - 1):
+        nodes.failed(node)
+    nodes.started(node, "m")
+    nodes.finished(node, "m", ok=True)
+    nodes.failed(node)
+    assert node.healthy and node.in_flight["m"] == 0
