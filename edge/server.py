@@ -11,6 +11,8 @@ of its answer reached the client is counted towards its ejection and the request
 goes to another node, within a retry budget. The tenant travels to omnid in
 x-omni-tenant (prefix caches are per tenant; a client can never set it), with a
 W3C traceparent naming the edge's span. Errors from omnid pass through unchanged.
+With `x-omni-async: true` a request is answered 202 at once and runs when the
+queue allows; its answer is fetched from /v1/async/{id} (edge/async_jobs.py).
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ import os
 import secrets
 import signal
 import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import orjson
@@ -29,13 +34,14 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from omni.api.errors import ApiError, error_middleware, json_response, unavailable
-from omni.api.proxy import UpstreamFailed, relay
+from omni.api.proxy import UpstreamFailed, relay, relay_headers, report_usage
 from omni.logs import setup_logging
 
 from .admission import Admission, deadline_from, estimate_cost
+from .async_jobs import AsyncJobs, fetch
 from .metrics import CONTENT_TYPE, EdgeMetrics
 from .nodes import Attempt, Node, NodeSet
-from .tenants import TenantConfigError, Tenants
+from .tenants import Tenant, TenantConfigError, Tenants
 
 log = logging.getLogger("omni-edge")
 access = logging.getLogger("omni-edge.access")  # one JSON line per request; never a key
@@ -45,6 +51,7 @@ DEFAULT_MAX_BODY = 4 << 20
 TRUSTED_HEADERS = frozenset({"x-omni-tenant"})
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 AFFINITY_HEADER = "x-session-affinity"
+ASYNC_HEADER = "x-omni-async"
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 MAX_ATTEMPTS = 3  # nodes tried for one request that failed before anything was streamed
 
@@ -81,6 +88,26 @@ def check_inference_body(body: bytes) -> dict:
             400, "Missing required parameter: 'model'.", param="model", code="invalid_value"
         )
     return data
+
+
+@dataclass
+class Call:
+    """One admitted inference request, as forward() needs it."""
+
+    tenant: Tenant
+    model: str
+    path: str
+    body: bytes
+    headers: dict[str, str]  # for the node: the client's, the tenant's, the trace
+    cost: float
+    deadline: float | None
+    session_key: str | None
+    arrived: float
+    job_id: str | None = None  # async requests
+
+
+# send(node, on_usage, on_done) -> (status, result); raises UpstreamFailed to try another
+Send = Callable[[Node, Callable[[dict], None], Callable[[], None] | None], Awaitable[Any]]
 
 
 class RetryBudget:
@@ -133,6 +160,7 @@ def edge_app(
     admission = Admission(nodes, tenants, max_queued=max_queued, queueing=queueing)
     retries = RetryBudget()
     metrics = EdgeMetrics(admission, nodes)
+    jobs = AsyncJobs()
 
     async def start(app: web.Application) -> None:
         app[SESSION] = aiohttp.ClientSession(
@@ -142,6 +170,7 @@ def edge_app(
         await admission.start(app[SESSION])
 
     async def close(app: web.Application) -> None:
+        await jobs.stop()
         await admission.stop()
         await app[SESSION].close()
 
@@ -166,39 +195,28 @@ def edge_app(
             drop_headers=TRUSTED_HEADERS,
         )
 
-    async def infer(request: web.Request) -> web.StreamResponse:
-        arrived = time.monotonic()
-        tenant = admission.tenant(request.headers.get("Authorization"))
-        body = await read_body(request, max_body)
-        data = check_inference_body(body)
-        model = data["model"]
-        deadline = deadline_from(request.headers, arrived)
-        cost = estimate_cost(data)
-        admission.check_rate(tenant, cost)
+    async def forward(call: Call, send: Send) -> Any:
+        """Queue `call` fairly for a permit, then send it to a node (another one when the
+        node fails before anything reached the client); counted, logged, released."""
+        tenant, model = call.tenant, call.model
         try:
-            permit = await admission.permit(model, tenant, cost, deadline)
+            permit = await admission.permit(model, tenant, call.cost, call.deadline)
         except ApiError as exc:
             metrics.shed.labels(tenant.name, exc.code or str(exc.status)).inc()
             metrics.requests.labels(tenant.name, model, exc.status).inc()
             raise
-        queued_s = time.monotonic() - arrived
+        queued_s = time.monotonic() - call.arrived
         metrics.queue_wait.labels(tenant.name).observe(queued_s)
-        session_key = request.headers.get(AFFINITY_HEADER) or None
-        headers = {
-            "x-omni-tenant": tenant.name,
-            "traceparent": trace_header(request.headers.get("traceparent")),
-        }
         retries.request()
         tried: list[Node] = []
         status: int | str = "error"
+        attempt: Attempt | None = None
 
         def usage(u: dict) -> None:
             actual = float((u.get("prompt_tokens") or 0) + (u.get("completion_tokens") or 0))
             if actual and permit is not None:
                 permit.correct_cost(actual)
-                tenant.correct_tokens(cost, actual)
-
-        attempt: Attempt | None = None
+                tenant.correct_tokens(call.cost, actual)
 
         def upstream_done() -> None:  # early release: the node's GPU work is over
             if attempt is not None and attempt.open:
@@ -211,23 +229,15 @@ def edge_app(
 
         try:
             while True:
-                node = nodes.pick(model, session_key, exclude=tried) if permit else None
+                node = nodes.pick(model, call.session_key, exclude=tried) if permit else None
                 node = node or (any_node(model) if not tried else None)
                 if node is None:
                     raise unavailable(f"No node can serve '{model}' now; retry shortly.", 1)
                 tried.append(node)
                 attempt = Attempt(nodes, node, model)
                 try:
-                    resp = await relay(
-                        request,
-                        request.app[SESSION],
-                        node.url + request.path_qs,
-                        body,
-                        upstream_name="omnid",
-                        drop_headers=TRUSTED_HEADERS | {"traceparent"},
-                        extra_headers=headers,
-                        on_usage=usage,
-                        on_upstream_done=upstream_done if early_release else None,
+                    status, result = await send(
+                        node, usage, upstream_done if early_release else None
                     )
                 except UpstreamFailed:  # nothing reached the client: another node may serve it
                     attempt.end(ok=False)
@@ -236,8 +246,7 @@ def edge_app(
                         metrics.retries.inc()
                         continue
                     raise
-                status = resp.status
-                return resp
+                return result
         except ApiError as exc:
             status = exc.status
             raise
@@ -253,15 +262,105 @@ def edge_app(
                     {
                         "tenant": tenant.name,
                         "model": model,
-                        "path": request.path,
+                        "path": call.path,
+                        "async": call.job_id,
                         "status": status,
                         "nodes": [n.url for n in tried],
                         "queued_ms": round(queued_s * 1e3, 3),
-                        "ms": round((time.monotonic() - arrived) * 1e3, 3),
-                        "traceparent": headers["traceparent"],
+                        "ms": round((time.monotonic() - call.arrived) * 1e3, 3),
+                        "traceparent": call.headers["traceparent"],
                     }
                 ).decode(),
             )
+
+    async def infer(request: web.Request) -> web.StreamResponse:
+        arrived = time.monotonic()
+        tenant = admission.tenant(request.headers.get("Authorization"))
+        body = await read_body(request, max_body)
+        data = check_inference_body(body)
+        deadline = deadline_from(request.headers, arrived)
+        cost = estimate_cost(data)
+        admission.check_rate(tenant, cost)
+        call = Call(
+            tenant=tenant,
+            model=data["model"],
+            path=request.path_qs,
+            body=body,
+            headers={
+                **relay_headers(request.headers, TRUSTED_HEADERS | {"traceparent"}),
+                "x-omni-tenant": tenant.name,
+                "traceparent": trace_header(request.headers.get("traceparent")),
+            },
+            cost=cost,
+            deadline=deadline,
+            session_key=request.headers.get(AFFINITY_HEADER) or None,
+            arrived=arrived,
+        )
+        if request.headers.get(ASYNC_HEADER, "").lower() in ("true", "1"):
+            if data.get("stream"):
+                message = "An async request cannot stream; fetch its result when done."
+                raise ApiError(400, message, param="stream", code="invalid_value")
+            return submit_async(call)
+
+        async def send(node: Node, on_usage, on_done) -> tuple[int, web.StreamResponse]:
+            resp = await relay(
+                request,
+                request.app[SESSION],
+                node.url + call.path,
+                body,
+                upstream_name="omnid",
+                drop_headers=TRUSTED_HEADERS | {"traceparent"},
+                extra_headers={k: call.headers[k] for k in ("x-omni-tenant", "traceparent")},
+                on_usage=on_usage,
+                on_upstream_done=on_done,
+            )
+            return resp.status, resp
+
+        return await forward(call, send)
+
+    def submit_async(call: Call) -> web.Response:
+        """202 now; the request queues and runs like any other, its answer kept for GET."""
+        job = jobs.create(call.tenant.name)
+        call.job_id = job.id
+
+        async def send(node: Node, on_usage, on_done) -> tuple[int, None]:
+            status, content_type, data = await fetch(
+                app[SESSION], node.url + call.path, call.body, call.headers
+            )
+            if on_done:
+                on_done()
+            if status == 200:
+                report_usage(data, on_usage)
+            job.finish(status, content_type, data)
+            return status, None
+
+        async def run() -> None:
+            job.status = "running"
+            try:
+                await forward(call, send)
+            except ApiError as exc:
+                job.finish(exc.status, "application/json", exc.response().body)
+            except Exception:  # a bug: the job must still end, and say so
+                log.exception("async request %s failed", job.id)
+                err = ApiError(500, "The request failed inside the edge.", code="internal_error")
+                job.finish(500, "application/json", err.response().body)
+
+        jobs.start(job, run())
+        return json_response(job.to_json(), 202, {"Location": f"/v1/async/{job.id}"})
+
+    async def async_result(request: web.Request) -> web.Response:
+        tenant = admission.tenant(request.headers.get("Authorization"))
+        job = jobs.get(request.match_info["job"], tenant.name)
+        if job is None:
+            raise ApiError(404, "No such async request.", code="not_found")
+        if job.result is None:
+            return json_response(job.to_json(), 202, {"Retry-After": "1"})
+        status, content_type, data = job.result
+        return web.Response(
+            status=status,
+            body=data,
+            headers={"Content-Type": content_type, "x-omni-async-status": job.status},
+        )
 
     async def healthz(request: web.Request) -> web.Response:
         healthy = [n for n in nodes.nodes if n.healthy and n.models]
@@ -281,6 +380,7 @@ def edge_app(
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/v1/models", list_models)
     app.router.add_get("/v1/edge/nodes", node_view)
+    app.router.add_get("/v1/async/{job}", async_result)
     app.router.add_get("/metrics", metrics_page)
     for path in INFERENCE_PATHS:
         app.router.add_post(path, infer)

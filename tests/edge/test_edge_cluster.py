@@ -276,3 +276,46 @@ def test_killing_a_node_mid_load_loses_no_request_that_had_not_started_streaming
     asyncio.run(main())
     assert set(results) == {200}, results
     assert by_node["n0"] > 0 and by_node["n1"] > by_node["n0"], by_node
+
+
+def test_an_async_request_is_accepted_at_once_and_fetched_later_by_its_tenant_only(cluster):
+    edge, _ = cluster(1, permits=1, token_s=0.02)
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            await post(s, edge, "light", max_tokens=1)
+            t0 = time.monotonic()
+            async with s.post(
+                edge.url + "/v1/completions",
+                json={"model": "m", "prompt": "hello", "max_tokens": 25},
+                headers={**auth("light"), "x-omni-async": "true"},
+            ) as resp:
+                accepted, job = resp.status, await resp.json()
+            took = time.monotonic() - t0
+            url = edge.url + job["url"]
+            async with s.get(url, headers=auth("light")) as resp:
+                pending = resp.status, resp.headers.get("Retry-After")
+            async with s.get(url, headers=auth("heavy")) as resp:
+                stranger = resp.status
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                async with s.get(url, headers=auth("light")) as resp:
+                    if resp.status != 202:
+                        done = resp.status, await resp.json()
+                        break
+                await asyncio.sleep(0.1)
+            async with s.post(
+                edge.url + "/v1/completions",
+                json={"model": "m", "prompt": "hello", "stream": True},
+                headers={**auth("light"), "x-omni-async": "true"},
+            ) as resp:
+                streamed = resp.status
+            return accepted, job, took, pending, stranger, done, streamed
+
+    accepted, job, took, pending, stranger, done, streamed = asyncio.run(main())
+    assert accepted == 202 and job["status"] == "queued" and took < 0.3  # not the 0.5 s of work
+    assert pending == (202, "1")
+    assert stranger == 404  # another tenant cannot see it
+    status, body = done
+    assert status == 200 and body["usage"]["completion_tokens"] == 25, body
+    assert streamed == 400
