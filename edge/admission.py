@@ -15,7 +15,7 @@ import logging
 
 import aiohttp
 
-from omni.api.errors import ApiError
+from omni.api.errors import ApiError, unavailable
 
 from .fairq import FairQueue, Permit, Shed
 from .nodes import REFRESH_S, NodeSet
@@ -58,10 +58,11 @@ def estimate_cost(data: dict) -> float:
     return max(1.0, prompt_bytes / BYTES_PER_TOKEN + max_tokens)
 
 
-def deadline_from(headers, now: float) -> float | None:
+def deadline_from(headers, now: float, default_ms: float | None = None) -> float | None:
+    """The request's deadline: its header's, else the model's default, else none."""
     value = headers.get(DEADLINE_HEADER)
     if value is None:
-        return None
+        return None if default_ms is None else now + default_ms / 1000
     try:
         ms = float(value)
     except ValueError:
@@ -72,8 +73,25 @@ def deadline_from(headers, now: float) -> float | None:
     return now + ms / 1000
 
 
+def parse_deadlines(specs: list[str]) -> dict[str, float]:
+    """`MODEL=MS` (or `*=MS` for every model) -> {model: ms}; a bad spec is a ValueError."""
+    out: dict[str, float] = {}
+    for spec in specs:
+        model, sep, ms = spec.partition("=")
+        try:
+            value = float(ms)
+        except ValueError:
+            value = -1.0
+        if not sep or not model or not value > 0:
+            raise ValueError(f"--deadline-ms {spec!r}: expected MODEL=MILLISECONDS (> 0)")
+        out[model] = value
+    return out
+
+
 def api_error(exc: TenantError | Shed) -> ApiError:
     if isinstance(exc, Shed):
+        if exc.status == 503:
+            return unavailable("No node can serve this model now; retry shortly.", 2)
         if exc.reason == "deadline":
             return ApiError(
                 504,
@@ -124,10 +142,12 @@ class Admission:
             raise api_error(exc) from None
 
     async def permit(self, model: str, tenant: Tenant, cost: float, deadline) -> Permit | None:
-        """A permit for `model`, queued fairly; None for a model omnid does not list
-        (it answers 404 itself)."""
+        """A permit for `model`, queued fairly; None for a model no node lists (the node
+        it goes to answers 404 itself); 503 while every node that lists it is down."""
         queue = self.queues.get(model)
         if queue is None:
+            if any(model in node.models for node in self.nodes.nodes):
+                raise unavailable(f"No node serving '{model}' is up; retry shortly.", 2)
             return None
         try:
             return await queue.acquire("all" if self.fifo else tenant.name, cost, deadline)
@@ -150,17 +170,22 @@ class Admission:
         self.resize()
 
     def resize(self) -> None:
-        """Each model's queue to the permits of its healthy nodes (a model whose nodes
-        are all down keeps its queue, at no permits: its requests wait or shed)."""
+        """Each model's queue to the permits of its healthy nodes. A model no healthy
+        node serves any more loses its queue: what waited there gets 503 at once rather
+        than waiting for capacity that may never come back."""
         permits = self.nodes.models()
         for model in set(permits) | set(self.queues):
             queue = self.queues.get(model)
-            if queue is None:
+            if model not in permits:
+                queue.set_permits(0)
+                queue.shed_all()
+                del self.queues[model]  # its permits in use still return to it
+            elif queue is None:
                 self.queues[model] = FairQueue(
                     permits[model], max_queued=self.max_queued, weights=self._weights
                 )
             else:
-                queue.set_permits(permits.get(model, 0))
+                queue.set_permits(permits[model])
 
     async def _refresh_forever(self, session: aiohttp.ClientSession) -> None:
         while True:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 # Dispatches within this window make the "recent service rate" that Retry-After is based on.
 RATE_WINDOW_S = 10.0
 MAX_RETRY_AFTER_S = 60.0
-SHED_REASONS = ("queue_full", "shed_for_fairness", "deadline")
+SHED_REASONS = ("queue_full", "shed_for_fairness", "deadline", "no_capacity")
 
 
 class Shed(Exception):
@@ -152,6 +152,15 @@ class FairQueue:
         except asyncio.CancelledError:
             self._withdraw(ticket)
             raise
+
+    def shed_all(self, reason: str = "no_capacity") -> int:
+        """Refuse every queued request (503): the model has lost its last node, and
+        nothing says it will come back."""
+        tickets = [t for queue in self._queues.values() for t in queue]
+        for ticket in tickets:
+            self._take(ticket)
+            self._fail(ticket, 503, reason)
+        return len(tickets)
 
     def queued(self, tenant: str | None = None) -> int:
         """Requests waiting, for one tenant or all."""

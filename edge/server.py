@@ -37,7 +37,7 @@ from omni.api.errors import ApiError, error_middleware, json_response, unavailab
 from omni.api.proxy import UpstreamFailed, relay, relay_headers, report_usage
 from omni.logs import setup_logging
 
-from .admission import Admission, deadline_from, estimate_cost
+from .admission import Admission, deadline_from, estimate_cost, parse_deadlines
 from .async_jobs import AsyncJobs, fetch
 from .metrics import CONTENT_TYPE, EdgeMetrics
 from .nodes import Attempt, Node, NodeSet
@@ -151,11 +151,14 @@ def edge_app(
     queueing: str = "fair",
     max_queued: int = 1024,
     early_release: bool = True,
+    deadlines: dict[str, float] | None = None,
 ) -> web.Application:
     """`upstream`: the nodes' (omnid's) inference endpoints; `max_queued`: requests a
     model's queue holds before shedding; `early_release=False` holds each permit until
-    the client has read the whole answer (the baseline early release is measured against)."""
+    the client has read the whole answer (the baseline early release is measured against);
+    `deadlines`: default deadline (ms) per model, "*" for the others."""
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body)
+    deadlines = deadlines or {}
     nodes = NodeSet([upstream] if isinstance(upstream, str) else upstream)
     admission = Admission(nodes, tenants, max_queued=max_queued, queueing=queueing)
     retries = RetryBudget()
@@ -278,12 +281,13 @@ def edge_app(
         tenant = admission.tenant(request.headers.get("Authorization"))
         body = await read_body(request, max_body)
         data = check_inference_body(body)
-        deadline = deadline_from(request.headers, arrived)
+        model = data["model"]
+        deadline = deadline_from(request.headers, arrived, deadlines.get(model, deadlines.get("*")))
         cost = estimate_cost(data)
         admission.check_rate(tenant, cost)
         call = Call(
             tenant=tenant,
-            model=data["model"],
+            model=model,
             path=request.path_qs,
             body=body,
             headers={
@@ -397,6 +401,7 @@ async def run(args: argparse.Namespace) -> None:
             queueing=args.queueing,
             max_queued=args.max_queued,
             early_release=not args.no_early_release,
+            deadlines=args.deadlines,
         ),
         handler_cancellation=True,
         access_log=None,
@@ -450,7 +455,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="hold a permit until the client has read everything (a baseline)",
     )
+    parser.add_argument(
+        "--deadline-ms",
+        action="append",
+        default=[],
+        metavar="MODEL=MS",
+        help="default deadline of a model's requests without x-omni-deadline-ms "
+        "(*=MS: every model); repeat per model",
+    )
     args = parser.parse_args(argv)
+    try:
+        args.deadlines = parse_deadlines(args.deadline_ms)
+    except ValueError as exc:
+        parser.error(str(exc))
     if not args.upstream:
         args.upstream = env("OMNI_UPSTREAM", "http://127.0.0.1:8081").split(",")
     return args

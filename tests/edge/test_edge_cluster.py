@@ -114,6 +114,7 @@ def test_two_saturating_tenants_split_tokens_by_weight(cluster):
 
     asyncio.run(main())
     share = tokens["heavy"] / (tokens["heavy"] + tokens["light"])
+    print(f"tokens served: {dict(tokens)}, heavy share {share:.3f}")  # for the record
     assert 0.70 <= share <= 0.80, tokens
 
 
@@ -144,11 +145,21 @@ def test_a_trickle_tenant_is_not_starved_by_floods_which_are_shed_first(cluster)
                     await asyncio.sleep(max(0.0, 1.0 - took))
 
             await asyncio.gather(trickle(), *(flood(t) for t in ["light", "heavy"] * 20))
+            async with s.get(edge.url + "/metrics") as resp:
+                return await resp.text()
 
-    asyncio.run(main())
+    metrics = asyncio.run(main())
+    print(f"statuses {statuses}, trickle latency max {max(trickle_latency):.3f} s")
     assert statuses["trickle"] == {200: len(trickle_latency)} and len(trickle_latency) >= 6
     assert max(trickle_latency) < 1.0, trickle_latency  # its queue wait, and 40 ms of work
     assert statuses["light"][429] > 0 and statuses["heavy"][429] > 0, statuses
+    sheds = {
+        line.split('tenant="')[1].split('"')[0]: float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("omni_edge_shed_total{")
+    }
+    assert sheds.get("light", 0) > 0 and sheds.get("heavy", 0) > 0 and "trickle" not in sheds
+    assert 'omni_edge_queue_wait_seconds_count{tenant="trickle"}' in metrics
 
 
 async def slow_stream(port: int, tenant: str, max_tokens: int) -> bool:
@@ -199,6 +210,7 @@ def test_early_release_raises_throughput_with_slow_readers(cluster):
 
         served[mode] = asyncio.run(main())
         edge.stop()
+    print(f"streams read in 5 s with early release / without: {served}")  # for the record
     assert served["early"] >= 2 * served["held"], served
 
 
@@ -319,3 +331,33 @@ def test_an_async_request_is_accepted_at_once_and_fetched_later_by_its_tenant_on
     status, body = done
     assert status == 200 and body["usage"]["completion_tokens"] == 25, body
     assert streamed == 400
+
+
+def test_a_model_default_deadline_refuses_queued_requests_early(cluster):
+    """--deadline-ms m=300: a request queued behind 1 s of work gets 504 after ~0.3 s;
+    one with its own longer x-omni-deadline-ms waits and is served."""
+    edge, _ = cluster(1, "--deadline-ms", "m=300", permits=1, token_s=0.05)
+
+    async def main():
+        async with aiohttp.ClientSession() as s:
+            await post(s, edge, "light", max_tokens=1)
+
+            async def timed(headers: dict) -> tuple[int, float]:
+                t0 = time.monotonic()
+                async with s.post(
+                    edge.url + "/v1/completions",
+                    json={"model": "m", "prompt": "hello", "max_tokens": 20},
+                    headers={**auth("light"), **headers},
+                ) as resp:
+                    await resp.read()
+                    return resp.status, time.monotonic() - t0
+
+            first = asyncio.create_task(timed({}))
+            await asyncio.sleep(0.1)
+            late, patient = await asyncio.gather(timed({}), timed({"x-omni-deadline-ms": "5000"}))
+            return await first, late, patient
+
+    first, late, patient = asyncio.run(main())
+    assert first[0] == 200
+    assert late[0] == 504 and late[1] < 0.6, late
+    assert patient[0] == 200, patient

@@ -158,7 +158,12 @@ def test_full_queue_sheds_the_flooder_not_the_light_tenant():
         with pytest.raises(Shed) as shed:  # the flooder's newcomer is refused at once
             await fq.acquire("flood", 10.0)
         assert (shed.value.status, shed.value.reason) == (429, "queue_full")
-        assert fq.shed_counts == {"queue_full": 1, "shed_for_fairness": 1, "deadline": 0}
+        assert fq.shed_counts == {
+            "queue_full": 1,
+            "shed_for_fairness": 1,
+            "deadline": 0,
+            "no_capacity": 0,
+        }
 
         while h.held:  # nothing hangs: everything still queued is served
             await h.finish_one()

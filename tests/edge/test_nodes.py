@@ -1,12 +1,18 @@
-"""Node picking: two random choices, session affinity, ejection and return."""
+"""Node picking (two random choices, session affinity, ejection) and what admission does
+when a model's nodes go away."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 from collections import Counter
 
+import pytest
+
+from edge.admission import ANONYMOUS, Admission
 from edge.nodes import EJECT_AFTER, NodeSet
+from omni.api.errors import ApiError
 
 
 def node_set(n: int, permits: int = 4, seed: int = 0) -> NodeSet:
@@ -83,3 +89,30 @@ def test_a_success_resets_the_failure_count():
     nodes.finished(node, "m", ok=True)
     nodes.failed(node)
     assert node.healthy and node.in_flight["m"] == 0
+
+
+def test_a_model_that_loses_its_nodes_answers_503_or_404_never_a_wait():
+    async def main():
+        nodes = node_set(1, permits=1)
+        admission = Admission(nodes, None)
+        admission.resize()
+        held = await admission.permit("m", ANONYMOUS, 1.0, None)
+        waiter = asyncio.create_task(admission.permit("m", ANONYMOUS, 1.0, None))
+        await asyncio.sleep(0.01)
+        (node,) = nodes.nodes
+        node.models = {}  # unloaded from its only node
+        admission.resize()
+        with pytest.raises(ApiError) as queued:
+            await waiter
+        unknown = await admission.permit("m", ANONYMOUS, 1.0, None)
+        held.release()
+        node.models, node.ejected_until = {"m": 1}, time.monotonic() + 60  # listed, but down
+        admission.resize()
+        with pytest.raises(ApiError) as down:
+            await admission.permit("m", ANONYMOUS, 1.0, None)
+        return queued.value, unknown, down.value
+
+    queued, unknown, down = asyncio.run(main())
+    assert queued.status == 503 and queued.retry_after
+    assert unknown is None  # no node lists it: the node it goes to answers 404
+    assert down.status == 503
