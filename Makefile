@@ -7,7 +7,7 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.omni-installed
 
-.PHONY: setup serve test lint clean systemd-tools
+.PHONY: setup serve test lint clean systemd-tools etcd-server
 
 setup: $(STAMP)
 
@@ -35,7 +35,15 @@ systemd-tools:
 			apt-get install -y -qq --no-install-recommends systemd >/dev/null) || \
 		echo "make: could not install systemd; the unit checks will be skipped" >&2
 
-test: lint systemd-tools
+# The cluster-state tests run a real etcd: install Debian's etcd-server where missing
+# (not root, offline or not Debian: those tests skip and say why).
+etcd-server:
+	@command -v etcd >/dev/null || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -qq --no-install-recommends etcd-server >/dev/null) || \
+		echo "make: could not install etcd-server; the cluster-state tests will be skipped" >&2
+
+test: lint systemd-tools etcd-server
 	$(VENV)/bin/pytest
 
 clean:

@@ -1,0 +1,141 @@
+"""Cluster state over a real etcd: node leases, placements per node, leader election."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from scheduler.state import ClusterStore, Election
+from tests.conftest import wait_until
+
+from .etcd import EtcdServer
+
+REPO = Path(__file__).resolve().parents[2]
+TTL = 2  # seconds: about etcd's shortest lease
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data")
+    yield server
+    server.stop()
+
+
+def in_process(port: int, body: str) -> subprocess.Popen:
+    """A separate process holding its own lease (so the test can kill it: a dead node)."""
+    code = (
+        textwrap.dedent(
+            f"""
+        import asyncio
+        from scheduler.state import ClusterStore, Election
+        async def main():
+            store = ClusterStore(port={port})
+        """
+        )
+        + textwrap.indent(textwrap.dedent(body), " " * 4)
+        + "\nasyncio.run(main())\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True, cwd=REPO
+    )
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_node_is_listed_while_alive_and_gone_one_ttl_after_it_dies(etcd):
+    node = in_process(
+        etcd.port,
+        f"""
+        await store.register_node({{"id": "n1", "location": "fra"}}, ttl_s={TTL})
+        print("registered", flush=True)
+        await asyncio.sleep(3600)
+        """,
+    )
+    assert node.stdout.readline().strip() == "registered"
+
+    async def nodes():
+        store = ClusterStore(port=etcd.port)
+        try:
+            return await store.nodes()
+        finally:
+            await store.close()
+
+    time.sleep(2 * TTL)  # renewed meanwhile: still there
+    assert run(nodes()) == {"n1": {"id": "n1", "location": "fra"}}
+    node.kill()
+    node.wait()
+    t0 = time.monotonic()
+    wait_until(lambda: run(nodes()) == {}, 3 * TTL, "the dead node's key to expire")
+    assert time.monotonic() - t0 <= TTL + 1.5
+
+
+def test_a_node_sees_its_own_placements_as_they_change(etcd):
+    async def main():
+        store = ClusterStore(port=etcd.port)
+        seen = []
+
+        async def watch():
+            async for change in store.watch(b"/omni/placements/n1/"):
+                seen.append((change.key, change.value))
+                if len(seen) == 2:
+                    return
+
+        watcher = asyncio.create_task(watch())
+        await asyncio.sleep(0.2)
+        await store.set_placement("n2", "llama", {"instances": 1})  # not n1's
+        await store.set_placement("n1", "llama", {"instances": 2, "quota": "4GiB"})
+        await store.remove_placement("n1", "llama")
+        await asyncio.wait_for(watcher, 5)
+        everything = await store.placements()
+        await store.close()
+        return seen, everything
+
+    seen, everything = run(main())
+    assert seen == [("llama", {"instances": 2, "quota": "4GiB"}), ("llama", None)]
+    assert everything == {"n2/llama": {"instances": 1}}
+
+
+def test_one_leader_and_the_standby_takes_over_when_it_dies(etcd):
+    def candidate(name: str) -> subprocess.Popen:
+        return in_process(
+            etcd.port,
+            f"""
+            election = Election(store, "{name}", ttl_s={TTL})
+            await election.campaign()
+            print("leading", flush=True)
+            await asyncio.sleep(3600)
+            """,
+        )
+
+    first = candidate("a")
+    assert first.stdout.readline().strip() == "leading"
+    second = candidate("b")
+    time.sleep(1.5)
+    assert second.poll() is None
+
+    async def leader():
+        store = ClusterStore(port=etcd.port)
+        try:
+            return await Election(store, "observer").leader()
+        finally:
+            await store.close()
+
+    assert run(leader()) == "a"
+    first.kill()
+    first.wait()
+    t0 = time.monotonic()
+    assert second.stdout.readline().strip() == "leading"  # blocks until it leads
+    assert time.monotonic() - t0 <= TTL + 1.5
+    assert run(leader()) == "b"
+    second.kill()
+    second.wait()
