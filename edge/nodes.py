@@ -78,6 +78,12 @@ class NodeSet:
         self.rng = rng or random.Random()
         self.decisions: Counter[str] = Counter()  # how picks were made, for the metrics
 
+    def set_urls(self, urls: list[str]) -> None:
+        """The nodes changed (cluster membership): keep what the edge knows of the ones
+        that stay, start fresh for new ones, forget the ones gone."""
+        known = {n.url: n for n in self.nodes}
+        self.nodes = [known.get(u.rstrip("/")) or Node(u.rstrip("/")) for u in dict.fromkeys(urls)]
+
     # ------------------------------------------------------------ the view
 
     def models(self) -> dict[str, int]:

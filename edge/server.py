@@ -53,6 +53,7 @@ INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 AFFINITY_HEADER = "x-session-affinity"
 ASYNC_HEADER = "x-omni-async"
 SESSION = web.AppKey("session", aiohttp.ClientSession)
+FOLLOWER = web.AppKey("follower", asyncio.Task)
 MAX_ATTEMPTS = 3  # nodes tried for one request that failed before anything was streamed
 
 
@@ -152,14 +153,17 @@ def edge_app(
     max_queued: int = 1024,
     early_release: bool = True,
     deadlines: dict[str, float] | None = None,
+    etcd: str | None = None,
 ) -> web.Application:
     """`upstream`: the nodes' (omnid's) inference endpoints; `max_queued`: requests a
     model's queue holds before shedding; `early_release=False` holds each permit until
     the client has read the whole answer (the baseline early release is measured against);
-    `deadlines`: default deadline (ms) per model, "*" for the others."""
+    `deadlines`: default deadline (ms) per model, "*" for the others; `etcd`: HOST:PORT
+    of the cluster's etcd, whose announced nodes join the static ones."""
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body)
     deadlines = deadlines or {}
-    nodes = NodeSet([upstream] if isinstance(upstream, str) else upstream)
+    static = [upstream] if isinstance(upstream, str) else list(upstream)
+    nodes = NodeSet(static)
     admission = Admission(nodes, tenants, max_queued=max_queued, queueing=queueing)
     retries = RetryBudget()
     metrics = EdgeMetrics(admission, nodes)
@@ -171,8 +175,20 @@ def edge_app(
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
         )
         await admission.start(app[SESSION])
+        if etcd:
+            from scheduler.membership import follow_nodes
+
+            def joined(announced: dict[str, dict]) -> None:
+                urls = static + [n["url"] for n in announced.values() if n.get("url")]
+                nodes.set_urls(urls)
+                admission.resize()
+                log.info("nodes: %s", ", ".join(urls) or "none")
+
+            app[FOLLOWER] = asyncio.create_task(follow_nodes(etcd, joined))
 
     async def close(app: web.Application) -> None:
+        if FOLLOWER in app:
+            app[FOLLOWER].cancel()
         await jobs.stop()
         await admission.stop()
         await app[SESSION].close()
@@ -402,6 +418,7 @@ async def run(args: argparse.Namespace) -> None:
             max_queued=args.max_queued,
             early_release=not args.no_early_release,
             deadlines=args.deadlines,
+            etcd=args.etcd,
         ),
         handler_cancellation=True,
         access_log=None,
@@ -463,13 +480,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="default deadline of a model's requests without x-omni-deadline-ms "
         "(*=MS: every model); repeat per model",
     )
+    parser.add_argument(
+        "--etcd",
+        default=env("OMNI_ETCD"),
+        help="HOST:PORT of etcd: route to the nodes announced there too",
+    )
     args = parser.parse_args(argv)
     try:
         args.deadlines = parse_deadlines(args.deadline_ms)
     except ValueError as exc:
         parser.error(str(exc))
     if not args.upstream:
-        args.upstream = env("OMNI_UPSTREAM", "http://127.0.0.1:8081").split(",")
+        default = "" if args.etcd else "http://127.0.0.1:8081"
+        args.upstream = [u for u in env("OMNI_UPSTREAM", default).split(",") if u]
     return args
 
 

@@ -603,6 +603,18 @@ async def run(args: argparse.Namespace) -> None:
         admin_path,
         ", ".join(e.name for e in entries) or "none",
     )
+    announcement = None
+    if args.etcd:
+        from scheduler.membership import Announcement
+
+        record = {
+            "id": args.node_id,
+            "location": args.location,
+            "url": args.advertise_url or f"http://{args.host}:{args.port}",
+            "gpus": [{"index": g.index, "budget_bytes": g.budget_bytes} for g in config.gpus],
+        }
+        announcement = Announcement(args.etcd, record, args.lease_ttl)
+        await announcement.start()
     sdnotify.notify("READY=1", f"STATUS=serving {len(entries)} models")
     watchdog = asyncio.create_task(sdnotify.watchdog(lambda: True))
 
@@ -614,6 +626,8 @@ async def run(args: argparse.Namespace) -> None:
     log.info("omnid stopping")
     sdnotify.notify("STOPPING=1")
     watchdog.cancel()
+    if announcement is not None:
+        await announcement.stop()  # routed around at once, not a lease TTL later
     for runner in runners:
         await runner.cleanup()
     await node.shutdown()
@@ -650,6 +664,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sandbox",
         choices=["auto", "isolated", "process"],
         help="isolated: cgroups + namespaces (needs root); auto (default): isolated when root",
+    )
+    parser.add_argument(
+        "--etcd",
+        default=env("OMNI_ETCD"),
+        help="HOST:PORT of etcd: announce this node there for the cluster's edges",
+    )
+    parser.add_argument("--node-id", default=env("OMNI_NODE_ID") or socket.gethostname())
+    parser.add_argument("--location", default=env("OMNI_LOCATION", "default"))
+    parser.add_argument(
+        "--advertise-url", help="inference URL other hosts reach (default: http://HOST:PORT)"
+    )
+    parser.add_argument(
+        "--lease-ttl", type=int, default=10, help="seconds a dead node stays announced"
     )
     parser.add_argument(
         "--ready-wait",

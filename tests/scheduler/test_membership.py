@@ -1,0 +1,101 @@
+"""Nodes announce themselves in a real etcd; an edge that follows etcd routes to them and
+stops routing to one within its lease TTL after it dies (at once when it stops cleanly)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.checkpoints import tiny_llama
+from tests.conftest import free_port, wait_until
+from tests.nodes import Omnid
+
+from .etcd import EtcdServer
+
+TTL = 2
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    etcd = EtcdServer(tmp_path / "etcd-data")
+    model = tiny_llama(tmp_path / "tiny")
+    config = f'[[models]]\nname = "tiny"\npath = "{model}"\npermits = 2\n'
+    endpoint = f"127.0.0.1:{etcd.port}"
+    nodes = []
+    for name in ("n1", "n2"):
+        (tmp_path / name).mkdir()
+        nodes.append(
+            Omnid(
+                tmp_path / name,
+                config,
+                "--sandbox",
+                "process",
+                "--etcd",
+                endpoint,
+                "--node-id",
+                name,
+                "--location",
+                "fra",
+                "--lease-ttl",
+                str(TTL),
+            )
+        )
+    port = free_port()
+    edge = subprocess.Popen(
+        [sys.executable, "-m", "edge.server", "--port", str(port), "--etcd", endpoint],
+        stdout=(tmp_path / "edge.log").open("w"),
+        stderr=subprocess.STDOUT,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for node in nodes:
+            node.wait_ready(["tiny"])
+        yield base, nodes, tmp_path
+    finally:
+        edge.terminate()
+        edge.wait(timeout=20)
+        for node in nodes:
+            if node.proc.poll() is None:
+                node.stop()
+        etcd.stop()
+
+
+def edge_nodes(base: str) -> list[str]:
+    try:
+        return sorted(
+            n["url"] for n in httpx.get(f"{base}/v1/edge/nodes", timeout=5).json()["nodes"]
+        )
+    except httpx.TransportError:
+        return []
+
+
+def complete(base: str) -> int:
+    body = {"model": "tiny", "prompt": "t1 t2", "max_tokens": 2}
+    return httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code
+
+
+def test_the_edge_follows_the_nodes_announced_in_etcd(cluster):
+    base, (n1, n2), _ = cluster
+    both = sorted([n1.base_url, n2.base_url])
+    wait_until(lambda: edge_nodes(base) == both, 20, "the edge to see both nodes")
+    wait_until(lambda: complete(base) == 200, 30, "a completion through the edge")
+
+    n1.proc.send_signal(signal.SIGKILL)  # a crash: its lease runs out
+    n1.proc.wait()
+    t0 = time.monotonic()
+    wait_until(lambda: edge_nodes(base) == [n2.base_url], 3 * TTL, "n1 to leave the edge")
+    assert time.monotonic() - t0 <= TTL + 1.5
+    assert [complete(base) for _ in range(4)] == [200] * 4
+
+    n2.proc.send_signal(signal.SIGTERM)  # a clean stop: its lease is revoked at once
+    t0 = time.monotonic()
+    wait_until(lambda: edge_nodes(base) == [], 10, "n2 to leave the edge")
+    assert time.monotonic() - t0 < TTL, "a clean stop waited for the lease to run out"
+    assert complete(base) == 503
