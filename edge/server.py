@@ -260,7 +260,8 @@ def edge_app(
                     )
                 except UpstreamFailed:  # nothing reached the client: another node may serve it
                     attempt.end(ok=False)
-                    if len(tried) < MAX_ATTEMPTS and retries.take():
+                    others = permit and any(n not in tried for n in nodes.hosts(model))
+                    if others and len(tried) < MAX_ATTEMPTS and retries.take():
                         log.info("retrying a request for %s on another node", model)
                         metrics.retries.inc()
                         continue
