@@ -1,14 +1,15 @@
 """How omnid and the edge take part in the cluster: a node announces itself in etcd for
-as long as it lives; an edge follows the announced nodes to route to them."""
+as long as it lives and runs what the scheduler places on it; an edge follows the
+announced nodes to route to them."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
-from .state import NODES, ClusterStore
+from .state import NODES, PLACEMENTS, ClusterStore
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,40 @@ async def follow_nodes(endpoint: str, on_change: Callable[[dict[str, dict]], Non
             raise
         except Exception as exc:  # etcd down or unreachable: keep the last view, retry
             log.warning("following nodes in etcd failed: %s; retrying", exc)
+        finally:
+            with contextlib.suppress(Exception):
+                await store.close()
+        await asyncio.sleep(RETRY_S)
+
+
+async def follow_placements(
+    endpoint: str, node_id: str, apply: Callable[[str, dict | None], Awaitable[None]]
+) -> None:
+    """Call `apply(model, spec)` for each placement of this node now and as they change
+    (`spec` None: removed), until cancelled; reconnects after etcd failures, replaying
+    the full set (apply must be idempotent)."""
+    host, port = parse_endpoint(endpoint)
+    prefix = PLACEMENTS + node_id.encode() + b"/"
+    applied: set[str] = set()
+    while True:
+        store = ClusterStore(host, port)
+        try:
+            current = await store.placements(node_id)
+            for model in applied - set(current):  # removed while we were away
+                await apply(model, None)
+            for model, spec in current.items():
+                await apply(model, spec)
+            applied = set(current)
+            async for change in store.watch(prefix):
+                await apply(change.key, change.value)
+                if change.value is None:
+                    applied.discard(change.key)
+                else:
+                    applied.add(change.key)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("following placements in etcd failed: %s; retrying", exc)
         finally:
             with contextlib.suppress(Exception):
                 await store.close()

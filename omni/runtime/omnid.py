@@ -282,7 +282,7 @@ class CatalogStore:
 SPEC_KEYS = {"path", "gpu", "quota", "permits", "cold", "memory", "cpus", "pids"}
 
 
-def entry_from_spec(name, spec: dict) -> ModelEntry:
+def entry_from_spec(name, spec: dict, origin: str = "admin") -> ModelEntry:
     """A catalog entry from an admin request's fields (the config's keys, by name)."""
     extra = set(spec) - SPEC_KEYS - {"name"}
     if extra:
@@ -292,7 +292,32 @@ def entry_from_spec(name, spec: dict) -> ModelEntry:
         raise CatalogError("'path' is required")
     limits = limits_from(spec, "model")
     placement = placement_from(spec, "model", None)
-    return ModelEntry.from_path(name, path, "admin", limits, placement)
+    return ModelEntry.from_path(name, path, origin, limits, placement)
+
+
+async def converge_on_placements(node: Node, etcd: str, node_id: str) -> None:
+    """Run what the scheduler places on this node (origin "cluster"), and stop what it
+    takes away; models of the local config or the admin API are left alone."""
+    from scheduler.membership import follow_placements
+
+    async def apply(model: str, spec: dict | None) -> None:
+        inst = node.instances.get(model)
+        if spec is None:
+            if inst is not None and inst.entry.origin == "cluster":
+                await node.remove(model)
+                log.info("unplaced %s", model)
+            return
+        if inst is not None:
+            return
+        try:
+            fields = {k: v for k, v in spec.items() if k in SPEC_KEYS}
+            entry = await asyncio.to_thread(entry_from_spec, model, fields, "cluster")
+            node.add(entry)
+            log.info("placed %s from %s", model, entry.path)
+        except (CatalogError, CheckpointError, ApiError, ValueError) as exc:
+            log.error("cannot run placed model %s: %s", model, getattr(exc, "message", exc))
+
+    await follow_placements(etcd, node_id, apply)
 
 
 def sandbox_factory(mode: str, runtime_dir: Path, node: Node) -> SandboxFactory:
@@ -615,6 +640,7 @@ async def run(args: argparse.Namespace) -> None:
         }
         announcement = Announcement(args.etcd, record, args.lease_ttl)
         await announcement.start()
+        converging = asyncio.create_task(converge_on_placements(node, args.etcd, args.node_id))
     sdnotify.notify("READY=1", f"STATUS=serving {len(entries)} models")
     watchdog = asyncio.create_task(sdnotify.watchdog(lambda: True))
 
@@ -627,6 +653,7 @@ async def run(args: argparse.Namespace) -> None:
     sdnotify.notify("STOPPING=1")
     watchdog.cancel()
     if announcement is not None:
+        converging.cancel()
         await announcement.stop()  # routed around at once, not a lease TTL later
     for runner in runners:
         await runner.cleanup()

@@ -99,3 +99,86 @@ def test_the_edge_follows_the_nodes_announced_in_etcd(cluster):
     wait_until(lambda: edge_nodes(base) == [], 10, "n2 to leave the edge")
     assert time.monotonic() - t0 < TTL, "a clean stop waited for the lease to run out"
     assert complete(base) == 503
+
+
+def test_the_scheduler_places_a_model_and_replaces_it_when_its_node_dies(tmp_path):
+    """etcd + a scheduler + two omnids with no models of their own + an edge: the model
+    runs where the scheduler puts it, and after that node's SIGKILL, on the other one."""
+    etcd = EtcdServer(tmp_path / "etcd-data")
+    endpoint = f"127.0.0.1:{etcd.port}"
+    model = tiny_llama(tmp_path / "tiny")
+    (tmp_path / "models.toml").write_text(
+        f'[[models]]\nname = "tiny"\npath = "{model}"\nquota = "1GiB"\nreplicas = 1\n'
+    )
+    repo = Path(__file__).resolve().parents[2]
+    procs: list[subprocess.Popen] = []
+
+    def spawn(name: str, *argv: str) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", *argv],
+            stdout=(tmp_path / f"{name}.log").open("w"),
+            stderr=subprocess.STDOUT,
+            cwd=repo,
+        )
+        procs.append(proc)
+        return proc
+
+    nodes = {}
+    for name in ("n1", "n2"):
+        (tmp_path / name).mkdir()
+        nodes[name] = Omnid(
+            tmp_path / name,
+            "",
+            "--sandbox",
+            "process",
+            "--etcd",
+            endpoint,
+            "--node-id",
+            name,
+            "--lease-ttl",
+            str(TTL),
+        )
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    spawn("edge", "edge.server", "--port", str(port), "--etcd", endpoint)
+    spawn(
+        "scheduler",
+        "scheduler",
+        "--etcd",
+        endpoint,
+        "--models",
+        str(tmp_path / "models.toml"),
+        "--interval",
+        "1",
+        "--lease-ttl",
+        str(TTL),
+        "--name",
+        "s1",
+    )
+
+    def running() -> list[str]:
+        return [
+            n for n, node in nodes.items() if node.proc.poll() is None and "tiny" in node.models()
+        ]
+
+    try:
+        first = wait_until(running, 30, "the scheduler to place tiny")
+        assert len(first) == 1
+        wait_until(lambda: complete(base) == 200, 60, "tiny served through the edge")
+        home = nodes[first[0]]
+        home.proc.send_signal(signal.SIGKILL)
+        home.proc.wait()
+        t0 = time.monotonic()
+        other = next(n for n in nodes if n != first[0])
+        wait_until(lambda: running() == [other], 30, "tiny placed on the other node")
+        wait_until(lambda: complete(base) == 200, 60, "tiny served again")
+        took = time.monotonic() - t0
+        assert took < 30, took
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=20)
+        for node in nodes.values():
+            if node.proc.poll() is None:
+                node.stop()
+        etcd.stop()
