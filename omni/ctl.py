@@ -192,5 +192,106 @@ def restart(ctx: click.Context, name: str) -> None:
     _act(ctx, "POST", f"/v1/instances/{name}/restart", lambda _d: f"restarting {name}")
 
 
+@main.group()
+@click.option(
+    "--etcd",
+    envvar="OMNI_ETCD",
+    default="127.0.0.1:2379",
+    show_default=True,
+    help="The cluster's etcd, HOST:PORT [$OMNI_ETCD].",
+)
+@click.pass_context
+def cluster(ctx: click.Context, etcd: str) -> None:
+    """The cluster as etcd holds it: nodes, placements, leader."""
+    ctx.obj["etcd"] = etcd
+
+
+def _cluster_read(ctx: click.Context, read) -> dict:
+    """Run `read(store)` against the cluster's etcd; a clear error when it is unreachable."""
+    import asyncio
+
+    from scheduler.membership import parse_endpoint
+    from scheduler.state import ClusterStore
+
+    async def go() -> dict:
+        store = ClusterStore(*parse_endpoint(ctx.obj["etcd"]))
+        try:
+            return await asyncio.wait_for(read(store), 10)
+        finally:
+            await store.close()
+
+    try:
+        return asyncio.run(go())
+    except ValueError as exc:
+        raise click.ClickException(str(exc)) from None
+    except Exception as exc:  # the client's connection errors have no common base
+        raise click.ClickException(f"cannot read etcd at {ctx.obj['etcd']}: {exc}") from None
+
+
+@cluster.command("nodes")
+@click.pass_context
+def cluster_nodes(ctx: click.Context) -> None:
+    """Nodes announced in etcd (alive: their lease is being renewed)."""
+
+    async def read(store) -> dict:
+        placed = await store.placements()
+        rows = []
+        for node_id, rec in sorted((await store.nodes()).items()):
+            models = sorted(k.split("/", 1)[1] for k in placed if k.startswith(node_id + "/"))
+            gpus = rec.get("gpus") or []
+            budget = sum(g.get("budget_bytes", 0) for g in gpus)
+            rows.append(
+                {
+                    "id": node_id,
+                    "location": rec.get("location"),
+                    "url": rec.get("url"),
+                    "gpus": len(gpus) or None,
+                    "budget_mib": _mib(budget) if gpus else None,
+                    "placed": ", ".join(models) or None,
+                }
+            )
+        return {"nodes": rows}
+
+    _emit(
+        ctx,
+        _cluster_read(ctx, read),
+        "nodes",
+        ["id", "location", "url", "gpus", "budget_mib", "placed"],
+    )
+
+
+@cluster.command("placements")
+@click.pass_context
+def cluster_placements(ctx: click.Context) -> None:
+    """What the scheduler wants where, and the leader that decided it."""
+
+    async def read(store) -> dict:
+        from scheduler.state import Election
+
+        nodes = await store.nodes()
+        rows = []
+        for key, spec in sorted((await store.placements()).items()):
+            node_id, model = key.split("/", 1)
+            quota = spec.get("quota")
+            rows.append(
+                {
+                    "model": model,
+                    "node": node_id,
+                    "alive": node_id in nodes,
+                    "replica": spec.get("replica"),
+                    "gpu": spec.get("gpu"),
+                    "quota_mib": _mib(quota) if isinstance(quota, int) else None,
+                    "path": spec.get("path"),
+                }
+            )
+        return {"leader": await Election(store, "omnictl").leader(), "placements": rows}
+
+    data = _cluster_read(ctx, read)
+    if not ctx.obj["json"]:
+        click.echo(f"leader: {data['leader'] or 'none'}")
+    columns = ["model", "node", "alive", "replica", "gpu", "quota_mib", "path"]
+    _emit(ctx, data, "placements", columns)
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,6 +3,7 @@ stops routing to one within its lease TTL after it dies (at once when it stops c
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -74,6 +75,11 @@ def edge_nodes(base: str) -> list[str]:
         )
     except httpx.TransportError:
         return []
+
+
+def omnictl(view: str, endpoint: str) -> str:
+    argv = [sys.executable, "-m", "omni.ctl", "--json", "cluster", "--etcd", endpoint, view]
+    return subprocess.run(argv, capture_output=True, text=True, check=True, timeout=30).stdout
 
 
 def complete(base: str) -> int:
@@ -164,6 +170,13 @@ def test_the_scheduler_places_a_model_and_replaces_it_when_its_node_dies(tmp_pat
     try:
         first = wait_until(running, 30, "the scheduler to place tiny")
         assert len(first) == 1
+        view = json.loads(omnictl("placements", endpoint))
+        assert view["leader"] == "s1"
+        assert [(p["model"], p["node"], p["alive"]) for p in view["placements"]] == [
+            ("tiny", first[0], True)
+        ]
+        listed = json.loads(omnictl("nodes", endpoint))["nodes"]
+        assert sorted(n["id"] for n in listed) == ["n1", "n2"]
         wait_until(lambda: complete(base) == 200, 60, "tiny served through the edge")
         home = nodes[first[0]]
         home.proc.send_signal(signal.SIGKILL)
