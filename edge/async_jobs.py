@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from omni.api.errors import ApiError
-from omni.api.proxy import UpstreamFailed
+from omni.api.proxy import upstream_failed
 
 KEEP_S = 3600.0
 MAX_JOBS = 10_000
@@ -101,9 +101,4 @@ async def fetch(
         async with session.post(url, data=body, headers=headers) as resp:
             return resp.status, resp.content_type, await resp.read()
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-        raise UpstreamFailed(
-            503,
-            f"omnid failed to answer: {exc}; retry shortly.",
-            code="unavailable",
-            retry_after=1,
-        ) from None
+        raise upstream_failed(f"omnid failed to answer: {exc}; retry shortly.", 1) from None

@@ -5,10 +5,9 @@ a moving average of measured round trips; its load is the edge's own count of
 requests in flight there, so picking needs no network call. A pick is power of
 two random choices (two healthy candidates with a free permit, the cheaper one,
 by round trip and load, more likely to win): no herd on the single best node,
-no hotspot. A
-session key instead goes to its own node by rendezvous hashing (the node that
-holds its prefix cache), and to the next node of its order when that one is
-full or down. Consecutive failures eject a node for a backoff that doubles.
+no hotspot. A session key instead goes to its own node by rendezvous hashing
+(the node that holds its prefix cache), and to the next node of its order when
+that one is full or down. Consecutive failures eject a node for a backoff that doubles.
 """
 
 from __future__ import annotations

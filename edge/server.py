@@ -196,9 +196,10 @@ def edge_app(
     app.on_startup.append(start)
     app.on_cleanup.append(close)
 
-    def any_node(model: str | None = None) -> Node:
-        node = nodes.pick(model) if model else None
-        node = node or next((n for n in nodes.nodes if n.healthy), None)
+    def any_node() -> Node:
+        """A healthy node for what needs no particular one (the model list, a model no
+        node lists: the node answers its 404)."""
+        node = next((n for n in nodes.nodes if n.healthy), None)
         if node is None:
             raise unavailable("No node is available; retry shortly.", 1)
         return node
@@ -249,7 +250,7 @@ def edge_app(
         try:
             while True:
                 node = nodes.pick(model, call.session_key, exclude=tried) if permit else None
-                node = node or (any_node(model) if not tried else None)
+                node = node or (any_node() if not tried else None)
                 if node is None:
                     raise unavailable(f"No node can serve '{model}' now; retry shortly.", 1)
                 tried.append(node)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from .state import NODES, PLACEMENTS, ClusterStore
 
@@ -45,60 +45,49 @@ class Announcement:
         await self.store.close()
 
 
-async def follow_nodes(endpoint: str, on_change: Callable[[dict[str, dict]], None]) -> None:
-    """Call `on_change` with every announced node (id -> its record) now and after each
-    change, until cancelled; reconnects after etcd failures."""
+async def follow_prefix(endpoint: str, prefix: bytes) -> AsyncIterator[dict[str, dict]]:
+    """Everything under `prefix` (key rest -> value) now and after each change, until
+    the caller stops; after an etcd failure it reconnects and starts from a fresh read
+    (a change missed meanwhile shows in it)."""
     host, port = parse_endpoint(endpoint)
     while True:
         store = ClusterStore(host, port)
         try:
-            nodes = await store.nodes()
-            on_change(dict(nodes))
-            async for change in store.watch(NODES):
+            view = await store.get_prefix(prefix)
+            yield dict(view)
+            async for change in store.watch(prefix):
                 if change.value is None:
-                    nodes.pop(change.key, None)
+                    view.pop(change.key, None)
                 else:
-                    nodes[change.key] = change.value
-                on_change(dict(nodes))
-        except asyncio.CancelledError:
+                    view[change.key] = change.value
+                yield dict(view)
+        except (asyncio.CancelledError, GeneratorExit):
             raise
-        except Exception as exc:  # etcd down or unreachable: keep the last view, retry
-            log.warning("following nodes in etcd failed: %s; retrying", exc)
+        except Exception as exc:  # etcd down or unreachable: the last view holds, retry
+            log.warning("following %s in etcd failed: %s; retrying", prefix.decode(), exc)
         finally:
             with contextlib.suppress(Exception):
                 await store.close()
         await asyncio.sleep(RETRY_S)
+
+
+async def follow_nodes(endpoint: str, on_change: Callable[[dict[str, dict]], None]) -> None:
+    """Call `on_change` with every announced node (id -> its record) now and after each
+    change, until cancelled."""
+    async for nodes in follow_prefix(endpoint, NODES):
+        on_change(nodes)
 
 
 async def follow_placements(
     endpoint: str, node_id: str, apply: Callable[[str, dict | None], Awaitable[None]]
 ) -> None:
-    """Call `apply(model, spec)` for each placement of this node now and as they change
-    (`spec` None: removed), until cancelled; reconnects after etcd failures, replaying
-    the full set (apply must be idempotent)."""
-    host, port = parse_endpoint(endpoint)
-    prefix = PLACEMENTS + node_id.encode() + b"/"
+    """Call `apply(model, None)` for each placement of this node that goes and
+    `apply(model, spec)` for each one there, after every change, until cancelled
+    (`apply` is idempotent: one that failed is tried again)."""
     applied: set[str] = set()
-    while True:
-        store = ClusterStore(host, port)
-        try:
-            current = await store.placements(node_id)
-            for model in applied - set(current):  # removed while we were away
-                await apply(model, None)
-            for model, spec in current.items():
-                await apply(model, spec)
-            applied = set(current)
-            async for change in store.watch(prefix):
-                await apply(change.key, change.value)
-                if change.value is None:
-                    applied.discard(change.key)
-                else:
-                    applied.add(change.key)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            log.warning("following placements in etcd failed: %s; retrying", exc)
-        finally:
-            with contextlib.suppress(Exception):
-                await store.close()
-        await asyncio.sleep(RETRY_S)
+    async for placed in follow_prefix(endpoint, PLACEMENTS + node_id.encode() + b"/"):
+        for model in applied - set(placed):
+            await apply(model, None)
+        for model, spec in placed.items():
+            await apply(model, spec)
+        applied = set(placed)

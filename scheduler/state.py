@@ -94,7 +94,7 @@ class ClusterStore:
         return lease
 
     async def nodes(self) -> dict[str, dict]:
-        return await self._get_prefix(NODES)
+        return await self.get_prefix(NODES)
 
     # ------------------------------------------------------------ placements
 
@@ -106,13 +106,13 @@ class ClusterStore:
 
     async def placements(self, node: str | None = None) -> dict[str, dict]:
         """Desired placements, keyed "node/model" (all nodes, or one)."""
-        return await self._get_prefix(PLACEMENTS + (_key(node) + b"/" if node else b""))
+        return await self.get_prefix(PLACEMENTS + (_key(node) + b"/" if node else b""))
 
     async def report_observed(self, node: str, model: str, state: dict, lease) -> None:
         await self.client.put(OBSERVED + _key(node, model), orjson.dumps(state), lease=lease)
 
     async def observed(self, node: str | None = None) -> dict[str, dict]:
-        return await self._get_prefix(OBSERVED + (_key(node) + b"/" if node else b""))
+        return await self.get_prefix(OBSERVED + (_key(node) + b"/" if node else b""))
 
     # ---------------------------------------------------------------- watches
 
@@ -130,7 +130,8 @@ class ClusterStore:
 
     # ----------------------------------------------------------------- helpers
 
-    async def _get_prefix(self, prefix: bytes) -> dict[str, dict]:
+    async def get_prefix(self, prefix: bytes) -> dict[str, dict]:
+        """Every value under `prefix`, keyed by the rest of its key."""
         return {
             kv.key[len(prefix) :].decode(): orjson.loads(kv.value)
             for kv in await self.client.get_prefix(prefix)

@@ -44,7 +44,7 @@ class UpstreamFailed(ApiError):
     request may go to another upstream."""
 
 
-def _failed(message: str, retry_after_s: float) -> UpstreamFailed:
+def upstream_failed(message: str, retry_after_s: float) -> UpstreamFailed:
     err = unavailable(message, retry_after_s)
     return UpstreamFailed(503, err.message, code=err.code, retry_after=err.retry_after)
 
@@ -111,7 +111,8 @@ async def relay(
         upstream = await session.request(request.method, url, data=body, headers=headers)
     except (aiohttp.ClientError, OSError, TimeoutError) as exc:
         log.warning("%s unreachable: %s", upstream_name, exc)
-        raise _failed(f"{upstream_name} is unavailable; retry shortly.", retry_after_s) from None
+        message = f"{upstream_name} is unavailable; retry shortly."
+        raise upstream_failed(message, retry_after_s) from None
     async with upstream:
         headers = relay_headers(upstream.headers)
         if upstream.content_type != "text/event-stream":
@@ -120,7 +121,7 @@ async def relay(
             except (aiohttp.ClientError, OSError, TimeoutError) as exc:
                 log.warning("%s failed mid-response: %s", upstream_name, exc)
                 message = f"{upstream_name} failed while answering; retry shortly."
-                raise _failed(message, retry_after_s) from None
+                raise upstream_failed(message, retry_after_s) from None
             if on_upstream_done:
                 on_upstream_done()
             if on_usage and upstream.status == 200:
