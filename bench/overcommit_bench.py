@@ -5,7 +5,9 @@ Three runs, each a fresh omnid over the same random checkpoints and request sequ
 - overcommit: every model, all cold; omnid swaps them in on demand;
 - baseline-fit: only the models that fit the budget (most popular first); the rest 404;
 - single: the hottest model alone, replaying its arrivals from the overcommit run, so its
-  p99 is the reference for the hot model's p99 under overcommit.
+  p99 is the reference for the hot model's p99 under overcommit;
+- overcommit-noyield (on request): overcommit with `gpu_yield = 0`, colder instances not
+  holding back their steps while a hotter one serves: what the yielding is worth.
 Reports requests/s, hot/cold latency, swap-ins (from the admin API's swap_history) and the
 GPU busy fraction (NVML). Writes bench/results/overcommit-<name>.json. `--smoke`: three
 tiny CPU models, no GPU keys, for checking the harness anywhere.
@@ -286,11 +288,15 @@ class Omnid:
         shutil.rmtree(self.runtime.parent, ignore_errors=True)
 
 
-def config_toml(entries: list[tuple[str, Path, dict]], args, budget: int, cold: bool) -> str:
+def config_toml(
+    entries: list[tuple[str, Path, dict]], args, budget: int, cold: bool, gpu_yield: float | None
+) -> str:
     """omnid's config; --smoke leaves out every GPU key (CPU instances, today's loader)."""
     lines: list[str] = []
     if not args.smoke:
         lines += [f"swap_timeout = {args.swap_timeout}", f"request_timeout = {args.timeout}"]
+        if gpu_yield is not None:
+            lines.append(f"gpu_yield = {gpu_yield}")
         lines += ["", "[[gpus]]", f"index = {args.gpu}", f"budget = {budget}", ""]
     for name, path, _ in entries:
         lines += ["[[models]]", f'name = "{name}"', f"path = {json.dumps(str(path))}"]
@@ -452,7 +458,9 @@ async def run_one(label: str, served: list[int], entries, args, budget: int, arr
     """A fresh omnid serving `served`: warm-up, then the window (closed loop, or a replay)."""
     names, vocab = [e[0] for e in entries], entries[0][2]["vocab_size"]
     workdir = Path(tempfile.mkdtemp(prefix=f"overcommit-{label}-"))
-    config = config_toml([entries[i] for i in served], args, budget, label == "overcommit")
+    gpu_yield = 0.0 if label == "overcommit-noyield" else args.gpu_yield
+    cold = label.startswith("overcommit")
+    config = config_toml([entries[i] for i in served], args, budget, cold, gpu_yield)
     omnid = Omnid(config, workdir, args.sandbox)
     timeout = aiohttp.ClientTimeout(total=args.timeout + args.swap_timeout + 60)
     try:
@@ -502,7 +510,7 @@ def fmt(x: float | None, spec: str = ".3f") -> str:
 def print_table(runs: dict) -> None:
     heads = ["run", "req/s", "ok/sent", "hot p50/p99 s", "cold p50/p99 s", "m00 p99"]
     heads += ["swaps", "swap-in p50/p99 s", "ms/GiB", "busy"]
-    widths = [13, 7, 10, 15, 15, 8, 6, 18, 7, 5]
+    widths = [19, 7, 10, 15, 15, 8, 6, 18, 7, 5]
 
     def row(cells: list[str]) -> str:
         return cells[0].ljust(widths[0]) + "".join(map(str.rjust, cells[1:], widths[1:]))
@@ -510,7 +518,7 @@ def print_table(runs: dict) -> None:
     print(row(heads))
     for label, run in runs.items():
         if "error" in run:
-            print(f"{label:13}error: {run['error'].splitlines()[0][:100]}")
+            print(f"{label:19}error: {run['error'].splitlines()[0][:100]}")
             continue
         hot, cold, top1 = (run["latency"][k] for k in ("hot", "cold", "top1"))
         sw = run["swap_in"]
@@ -578,10 +586,14 @@ async def main_async(args) -> int:
     config.update(weights_bytes=sizes, shapes={n: cfg for n, _, cfg in entries[:2]})
     runs: dict = {}
     raw: dict = {}
-    plan = {"overcommit": range(args.models), "baseline-fit": range(fit), "single": [0]}
-    for label, served in plan.items():
-        if label not in args.runs.split(","):
-            continue
+    plan = {
+        "overcommit": range(args.models),
+        "baseline-fit": range(fit),
+        "single": [0],
+        "overcommit-noyield": range(args.models),
+    }
+    for label in args.runs.split(","):
+        served = plan[label]
         arrivals = None
         if label == "single":  # the hot model's share of the overcommit stream, same offsets
             arrivals = [r for r in raw.get("overcommit", []) if r["model"] == 0]
@@ -627,9 +639,18 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ready-timeout", type=float, default=900.0)
     ap.add_argument("--swap-timeout", type=float, default=30.0)
+    ap.add_argument("--gpu-yield", type=float, help="omnid's gpu_yield (default: omnid's)")
     ap.add_argument("--request-timeout", dest="timeout", type=float, default=120.0)
     ap.add_argument("--smoke", action="store_true", help="3 tiny CPU models: checks the harness")
     args = ap.parse_args()
+    unknown = set(args.runs.split(",")) - {
+        "overcommit",
+        "baseline-fit",
+        "single",
+        "overcommit-noyield",
+    }
+    if unknown:
+        ap.error(f"--runs: unknown run {sorted(unknown)[0]!r}")
     if args.smoke:
         args.models, args.concurrency, args.duration, args.warmup = 3, 4, 10.0, 3.0
         args.sandbox, args.hot = "process", 1

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import queue
 import shutil
+import time
 
 import pytest
 import torch
@@ -341,3 +343,26 @@ def test_warm_up_captures_every_bucket_and_writes_nothing_to_the_cache(tmp_path)
     prefill = runner.run(Batch([seq], [21])).float()
     solo = SoloSequence(ModelRunner(model, block_size=16, num_blocks=32))
     torch.testing.assert_close(prefill[0], solo.extend(seq.token_ids).float())
+
+
+def test_the_engine_asks_before_each_step_and_not_while_idle(text_model_dir):
+    """The hook a GPU instance yields through runs once per step that has work, and its
+    delay holds the step back (the output is unchanged)."""
+    ckpt = Checkpoint.open(text_model_dir)
+    calls: list[float] = []
+    eng = Engine(
+        LlamaForCausalLM.load(ckpt),
+        TextTokenizer(ckpt),
+        before_step=lambda: (calls.append(time.monotonic()), time.sleep(0.01)),
+    )
+    try:
+        prompt = eng.tokenizer.encode("1, 2, 3,")
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        steps = run_requests(eng, [prompt], params)[0]
+        time.sleep(0.2)  # idle: no more calls
+    finally:
+        eng.shutdown()
+    tokens = [t for s in steps for t in s.token_ids]
+    assert len(tokens) == 6
+    assert len(calls) == 6  # one prefill step and five decode steps
+    assert all(b - a >= 0.01 for a, b in itertools.pairwise(calls))

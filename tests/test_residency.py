@@ -15,6 +15,7 @@ import pytest
 from omni.api.errors import ApiError
 from omni.cudashim import Residency as Where
 from omni.cudashim import SwapError, SwapResult
+from omni.runtime.gpuyield import YieldFlag, YieldGate
 from omni.runtime.residency import GpuPool, Residency, Tenant
 
 Q = 1 << 30
@@ -195,3 +196,68 @@ def test_queued_swap_ins_go_most_wanted_first():
 
     asyncio.run(main())
     assert order[:2] == ["holder", "hot"], order  # holder: the request that held the GPU
+
+
+def test_colder_instances_yield_while_a_hotter_one_serves(tmp_path):
+    """The flags follow demand: while the hot instance serves, every colder one yields;
+    a colder one serving alone makes nobody above it yield; idle, no flag is up."""
+
+    async def main():
+        pool, t, _ = await pool_with(["hot", "warm", "cold"], 3)
+        pool.yield_max_s = 0.02
+        for name in t:
+            t[name].yield_flag = YieldFlag(tmp_path / name, pool.yield_max_s)
+        for _ in range(6):
+            await request(pool, t["hot"])
+        await request(pool, t["warm"])
+        await request(pool, t["warm"])
+        await request(pool, t["cold"])
+        raised = lambda: {n for n, x in t.items() if x.yield_flag.raised}  # noqa: E731
+        seen = {"idle": raised()}
+        async with pool.use(t["warm"], time.monotonic() + 5):
+            seen["warm serves"] = raised()
+            async with pool.use(t["hot"], time.monotonic() + 5):
+                seen["hot and warm serve"] = raised()
+                gate = YieldGate(tmp_path / "warm")
+                t0 = time.monotonic()
+                gate()  # held back its full max_defer: hot still serves
+                seen["warm's gate held"] = time.monotonic() - t0
+            seen["hot done"] = raised()
+        seen["all done"] = raised()
+        return seen, gate
+
+    seen, gate = asyncio.run(main())
+    assert seen["idle"] == set()
+    assert seen["warm serves"] == {"cold"}
+    assert seen["hot and warm serve"] == {"warm", "cold"}
+    assert 0.02 <= seen["warm's gate held"] < 0.5
+    assert gate.deferred_steps == 1 and gate.waited_s >= 0.02
+    assert seen["hot done"] == {"cold"}
+    assert seen["all done"] == set()
+
+
+def test_a_gate_lets_the_step_go_as_soon_as_the_flag_drops(tmp_path):
+    flag = YieldFlag(tmp_path / "f", max_defer_s=5.0)
+    gate = YieldGate(tmp_path / "f")
+    t0 = time.monotonic()
+    gate()
+    assert time.monotonic() - t0 < 0.05 and gate.deferred_steps == 0  # not raised: no wait
+    flag.set(True)
+
+    async def drop_later():
+        await asyncio.sleep(0.1)
+        flag.set(False)
+
+    async def main():
+        task = asyncio.create_task(drop_later())
+        t0 = time.monotonic()
+        await asyncio.to_thread(gate)
+        await task
+        return time.monotonic() - t0
+
+    held = asyncio.run(main())
+    assert 0.09 <= held < 1.0  # waited for the drop, far less than max_defer
+    assert gate.stats()["yield_steps"] == 1
+    with pytest.raises(ValueError, match="not a GPU yield flag"):
+        (tmp_path / "junk").write_bytes(b"\0" * 12)
+        YieldGate(tmp_path / "junk")

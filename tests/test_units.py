@@ -128,6 +128,8 @@ def test_backoff_doubles_caps_and_resets_after_stable_uptime():
         ("listen = 1", "'listen' must be 'host:port'"),
         ("listen = 'localhost'", "'listen' must be 'host:port'"),
         ("swap_timeout = -1", "'swap_timeout' must be a positive number"),
+        ("gpu_yield = 2", "'gpu_yield' must be seconds from 0"),
+        ("gpu_yield = true", "'gpu_yield' must be seconds from 0"),
         ("state_dir = 'relative'", "'state_dir' must be an absolute path"),
         ("sandbox = 'none'", "'sandbox' must be"),
         ("colour = 'blue'", "unknown key 'colour'"),

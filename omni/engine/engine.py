@@ -94,8 +94,10 @@ class Engine:
         block_size: int = 16,
         num_blocks: int | None = None,
         max_batch_tokens: int | None = None,
+        before_step: Callable[[], None] | None = None,
     ):
         self.model = model
+        self.before_step = before_step  # e.g. yield the GPU to a hotter instance
         self.tokenizer = tokenizer
         self.max_context = model.cfg.max_position
         self.runner = ModelRunner(model, block_size, num_blocks)
@@ -170,6 +172,8 @@ class Engine:
                 if not self._admit_new():
                     return
                 self._drop_cancelled()
+                if self.before_step is not None and self.scheduler.has_work():
+                    self.before_step()
                 self._step()
             except Exception as exc:  # fail the requests in flight, keep serving
                 log.exception("engine step failed")

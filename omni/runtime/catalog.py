@@ -109,6 +109,12 @@ class ModelConfig:
     placement: Placement = Placement()
 
 
+# How long a colder instance's step may wait for a hotter one to finish serving
+# (gpuyield.py): long enough to cover a hot request's burst of steps, short enough that
+# a cold model still advances under sustained hot load.
+DEFAULT_GPU_YIELD_S = 0.025
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     default_models: bool = True
@@ -120,6 +126,7 @@ class NodeConfig:
     sandbox: str | None = None
     swap_timeout_s: float = 30.0
     request_timeout_s: float = 60.0
+    gpu_yield_s: float = DEFAULT_GPU_YIELD_S
 
 
 NODE_KEYS = {
@@ -132,6 +139,7 @@ NODE_KEYS = {
     "sandbox",
     "swap_timeout",
     "request_timeout",
+    "gpu_yield",
 }
 MODEL_KEYS = {
     "name",
@@ -292,4 +300,12 @@ def load_config(path: Path) -> NodeConfig:
         sandbox=sandbox,
         swap_timeout_s=_seconds(data, "swap_timeout", str(path), 30.0),
         request_timeout_s=_seconds(data, "request_timeout", str(path), 60.0),
+        gpu_yield_s=_gpu_yield(data, path),
     )
+
+
+def _gpu_yield(data: dict, path: Path) -> float:
+    value = data.get("gpu_yield", DEFAULT_GPU_YIELD_S)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
+        raise CatalogError(f"{path}: 'gpu_yield' must be seconds from 0 (off) to 1")
+    return float(value)

@@ -26,6 +26,8 @@ from omni.cudashim import instance_env as shim_env
 from omni.isolation.sandbox import ExitStatus, Sandbox, SandboxSpec
 
 from .catalog import ModelEntry
+from .gpuyield import ENV as YIELD_ENV
+from .gpuyield import YieldFlag
 from .residency import GpuPool, Tenant
 
 log = logging.getLogger(__name__)
@@ -96,6 +98,7 @@ class Instance:
         self.entry = entry
         self.socket_path = socket_dir / entry.name / "sock"
         self.control_path = socket_dir / entry.name / "cuda.ctl"  # visible in its sandbox
+        self.yield_path = socket_dir / entry.name / "gpu.yield"
         self.gpu = gpu
         self.tenant = (
             Tenant(entry.name, entry.placement.quota_bytes or 0, self.restart)
@@ -197,6 +200,8 @@ class Instance:
         if self.gpu is not None:
             index = self.gpu.pool.index
             env.update(shim_env(self.control_path, self.gpu.shim_library))
+            if self.tenant is not None and self.tenant.yield_flag is not None:
+                env[YIELD_ENV] = str(self.yield_path)
             env["CUDA_VISIBLE_DEVICES"] = str(index)
             gpus = (index,)
             libs = [Path(p) for p in env.get("LD_LIBRARY_PATH", "").split(":") if p]
@@ -219,6 +224,8 @@ class Instance:
         block = ControlBlock.create(
             self.control_path, self.tenant.quota_bytes, Mode.MANAGED, owner=self.gpu.owner_uid
         )
+        if self.gpu.pool.yield_max_s > 0:
+            self.tenant.yield_flag = YieldFlag(self.yield_path, self.gpu.pool.yield_max_s)
         await self.gpu.pool.starting(self.tenant, block)
 
     async def _supervise(self) -> None:

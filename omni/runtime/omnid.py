@@ -46,6 +46,7 @@ from omni.isolation.view import ViewConfig
 from omni.logs import setup_logging
 
 from .catalog import (
+    DEFAULT_GPU_YIELD_S,
     CatalogError,
     ModelEntry,
     NodeConfig,
@@ -83,6 +84,7 @@ class Node:
         swap_timeout_s: float = 30.0,
         request_timeout_s: float = 60.0,
         state_dir: Path | None = None,
+        gpu_yield_s: float = DEFAULT_GPU_YIELD_S,
     ):
         self.socket_dir = paths.instance_socket_dir(runtime_dir)
         self.ready_wait_s = ready_wait_s
@@ -95,7 +97,13 @@ class Node:
         self.catalog = CatalogStore(state_dir) if state_dir else None
         self.metrics = Metrics(lambda: list(self.instances.values()), self.pools_list)
         self.pools = {
-            index: GpuPool(index, budget, swap_timeout_s, observer=self.metrics.observe_swap)
+            index: GpuPool(
+                index,
+                budget,
+                swap_timeout_s,
+                observer=self.metrics.observe_swap,
+                yield_max_s=gpu_yield_s,
+            )
             for index, budget in (gpus or {}).items()
         }
         self._shim: Path | None = None
@@ -598,6 +606,7 @@ async def run(args: argparse.Namespace) -> None:
         ready_wait_s=args.ready_wait,
         gpus=config.gpus,
         swap_timeout_s=config.swap_timeout_s,
+        gpu_yield_s=config.gpu_yield_s,
         request_timeout_s=config.request_timeout_s,
         state_dir=args.state_dir,
     )

@@ -11,7 +11,9 @@ least recent demand (requests decayed with a half-life, ties to the least
 recently used): plain LRU would evict the busiest model between two of its
 requests whenever a cold one arrives. The hottest instances that fit the budget
 with one quota to spare are never evicted for a colder one: cold models take
-turns in the room left, and the hot ones never wait for a swap. A swap that
+turns in the room left, and the hot ones never wait for a swap. While an
+instance serves, the colder instances of its GPU hold back their steps
+(gpuyield.py), so the hot models do not share the GPU's time slices either. A swap that
 fails or times out marks the instance unhealthy (its supervisor restarts it);
 the waiting requests get 503.
 """
@@ -33,6 +35,8 @@ from dataclasses import dataclass, field
 
 from omni.api.errors import ApiError, unavailable
 from omni.cudashim import ControlBlock, SwapError, SwapResult, swap_in, swap_out
+
+from .gpuyield import YieldFlag
 
 log = logging.getLogger(__name__)
 
@@ -136,6 +140,7 @@ class Tenant:
     quota_bytes: int
     on_failure: Callable[[str], None]  # restart the instance, with the reason
     block: ControlBlock | None = None
+    yield_flag: YieldFlag | None = None  # raised while a hotter instance of its GPU serves
     state: Residency = Residency.STOPPED
     in_flight: int = 0
     last_used: float = 0.0  # monotonic
@@ -179,8 +184,10 @@ class GpuPool:
         swap_timeout_s: float = 30.0,
         max_waiting: int = 256,
         observer: SwapObserver | None = None,
+        yield_max_s: float = 0.0,
     ):
         self.index = index
+        self.yield_max_s = yield_max_s  # 0: instances never yield to hotter ones
         self.budget_bytes = budget_bytes
         self.swap_timeout_s = swap_timeout_s
         self.max_waiting = max_waiting
@@ -245,6 +252,10 @@ class GpuPool:
             if tenant.block is not None:
                 tenant.block.close()
                 tenant.block = None
+            if tenant.yield_flag is not None:
+                tenant.yield_flag.close()
+                tenant.yield_flag = None
+            self._update_yields()
             self._cond.notify_all()
 
     # -------------------------------------------------------------- requests
@@ -257,13 +268,29 @@ class GpuPool:
             await self._bring_in(tenant, deadline)
         tenant.in_flight += 1
         tenant.last_used, tenant.last_used_unix = time.monotonic(), time.time()
+        self._update_yields()
         try:
             yield
         finally:
             tenant.in_flight -= 1
             tenant.last_used, tenant.last_used_unix = time.monotonic(), time.time()
+            self._update_yields()
             if tenant.in_flight == 0:
                 self._notify_soon()
+
+    def _update_yields(self) -> None:
+        """Raise the flag of every instance colder than the hottest one serving, drop
+        the others: the serving instance in most demand never shares the GPU's time."""
+        now = time.monotonic()
+        serving = [
+            t.demand_now(now)
+            for t in self.tenants.values()
+            if t.in_flight and t.state is Residency.RESIDENT
+        ]
+        hottest = max(serving, default=-math.inf)
+        for t in self.tenants.values():
+            if t.yield_flag is not None:
+                t.yield_flag.set(t.demand_now(now) < hottest)
 
     def _notify_soon(self) -> None:
         """Wake the requests waiting for an idle instance, from a task of its own and

@@ -21,6 +21,8 @@ from omni.api.errors import error_middleware, json_response
 from omni.engine.checkpoint import Checkpoint
 from omni.logs import setup_logging
 
+from .gpuyield import YieldGate
+
 log = logging.getLogger("omni.worker")
 
 
@@ -38,12 +40,15 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
 
         on_gpu = torch.cuda.is_available()
         device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
-        engine = Engine(LlamaForCausalLM.load(ckpt, device, dtype), TextTokenizer(ckpt))
+        gate = YieldGate.from_env()
+        engine = Engine(
+            LlamaForCausalLM.load(ckpt, device, dtype), TextTokenizer(ckpt), before_step=gate
+        )
         engine.warm_up()
         if not on_gpu and os.environ.get("OMNI_CUDA_CONTROL"):
             account_on_shim(engine.memory_bytes())
         TextGenRoutes(engine, name).add_to(app)
-        extra_health = engine.stats
+        extra_health = (lambda: {**engine.stats(), **gate.stats()}) if gate else engine.stats
         app.on_shutdown.append(lambda _app: asyncio.to_thread(engine.shutdown))
     else:
         from omni.engine.bert import EmbeddingModel

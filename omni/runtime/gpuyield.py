@@ -1,0 +1,95 @@
+"""Colder instances yield their GPU to hotter ones while those serve.
+
+Instances of one GPU are separate processes, and the GPU time-slices between
+processes whose work overlaps: a hot model's decode step waits whenever a cold
+model's step holds the GPU, so its tail latency grows with every model on the
+card even when nothing is swapped. omnid ranks the instances of a GPU by demand
+and, while an instance is serving requests, raises the yield flag of every
+colder instance; their engines hold back each step until the flag drops, for at
+most `max_defer` per step, so a cold model still advances (one step per
+`max_defer`) under sustained hot load instead of starving.
+
+One small shared file per instance carries the flag: omnid writes it, the
+instance's engine reads it before each step. It is cooperative scheduling
+between OMNI's own engines, not an isolation boundary.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from pathlib import Path
+
+ENV = "OMNI_GPU_YIELD"
+MAGIC = 0x4F4D5949  # "OMYI"
+LAYOUT = struct.Struct("<III")  # magic, flag, max_defer_us
+POLL_S = 0.0002
+
+
+def _map(path: Path, writable: bool) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    try:
+        access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
+        return mmap.mmap(fd, LAYOUT.size, access=access)
+    finally:
+        os.close(fd)
+
+
+class YieldFlag:
+    """omnid's side: raise or drop one instance's flag."""
+
+    def __init__(self, path: Path, max_defer_s: float, owner: int | None = None):
+        self.path = Path(path)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_bytes(LAYOUT.pack(MAGIC, 0, round(max_defer_s * 1e6)))
+        if owner is not None:
+            os.chown(tmp, owner, owner)
+        tmp.chmod(0o644)
+        os.replace(tmp, self.path)
+        self._map = _map(self.path, writable=True)
+        self.raised = False
+
+    def set(self, raised: bool) -> None:
+        if raised != self.raised:
+            struct.pack_into("<I", self._map, 4, int(raised))
+            self.raised = raised
+
+    def close(self) -> None:
+        self._map.close()
+
+
+class YieldGate:
+    """The instance's side: called before each engine step."""
+
+    def __init__(self, path: Path):
+        self._map = _map(Path(path), writable=False)
+        magic, _, max_defer_us = LAYOUT.unpack_from(self._map)
+        if magic != MAGIC:
+            raise ValueError(f"{path}: not a GPU yield flag")
+        self.max_defer_s = max_defer_us / 1e6
+        self.waited_s = 0.0  # in total, for the instance's health stats
+        self.deferred_steps = 0
+
+    @classmethod
+    def from_env(cls) -> YieldGate | None:
+        path = os.environ.get(ENV)
+        return cls(Path(path)) if path else None
+
+    def raised(self) -> bool:
+        return struct.unpack_from("<I", self._map, 4)[0] != 0
+
+    def __call__(self) -> None:
+        """Hold the next step while a hotter instance serves, at most max_defer."""
+        if not self.raised():
+            return
+        t0 = time.monotonic()
+        deadline = t0 + self.max_defer_s
+        while self.raised() and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        self.waited_s += time.monotonic() - t0
+        self.deferred_steps += 1
+
+    def stats(self) -> dict:
+        return {"yield_wait_s": round(self.waited_s, 4), "yield_steps": self.deferred_steps}
