@@ -198,41 +198,47 @@ def test_queued_swap_ins_go_most_wanted_first():
     assert order[:2] == ["holder", "hot"], order  # holder: the request that held the GPU
 
 
-def test_colder_instances_yield_while_a_hotter_one_serves(tmp_path):
-    """The flags follow demand: while the hot instance serves, every colder one yields;
-    a colder one serving alone makes nobody above it yield; idle, no flag is up."""
+def test_colder_instances_yield_while_one_of_the_hot_set_serves(tmp_path):
+    """The flags follow demand: while a hot-set instance serves, every colder one yields;
+    cold instances never yield to each other; idle, no flag is up. The yielding
+    instances with work share one step per window: each may wait that times their number."""
 
     async def main():
-        pool, t, _ = await pool_with(["hot", "warm", "cold"], 3)
+        # all four fit; a never-used "big" one (2 quotas) leaves room for a hot set of 2
+        pool, t, _ = await pool_with(["hot", "warm", "cold1", "cold2"], 4)
+        big = Tenant("big", 2 * Q, lambda reason: None)
+        pool.add(big)
         pool.yield_max_s = 0.02
         for name in t:
             t[name].yield_flag = YieldFlag(tmp_path / name, pool.yield_max_s)
-        for _ in range(6):
-            await request(pool, t["hot"])
-        await request(pool, t["warm"])
-        await request(pool, t["warm"])
-        await request(pool, t["cold"])
+        for name, n in (("hot", 8), ("warm", 5), ("cold1", 1), ("cold2", 1)):
+            for _ in range(n):
+                await request(pool, t[name])
         raised = lambda: {n for n, x in t.items() if x.yield_flag.raised}  # noqa: E731
+        until = time.monotonic() + 5
         seen = {"idle": raised()}
-        async with pool.use(t["warm"], time.monotonic() + 5):
-            seen["warm serves"] = raised()
-            async with pool.use(t["hot"], time.monotonic() + 5):
-                seen["hot and warm serve"] = raised()
-                gate = YieldGate(tmp_path / "warm")
-                t0 = time.monotonic()
-                gate()  # held back its full max_defer: hot still serves
-                seen["warm's gate held"] = time.monotonic() - t0
-            seen["hot done"] = raised()
+        async with pool.use(t["cold1"], until):
+            seen["a cold one serves"] = raised()
+            async with pool.use(t["warm"], until):
+                seen["warm serves too"] = raised()
+                async with pool.use(t["cold2"], until), pool.use(t["hot"], until):
+                    seen["hot serves too"] = raised()
+                    gate = YieldGate(tmp_path / "cold1")
+                    t0 = time.monotonic()
+                    gate()  # hot still serves: held its full bound, 3 x 20 ms
+                    seen["cold1's gate held"] = time.monotonic() - t0
+                seen["hot done"] = raised()
         seen["all done"] = raised()
         return seen, gate
 
     seen, gate = asyncio.run(main())
     assert seen["idle"] == set()
-    assert seen["warm serves"] == {"cold"}
-    assert seen["hot and warm serve"] == {"warm", "cold"}
-    assert 0.02 <= seen["warm's gate held"] < 0.5
-    assert gate.deferred_steps == 1 and gate.waited_s >= 0.02
-    assert seen["hot done"] == {"cold"}
+    assert seen["a cold one serves"] == set()
+    assert seen["warm serves too"] == {"cold1", "cold2"}
+    assert seen["hot serves too"] == {"warm", "cold1", "cold2"}
+    assert 0.06 <= seen["cold1's gate held"] < 0.5  # warm, cold1, cold2 wait: 3 windows
+    assert gate.deferred_steps == 1 and gate.waited_s >= 0.06
+    assert seen["hot done"] == {"cold1", "cold2"}
     assert seen["all done"] == set()
 
 

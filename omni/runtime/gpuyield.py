@@ -1,13 +1,13 @@
-"""Colder instances yield their GPU to hotter ones while those serve.
+"""Colder instances yield their GPU to the hot ones while those serve.
 
 Instances of one GPU are separate processes, and the GPU time-slices between
 processes whose work overlaps: a hot model's decode step waits whenever a cold
 model's step holds the GPU, so its tail latency grows with every model on the
-card even when nothing is swapped. omnid ranks the instances of a GPU by demand
-and, while an instance is serving requests, raises the yield flag of every
-colder instance; their engines hold back each step until the flag drops, for at
-most `max_defer` per step, so a cold model still advances (one step per
-`max_defer`) under sustained hot load instead of starving.
+card even when nothing is swapped. While an instance of the GPU's hot set
+serves, omnid raises the yield flag of every colder instance; their engines
+hold back each step until the flag drops, for at most the flag's `max_defer`,
+which omnid sets so that the yielding instances together take about one step
+per `gpu_yield` window: a cold model still advances under sustained hot load.
 
 One small shared file per instance carries the flag: omnid writes it, the
 instance's engine reads it before each step. It is cooperative scheduling
@@ -51,7 +51,9 @@ class YieldFlag:
         self._map = _map(self.path, writable=True)
         self.raised = False
 
-    def set(self, raised: bool) -> None:
+    def set(self, raised: bool, max_defer_s: float | None = None) -> None:
+        if max_defer_s is not None:  # first: a step that sees the flag sees its bound
+            struct.pack_into("<I", self._map, 8, round(max_defer_s * 1e6))
         if raised != self.raised:
             struct.pack_into("<I", self._map, 4, int(raised))
             self.raised = raised
@@ -65,10 +67,9 @@ class YieldGate:
 
     def __init__(self, path: Path):
         self._map = _map(Path(path), writable=False)
-        magic, _, max_defer_us = LAYOUT.unpack_from(self._map)
+        magic, _, _ = LAYOUT.unpack_from(self._map)
         if magic != MAGIC:
             raise ValueError(f"{path}: not a GPU yield flag")
-        self.max_defer_s = max_defer_us / 1e6
         self.waited_s = 0.0  # in total, for the instance's health stats
         self.deferred_steps = 0
 
@@ -85,7 +86,7 @@ class YieldGate:
         if not self.raised():
             return
         t0 = time.monotonic()
-        deadline = t0 + self.max_defer_s
+        deadline = t0 + struct.unpack_from("<I", self._map, 8)[0] / 1e6
         while self.raised() and time.monotonic() < deadline:
             time.sleep(POLL_S)
         self.waited_s += time.monotonic() - t0

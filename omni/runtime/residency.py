@@ -279,18 +279,22 @@ class GpuPool:
                 self._notify_soon()
 
     def _update_yields(self) -> None:
-        """Raise the flag of every instance colder than the hottest one serving, drop
-        the others: the serving instance in most demand never shares the GPU's time."""
+        """While one of the hot set serves, every colder instance yields its steps: the
+        hot models never share the GPU's time slices with a cold one. The instances that
+        yield with work to do share one step per `yield_max_s` between them (each may
+        wait that times their number), so their steps cannot crowd the hot one however
+        many they are. Cold instances never yield to one another: a chain of priorities
+        among models that each take a swap to serve would stall all of them."""
         now = time.monotonic()
-        serving = [
-            t.demand_now(now)
-            for t in self.tenants.values()
-            if t.in_flight and t.state is Residency.RESIDENT
-        ]
+        hot = self._hot_set(now)
+        serving = [t.demand_now(now) for t in hot if t.in_flight and t.state is Residency.RESIDENT]
         hottest = max(serving, default=-math.inf)
+        flagged = {t for t in self.tenants.values() if t.demand_now(now) < hottest}
+        waiting = sum(1 for t in flagged if t.in_flight)
+        max_defer = self.yield_max_s * max(1, waiting)
         for t in self.tenants.values():
             if t.yield_flag is not None:
-                t.yield_flag.set(t.demand_now(now) < hottest)
+                t.yield_flag.set(t in flagged, max_defer)
 
     def _notify_soon(self) -> None:
         """Wake the requests waiting for an idle instance, from a task of its own and
