@@ -110,9 +110,10 @@ class ModelConfig:
 
 
 # While a hot model serves, the colder instances of its GPU together take about one
-# step per this window (gpuyield.py): a cold step of a few ms per 50 ms costs the hot
-# model at most a few percent, and a cold model still advances under sustained hot load.
-DEFAULT_GPU_YIELD_S = 0.05
+# step per this window (gpuyield.py): a cold step of a few ms per 100 ms costs the hot
+# model a few percent at most, and a cold model still advances under sustained hot load.
+# On the H100 bench 50 ms left the hot p99 1.26x its single-node figure, 100 ms did not.
+DEFAULT_GPU_YIELD_S = 0.1
 
 
 @dataclass(frozen=True)
