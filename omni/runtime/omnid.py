@@ -17,13 +17,15 @@ import grp
 import hashlib
 import json
 import logging
+import math
 import os
 import signal
 import socket
 import struct
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
@@ -54,10 +56,14 @@ from .catalog import (
     load_config,
     placement_from,
 )
+from .cluster import ClusterMember
 from .defaults import MINILM_PACKAGE, SMOLLM_PACKAGE, default_entries, package_dir
 from .instance import GpuPlacement, Instance, SandboxFactory
 from .metrics import CONTENT_TYPE, Metrics
 from .residency import GpuPool
+
+if TYPE_CHECKING:
+    from scheduler.telemetry import LoadAccumulator
 
 log = logging.getLogger("omnid")
 
@@ -71,6 +77,15 @@ ENDPOINTS = {
     "/v1/completions": (CompletionRequest, "generate"),
     "/v1/embeddings": (EmbeddingRequest, "embed"),
 }
+
+
+@dataclass
+class Ticket:
+    """One request's turn at its instance, as admission() saw it."""
+
+    queue_s: float = 0.0  # waiting for a permit
+    held_s: float = 0.0  # holding it: until the whole answer was sent
+    usage: dict | None = None  # the response's usage, when it reported one
 
 
 class Node:
@@ -96,6 +111,7 @@ class Node:
         self.draining = False
         self.catalog = CatalogStore(state_dir) if state_dir else None
         self.metrics = Metrics(lambda: list(self.instances.values()), self.pools_list)
+        self.load: LoadAccumulator | None = None  # load telemetry, when a cluster takes it
         self.pools = {
             index: GpuPool(
                 index,
@@ -188,8 +204,10 @@ class Node:
         return inst
 
     @contextlib.asynccontextmanager
-    async def admission(self, inst: Instance, deadline: float):
-        """One of the instance's permits, and (on a GPU) its memory resident, for a request."""
+    async def admission(self, inst: Instance, deadline: float, ticket: Ticket | None = None):
+        """One of the instance's permits, and (on a GPU) its memory resident, for a request;
+        `ticket` gets how long it waited for the permit and how long it held it."""
+        ticket = ticket if ticket is not None else Ticket()
         if self.draining:
             raise unavailable("This node is draining; retry on another node.", 5)
         if inst.permits.locked() and inst.waiting >= PERMIT_QUEUE * inst.entry.placement.permits:
@@ -200,12 +218,15 @@ class Node:
                 retry_after=1,
             )
         inst.waiting += 1
+        queued = time.monotonic()
         try:
-            await asyncio.wait_for(inst.permits.acquire(), max(0.0, deadline - time.monotonic()))
+            await asyncio.wait_for(inst.permits.acquire(), max(0.0, deadline - queued))
         except TimeoutError:
             raise unavailable(f"Model '{inst.name}' is busy; retry shortly.", 2) from None
         finally:
             inst.waiting -= 1
+            ticket.queue_s = time.monotonic() - queued
+        acquired = time.monotonic()
         inst.in_flight += 1
         try:
             if inst.gpu is not None and inst.tenant is not None:
@@ -216,6 +237,7 @@ class Node:
         finally:
             inst.in_flight -= 1
             inst.permits.release()
+            ticket.held_s = time.monotonic() - acquired
 
     async def drain(self) -> None:
         """Stop routing, let in-flight requests finish, then stop every instance."""
@@ -303,29 +325,11 @@ def entry_from_spec(name, spec: dict, origin: str = "admin") -> ModelEntry:
     return ModelEntry.from_path(name, path, origin, limits, placement)
 
 
-async def converge_on_placements(node: Node, etcd: str, node_id: str) -> None:
-    """Run what the scheduler places on this node (origin "cluster"), and stop what it
-    takes away; models of the local config or the admin API are left alone."""
-    from scheduler.membership import follow_placements
-
-    async def apply(model: str, spec: dict | None) -> None:
-        inst = node.instances.get(model)
-        if spec is None:
-            if inst is not None and inst.entry.origin == "cluster":
-                await node.remove(model)
-                log.info("unplaced %s", model)
-            return
-        if inst is not None:
-            return
-        try:
-            fields = {k: v for k, v in spec.items() if k in SPEC_KEYS}
-            entry = await asyncio.to_thread(entry_from_spec, model, fields, "cluster")
-            node.add(entry)
-            log.info("placed %s from %s", model, entry.path)
-        except (CatalogError, CheckpointError, ApiError, ValueError) as exc:
-            log.error("cannot run placed model %s: %s", model, getattr(exc, "message", exc))
-
-    await follow_placements(etcd, node_id, apply)
+def placed_entry(model: str, spec: dict) -> ModelEntry:
+    """A catalog entry (origin "cluster") for a model the scheduler placed on this node,
+    from its placement's catalog keys."""
+    fields = {k: v for k, v in spec.items() if k in SPEC_KEYS}
+    return entry_from_spec(model, fields, "cluster")
 
 
 def sandbox_factory(mode: str, runtime_dir: Path, node: Node) -> SandboxFactory:
@@ -388,6 +392,7 @@ def inference_app(node: Node) -> web.Application:
     async def infer(request: web.Request) -> web.StreamResponse:
         t0 = time.monotonic()
         model, status = "-", 500
+        ticket = request["omni_ticket"] = Ticket()
         try:
             resp = await route(request)
             model, status = request["omni_model"], resp.status
@@ -397,6 +402,16 @@ def inference_app(node: Node) -> web.Application:
             raise
         finally:
             node.metrics.observe_request(model, request.path, status, time.monotonic() - t0)
+            if node.load is not None and "omni_model" in request:
+                prompt, completion = usage_tokens(ticket.usage)
+                node.load.record_request(
+                    request["omni_model"],
+                    wall_s=ticket.held_s,
+                    queue_s=ticket.queue_s,
+                    prompt_tokens=prompt,
+                    completion_tokens=completion,
+                    status=status,
+                )
 
     async def route(request: web.Request) -> web.StreamResponse:
         schema, kind = ENDPOINTS[request.path]
@@ -417,8 +432,14 @@ def inference_app(node: Node) -> web.Application:
             raise unavailable(
                 f"Model '{req.model}' is {inst.state}; retry shortly.", inst.retry_after_s()
             )
+        ticket: Ticket = request["omni_ticket"]
+
+        def on_usage(usage: dict) -> None:
+            node.metrics.observe_usage(req.model, usage)
+            ticket.usage = usage
+
         t_admit = time.monotonic()
-        async with node.admission(inst, t_admit + node.request_timeout_s):
+        async with node.admission(inst, t_admit + node.request_timeout_s, ticket):
             node.metrics.observe_admission(req.model, time.monotonic() - t_admit)
             return await relay(
                 request,
@@ -427,7 +448,7 @@ def inference_app(node: Node) -> web.Application:
                 body,
                 upstream_name=f"instance of '{req.model}'",
                 retry_after_s=inst.retry_after_s(),
-                on_usage=lambda usage: node.metrics.observe_usage(req.model, usage),
+                on_usage=on_usage,
             )
 
     async def healthz(_request: web.Request) -> web.Response:
@@ -445,6 +466,16 @@ def inference_app(node: Node) -> web.Application:
     for path in ENDPOINTS:
         app.router.add_post(path, infer)
     return app
+
+
+def usage_tokens(usage: dict | None) -> tuple[int, int]:
+    """(prompt, completion) tokens of a response's usage; 0 for what it does not report."""
+
+    def count(key: str) -> int:
+        value = (usage or {}).get(key)
+        return value if isinstance(value, int) and value > 0 else 0
+
+    return count("prompt_tokens"), count("completion_tokens")
 
 
 def peer_allowed(uid: int, gid: int, pid: int) -> bool:
@@ -637,19 +668,14 @@ async def run(args: argparse.Namespace) -> None:
         admin_path,
         ", ".join(e.name for e in entries) or "none",
     )
-    announcement = None
-    if args.etcd:
-        from scheduler.membership import Announcement
-
-        record = {
-            "id": args.node_id,
-            "location": args.location,
-            "url": args.advertise_url or f"http://{args.host}:{args.port}",
-            "gpus": [{"index": g.index, "budget_bytes": g.budget_bytes} for g in config.gpus],
-        }
-        announcement = Announcement(args.etcd, record, args.lease_ttl)
-        await announcement.start()
-        converging = asyncio.create_task(converge_on_placements(node, args.etcd, args.node_id))
+    record = {  # what the cluster sees of this node
+        "id": args.node_id,
+        "location": args.location,
+        "url": args.advertise_url or f"http://{args.host}:{args.port}",
+        "gpus": [{"index": g.index, "budget_bytes": g.budget_bytes} for g in config.gpus],
+    }
+    member = ClusterMember(node, args, record, placed_entry)
+    await member.start()
     sdnotify.notify("READY=1", f"STATUS=serving {len(entries)} models")
     watchdog = asyncio.create_task(sdnotify.watchdog(lambda: True))
 
@@ -661,13 +687,28 @@ async def run(args: argparse.Namespace) -> None:
     log.info("omnid stopping")
     sdnotify.notify("STOPPING=1")
     watchdog.cancel()
-    if announcement is not None:
-        converging.cancel()
-        await announcement.stop()  # routed around at once, not a lease TTL later
+    await member.stop()  # routed around at once, not a lease TTL later
     for runner in runners:
         await runner.cleanup()
     await node.shutdown()
     admin_path.unlink(missing_ok=True)
+
+
+def positive_seconds(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise argparse.ArgumentTypeError(f"{value!r}: expected a number of seconds > 0")
+    return seconds
+
+
+def host_port(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r}: expected HOST:PORT")
+    return value
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -713,6 +754,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--lease-ttl", type=int, default=10, help="seconds a dead node stays announced"
+    )
+    parser.add_argument(
+        "--probe-interval",
+        type=positive_seconds,
+        default=env("OMNI_PROBE_INTERVAL", "10"),
+        help="seconds between RTT probes of the other nodes, with --etcd "
+        "($OMNI_PROBE_INTERVAL; 10)",
+    )
+    parser.add_argument(
+        "--telemetry",
+        type=host_port,
+        default=env("OMNI_TELEMETRY") or None,
+        help="HOST:PORT of the scheduler's telemetry: report load there "
+        "($OMNI_TELEMETRY; default: where etcd's /omni/telemetry says, with --etcd)",
+    )
+    parser.add_argument(
+        "--telemetry-interval",
+        type=positive_seconds,
+        default=env("OMNI_TELEMETRY_INTERVAL", "10"),
+        help="seconds per load report ($OMNI_TELEMETRY_INTERVAL; 10)",
     )
     parser.add_argument(
         "--ready-wait",
