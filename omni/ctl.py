@@ -202,7 +202,7 @@ def restart(ctx: click.Context, name: str) -> None:
 )
 @click.pass_context
 def cluster(ctx: click.Context, etcd: str) -> None:
-    """The cluster as etcd holds it: nodes, placements, leader."""
+    """The cluster as etcd holds it: nodes, placements, leader, latency, autoscaling."""
     ctx.obj["etcd"] = etcd
 
 
@@ -291,6 +291,128 @@ def cluster_placements(ctx: click.Context) -> None:
         click.echo(f"leader: {data['leader'] or 'none'}")
     columns = ["model", "node", "alive", "replica", "gpu", "quota_mib", "path"]
     _emit(ctx, data, "placements", columns)
+
+
+def _table(columns: list[str], rows: list[list[str | None]]) -> None:
+    """A plain table, headers as given (they are names: locations, nodes)."""
+    table = Table(box=None, header_style="bold")
+    for col in columns:
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(*("-" if v is None else v for v in row))
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=400)
+    console.print(table)
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
+
+
+@cluster.command("latency")
+@click.pass_context
+def cluster_latency(ctx: click.Context) -> None:
+    """The latency map the scheduler publishes: median RTT (ms) between locations, and
+    each node's row (its probes of the others; "no answer": probed, none came)."""
+
+    async def read(store) -> dict:
+        from scheduler.latency import read_map
+
+        latency_map = await read_map(store)
+        if latency_map is None:
+            return {"at": None, "matrix_ms": {}, "locations": {}, "rows_ms": {}}
+        return {
+            "at": latency_map.at,
+            "matrix_ms": {
+                x: {y: _ms(rtt) for y, rtt in row.items()}
+                for x, row in latency_map.matrix().items()
+            },
+            "locations": latency_map.locations,
+            "rows_ms": {
+                node: {peer: _ms(rtt) for peer, rtt in sorted(row.items())}
+                for node, row in sorted(latency_map.rows.items())
+            },
+        }
+
+    data = _cluster_read(ctx, read)
+    if ctx.obj["json"]:
+        click.echo(json.dumps(data, indent=2))
+        return
+    if data["at"] is None:
+        click.echo("no latency map published (is a scheduler leading?)")
+        return
+    nodes = sorted(data["locations"])
+    click.echo(f"latency map of {len(nodes)} nodes, published {_ago(data['at'])} ago (ms)")
+    matrix = data["matrix_ms"]
+    locations = sorted(set(data["locations"].values()) | set(matrix))
+    _table(
+        ["", *locations],
+        [[x, *(_fmt_ms(matrix.get(x, {}).get(y)) for y in locations)] for x in locations],
+    )
+    click.echo()
+    rows = data["rows_ms"]
+    _table(
+        ["node", "location", *nodes],
+        [
+            [
+                n,
+                data["locations"].get(n),
+                *(
+                    None if n == p or p not in rows.get(n, {}) else _fmt_ms(rows[n][p], "no answer")
+                    for p in nodes
+                ),
+            ]
+            for n in nodes
+        ],
+    )
+
+
+def _fmt_ms(ms: float | None, missing: str | None = None) -> str | None:
+    return missing if ms is None else f"{ms:.2f}"
+
+
+# scheduler/service.py's AUTOSCALE (not imported from there: it would load gRPC).
+_AUTOSCALE_KEY = b"/omni/autoscale"
+
+
+@cluster.command("forecast")
+@click.pass_context
+def cluster_forecast(ctx: click.Context) -> None:
+    """The leader's latest autoscaling decision per model: replicas wanted (between MIN
+    and MAX), how many are placed, why, the demand now and the forecast peak over the
+    next cold start (in replicas' worth of work)."""
+
+    async def read(store) -> dict:
+        import orjson
+
+        from scheduler.state import Election
+
+        kv = await store.client.get(_AUTOSCALE_KEY)
+        decisions = orjson.loads(kv.value) if kv is not None else {}
+        placed: dict[str, int] = {}
+        for key in await store.placements():
+            model = key.split("/", 1)[1]
+            placed[model] = placed.get(model, 0) + 1
+        rows = [
+            {"model": model, **d, "placed": placed.get(model, 0)}
+            for model, d in sorted(decisions.items())
+        ]
+        return {"leader": await Election(store, "omnictl").leader(), "models": rows}
+
+    data = _cluster_read(ctx, read)
+    if not ctx.obj["json"]:
+        click.echo(f"leader: {data['leader'] or 'none'}")
+        for row in data["models"]:
+            row["demand"] = _fmt_num(row.get("demand"))
+            row["predicted"] = _fmt_num(row.get("predicted"))
+            row["age"] = _ago(row.get("at"))
+    columns = ["model", "replicas", "placed", "min", "max", "reason", "demand", "predicted"]
+    _emit(ctx, data, "models", [*columns, "age"])
+
+
+def _fmt_num(value: float | None) -> str | None:
+    return None if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":

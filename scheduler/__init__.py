@@ -1,5 +1,8 @@
-"""Global placement, autoscaling and the latency map (to come).
+"""The cluster's control plane: placement, autoscaling, telemetry and the latency map.
 
-Its seam today: the edge reads omnid's upstream address from its flags; the
-scheduler will publish placements and node health that the edge and omnid watch.
+Cluster state lives in etcd (state.py); nodes announce themselves and run what is placed
+on them (membership.py). The omni-scheduler service (service.py, __main__.py) elects a
+leader that places the models (placement.py) at the replicas its autoscaler asks for
+(autoscale.py, forecast.py), from the load the nodes stream to it (telemetry.py, kept in
+history.py), and publishes the latency map of the nodes' round-trip probes (latency.py).
 """

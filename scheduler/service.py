@@ -4,34 +4,65 @@ placements each node should run, written back to etcd for the nodes to converge 
 Replicas elect one leader (scheduler/state.py); the others wait to take over. The
 leader reconciles on every change of nodes and every `interval_s`: a node that dies
 drops out of etcd when its lease runs out, and its models are placed elsewhere.
+
+Every replica keeps a load history (history.py, fed by its telemetry server); the
+leader also
+- publishes where the nodes should stream their telemetry: /omni/telemetry, under its
+  leadership lease, so it goes with the leader and the next one writes its own;
+- scales each model between its `replicas` (the minimum) and `max_replicas` with one
+  `Autoscaler` per model: seeded from the history when it takes over, fed each round
+  with the history's newly finished intervals, its decisions published in
+  /omni/autoscale (for `omnictl cluster forecast`);
+- publishes the latency map of the live nodes (/omni/latencymap, latency.py).
+
+Keys (JSON values), beside state.py's:
+    /omni/telemetry    {"target": "host:port", "leader": name}, under the leader's lease
+    /omni/autoscale    {model: {replicas, reason, demand, predicted, at, min, max}}
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import math
+import time
 import tomllib
+from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
+
 from omni.runtime.catalog import parse_size
 
-from .placement import Gpu, ModelSpec, Node, Placement, place
-from .state import NODES, ClusterStore, Election
+from .autoscale import AutoscaleConfig, Autoscaler, Decision
+from .history import HistoryStore, demand_buckets, telemetry_series
+from .latency import build_map, publish_map
+from .placement import Gpu, ModelSpec, Node, Placement, PlacementResult, Unplaced, place
+from .state import LEADER, NODES, PREFIX, ClusterStore, Election
 
 log = logging.getLogger(__name__)
 
 CPU_BUDGET = 16 << 30  # what a node without GPUs offers its CPU instances, when it says nothing
+TELEMETRY = PREFIX + b"telemetry"
+AUTOSCALE = PREFIX + b"autoscale"
+RETRY_S = 2.0  # between campaigns that failed (etcd unreachable)
+PRELOAD_S = 15 * 86_400  # the history read when taking over: all the store keeps
 
 
 @dataclass
 class WantedModel:
-    """A model the cluster should serve: where its checkpoint is and what it needs."""
+    """A model the cluster should serve: where its checkpoint is and what it needs.
+    `spec.replicas` is the least it runs; the autoscaler may add up to `max_replicas`
+    (None: the autoscaler's own bound)."""
 
     spec: ModelSpec
     path: str
     permits: int | None = None
+    max_replicas: int | None = None
 
     def node_spec(self) -> dict:
         """What a node is told to run (omnid's catalog keys)."""
@@ -40,9 +71,17 @@ class WantedModel:
             out["permits"] = self.permits
         return out
 
+    def autoscale_config(self, base: AutoscaleConfig) -> AutoscaleConfig:
+        """`base` bounded by this model's replicas (the minimum) and max_replicas."""
+        high = base.max_replicas if self.max_replicas is None else self.max_replicas
+        return dataclasses.replace(
+            base, min_replicas=self.spec.replicas, max_replicas=max(high, self.spec.replicas)
+        )
+
 
 def load_models(path: Path) -> list[WantedModel]:
-    """[[models]] tables: name, path, quota, replicas, and the placement constraints."""
+    """[[models]] tables: name, path, quota, replicas (the minimum), max_replicas, and the
+    placement constraints."""
     with path.open("rb") as f:
         data = tomllib.load(f)
     out = []
@@ -59,7 +98,12 @@ def load_models(path: Path) -> list[WantedModel]:
                 denied_locations=frozenset(m.get("denied_locations", ())),
                 spread=int(m.get("spread", 1)),
             )
-            out.append(WantedModel(spec, str(m["path"]), m.get("permits")))
+            high = m.get("max_replicas")
+            if high is not None:
+                high = int(high)
+                if high < spec.replicas:
+                    raise ValueError(f"max_replicas {high} is below replicas {spec.replicas}")
+            out.append(WantedModel(spec, str(m["path"]), m.get("permits"), high))
         except KeyError as exc:
             raise ValueError(f"{where}: missing {exc.args[0]!r}") from None
         except (TypeError, ValueError) as exc:
@@ -89,7 +133,75 @@ def cluster_nodes(records: dict[str, dict]) -> list[Node]:
     return nodes
 
 
+def one_per_node(
+    nodes: list[Node],
+    specs: list[ModelSpec],
+    result: PlacementResult,
+    current: list[Placement],
+) -> tuple[list[Placement], list[Unplaced]]:
+    """`result` with at most one instance of a model per node, and what is left unplaced.
+
+    A node runs one instance of a model (its placement key is node/model), while placement
+    only keeps a model's replicas off a shared GPU. A second replica on one node moves to
+    a GPU with room on a node without one (a location the model is not in yet first, then
+    best fit), or is left unplaced. The replicas kept in place are those running already.
+    """
+    by_name = {spec.name: spec for spec in specs}
+    gpus = [(node.location, gpu) for node in nodes for gpu in node.gpus]
+    location = {node.id: node.location for node in nodes}
+    used: Counter[tuple[str, int]] = Counter()
+    for p in result.placements:
+        used[p.node, p.gpu] += by_name[p.model].quota_bytes
+    running = {(p.model, p.node, p.gpu) for p in current}
+    per_model: dict[str, list[Placement]] = defaultdict(list)
+    for p in result.placements:
+        per_model[p.model].append(p)
+    out, unplaced = [], list(result.unplaced)
+    for name, placed in per_model.items():
+        spec, hosts, extra = by_name[name], set(), []
+        placed.sort(key=lambda p: ((p.model, p.node, p.gpu) not in running, p.replica))
+        for p in placed:
+            if p.node in hosts:
+                extra.append(p)
+                used[p.node, p.gpu] -= spec.quota_bytes
+            else:
+                hosts.add(p.node)
+                out.append(p)
+        locations = {location[n] for n in hosts}
+        for p in extra:
+            best = None
+            for loc, gpu in gpus:
+                room = gpu.capacity - used[gpu.node, gpu.index] - spec.quota_bytes
+                if (
+                    gpu.node in hosts
+                    or room < 0
+                    or spec.quota_bytes > gpu.budget_bytes
+                    or not spec.matches(gpu, loc)
+                ):
+                    continue
+                rank = (loc in locations, room, gpu.node, gpu.index)
+                if best is None or rank < best[0]:
+                    best = (rank, gpu)
+            if best is None:
+                why = "one instance per node, and no other node has room"
+                unplaced.append(Unplaced(name, p.replica, why))
+                continue
+            gpu = best[1]
+            used[gpu.node, gpu.index] += spec.quota_bytes
+            hosts.add(gpu.node)
+            locations.add(location[gpu.node])
+            out.append(Placement(name, p.replica, gpu.node, gpu.index))
+    out.sort(key=lambda p: (p.model, p.replica))
+    return out, unplaced
+
+
 class Scheduler:
+    """One scheduler replica: campaigns, and while it leads, reconciles every round.
+
+    Without `history` there is no autoscaling (each model runs its `replicas`); without
+    `telemetry_target` no /omni/telemetry is published.
+    """
+
     def __init__(
         self,
         store: ClusterStore,
@@ -97,18 +209,49 @@ class Scheduler:
         models: list[WantedModel],
         interval_s: float = 5.0,
         lease_ttl_s: int = 10,
+        *,
+        history: HistoryStore | None = None,
+        telemetry_target: str | None = None,
+        autoscale: AutoscaleConfig | None = None,
+        clock: Callable[[], float] = time.time,
     ):
         self.store, self.name, self.interval_s = store, name, interval_s
         self.models = {m.spec.name: m for m in models}
         self.election = Election(store, name, lease_ttl_s)
+        self.history, self.telemetry_target = history, telemetry_target
+        self.autoscale = autoscale or AutoscaleConfig()
+        self.clock = clock
+        self.autoscalers: dict[str, Autoscaler] = {}
+        self.decisions: dict[str, Decision] = {}
+        self._fed: dict[str, float] = {}  # model -> history fed to its autoscaler up to
+        self._in_office = False  # this term's start (telemetry key, preload) is done
+        self._unplaced: set[tuple[str, int]] = set()  # warned about already
         self._wake = asyncio.Event()
 
     async def run(self) -> None:
-        await self.election.campaign()
+        """Campaign, lead until leadership is lost, campaign again; until cancelled."""
+        while True:
+            try:
+                await self.election.campaign()
+            except Exception as exc:  # etcd unreachable: a standby keeps trying
+                log.warning("campaign failed: %s; retrying in %.0f s", exc, RETRY_S)
+                await asyncio.sleep(RETRY_S)
+                continue
+            await self._lead()
+
+    async def _lead(self) -> None:
+        self._in_office = False
         watcher = asyncio.create_task(self._watch_nodes())
         try:
             while True:
                 try:
+                    if not await self._still_leading():
+                        log.warning("%s no longer leads; campaigning again", self.name)
+                        with contextlib.suppress(Exception):
+                            await self.election.resign()
+                        return
+                    if not self._in_office:
+                        await self._take_office()
                     await self.reconcile()
                 except Exception:  # etcd hiccup: the next round tries again
                     log.exception("reconcile failed")
@@ -122,8 +265,105 @@ class Scheduler:
         async for _change in self.store.watch(NODES):
             self._wake.set()
 
+    async def _still_leading(self) -> bool:
+        """Whether /omni/leader is still under this replica's lease (it expires if the
+        renewals fail for a TTL, e.g. cut off from etcd, and a standby may lead by now)."""
+        lease = self.election.lease
+        kv = await self.store.client.get(LEADER)
+        return lease is not None and kv is not None and kv.lease == lease.id
+
+    async def _take_office(self) -> None:
+        """A new term: tell the nodes where to stream telemetry, and start the autoscalers
+        from the history (the forecast) and from what is placed now (the replicas)."""
+        if self.telemetry_target is not None:
+            value = {"target": self.telemetry_target, "leader": self.name}
+            await self.store.client.put(TELEMETRY, orjson.dumps(value), lease=self.election.lease)
+            log.info("telemetry: nodes report to %s", self.telemetry_target)
+        self.autoscalers.clear()
+        self.decisions.clear()
+        self._fed.clear()
+        if self.history is not None:
+            now = self.clock()
+            placed = Counter(key.split("/", 1)[1] for key in await self.store.placements())
+            for name, model in self.models.items():
+                cfg = model.autoscale_config(self.autoscale)
+                scaler = Autoscaler(cfg, self.clock, replicas=placed.get(name) or None)
+                buckets = await asyncio.to_thread(
+                    demand_buckets, self.history, name, now - PRELOAD_S, now, cfg
+                )
+                scaler.preload(buckets)
+                self.autoscalers[name] = scaler
+                # The bucket in progress is left out of the preload: the live feed starts
+                # at its beginning, so the forecast gets it whole.
+                step = cfg.forecast.step_s
+                self._fed[name] = math.floor(now / step) * step
+                log.info("autoscale %s: %d buckets of history", name, len(buckets))
+        self._in_office = True
+
+    async def _scale(self) -> dict[str, int]:
+        """Each model's replicas for this round: its autoscaler's decision after the
+        history's intervals finished since the last round (a step is read one step after
+        it ends, so that late reports are in), or its `replicas` without autoscaling."""
+        if self.history is None or not self.autoscalers:
+            return {name: m.spec.replicas for name, m in self.models.items()}
+        res = self.history.resolution_s
+        until = (math.floor(self.clock() / res + 1e-6) - 1) * res
+        out = {}
+        for name, scaler in self.autoscalers.items():
+            since, before = self._fed[name], scaler.replicas
+            if until > since:
+                reports = await asyncio.to_thread(
+                    telemetry_series, self.history, name, since, until
+                )
+                for report in reports:
+                    scaler.observe(report)
+                self._fed[name] = until
+            decision = scaler.decide()
+            if decision.replicas != int(decision.replicas):
+                # History's replicas are time averages (a node that joined mid-interval
+                # counts for part of it): "one more than were ready" can be fractional.
+                scaler.replicas = math.ceil(decision.replicas - 1e-9)
+                decision = dataclasses.replace(decision, replicas=scaler.replicas)
+            self.decisions[name] = decision
+            if decision.replicas != before:
+                log.info(
+                    "autoscale %s: %d -> %d replicas (%s, demand %.2f, forecast %s)",
+                    name,
+                    before,
+                    decision.replicas,
+                    decision.reason,
+                    decision.demand,
+                    "-" if decision.forecast is None else f"{decision.forecast:.2f}",
+                )
+            out[name] = max(decision.replicas, self.models[name].spec.replicas)
+        return out
+
+    async def _publish_decisions(self) -> None:
+        now = self.clock()
+        value = {}
+        for name, d in sorted(self.decisions.items()):
+            cfg = self.autoscalers[name].cfg
+            value[name] = {
+                "replicas": d.replicas,
+                "reason": d.reason,
+                "demand": round(d.demand, 4),
+                "predicted": None if d.forecast is None else round(d.forecast, 4),
+                "at": now,
+                "min": cfg.min_replicas,
+                "max": cfg.max_replicas,
+            }
+        await self.store.client.put(AUTOSCALE, orjson.dumps(value))
+
     async def reconcile(self) -> None:
-        """Place the wanted models on the live nodes; write what changed."""
+        """One round: scale, place the wanted models on the live nodes and write what
+        changed, publish the decisions and the latency map."""
+        replicas = await self._scale()
+        specs = [
+            dataclasses.replace(m.spec, replicas=replicas[name])
+            if replicas[name] != m.spec.replicas
+            else m.spec
+            for name, m in self.models.items()
+        ]
         records = await self.store.nodes()
         written = await self.store.placements()
         current = []
@@ -131,9 +371,11 @@ class Scheduler:
             node, model = key.split("/", 1)
             if node in records and model in self.models:
                 current.append(Placement(model, spec.get("replica", 0), node, spec.get("gpu", -1)))
-        result = place(cluster_nodes(records), [m.spec for m in self.models.values()], current)
+        nodes = cluster_nodes(records)
+        result = place(nodes, specs, current)
+        placements, misses = one_per_node(nodes, specs, result, current)
         wanted = {}
-        for p in result.placements:
+        for p in placements:
             spec = {**self.models[p.model].node_spec(), "replica": p.replica}
             if p.gpu >= 0:
                 spec.update(gpu=p.gpu, quota=self.models[p.model].spec.quota_bytes)
@@ -147,5 +389,11 @@ class Scheduler:
             node, model = key.split("/", 1)
             await self.store.remove_placement(node, model)
             log.info("removed %s from %s", model, node)
-        for miss in result.unplaced:
-            log.warning("cannot place %s replica %d: %s", miss.model, miss.replica, miss.reason)
+        unplaced = {(m.model, m.replica): m.reason for m in misses}
+        for (model, replica), reason in sorted(unplaced.items()):
+            if (model, replica) not in self._unplaced:  # once, not every round
+                log.warning("cannot place %s replica %d: %s", model, replica, reason)
+        self._unplaced = set(unplaced)
+        if self.decisions:
+            await self._publish_decisions()
+        await publish_map(self.store, await build_map(self.store))

@@ -1,10 +1,14 @@
-"""The scheduler's inputs: its models file and the nodes' announcements."""
+"""The scheduler's inputs (its models file, the nodes' announcements, its flags) and its
+one-instance-per-node rule."""
 
 from __future__ import annotations
 
 import pytest
 
-from scheduler.service import CPU_BUDGET, cluster_nodes, load_models
+from scheduler.__main__ import advertised_host, join_hostport, parse_hostport
+from scheduler.autoscale import AutoscaleConfig
+from scheduler.placement import ModelSpec, Placement, place
+from scheduler.service import CPU_BUDGET, cluster_nodes, load_models, one_per_node
 
 
 def test_a_models_file_with_a_missing_or_bad_key_names_it(tmp_path):
@@ -35,3 +39,53 @@ def test_announced_nodes_become_placement_nodes():
     assert [(g.index, g.kind, g.budget_bytes) for g in gpu.gpus] == [(0, "H100", 8)]
     assert gpu.location == "fra"
     assert [(g.index, g.kind, g.budget_bytes) for g in cpu.gpus] == [(-1, "cpu", CPU_BUDGET)]
+
+
+def test_replicas_is_the_autoscalers_minimum_and_max_replicas_its_maximum(tmp_path):
+    path = tmp_path / "models.toml"
+    path.write_text(
+        '[[models]]\nname = "a"\npath = "/m"\nreplicas = 2\nmax_replicas = 5\n'
+        '[[models]]\nname = "b"\npath = "/m"\n'
+    )
+    a, b = load_models(path)
+    assert a.autoscale_config(AutoscaleConfig()).min_replicas == 2
+    assert a.autoscale_config(AutoscaleConfig()).max_replicas == 5
+    assert b.max_replicas is None  # the autoscaler's own bound
+    assert b.autoscale_config(AutoscaleConfig(max_replicas=9)).max_replicas == 9
+    path.write_text('[[models]]\nname = "a"\npath = "/m"\nreplicas = 3\nmax_replicas = 2\n')
+    with pytest.raises(ValueError, match=r"models\[0\]: max_replicas 2 is below replicas 3"):
+        load_models(path)
+
+
+def test_a_node_runs_one_instance_of_a_model_and_a_second_moves_to_another_node():
+    gpu = {"kind": "H100", "budget_bytes": 4 << 30}
+    records = {
+        "a": {"location": "fra", "gpus": [{"index": i, **gpu} for i in range(2)]},
+        "b": {"location": "fra", "gpus": [{"index": 0, **gpu}]},
+        "c": {"location": "ams", "gpus": [{"index": 0, **gpu}]},
+    }
+    nodes = cluster_nodes(records)
+    specs = [ModelSpec("m", 3 << 30, replicas=3), ModelSpec("x", 1 << 30, replicas=1)]
+    current = [Placement("m", 0, "a", 0), Placement("m", 1, "a", 1)]  # two on node a
+    result = place(nodes, specs, current)
+    placements, unplaced = one_per_node(nodes, specs, result, current)
+    on = {(p.model, p.node) for p in placements}
+    assert sorted(node for model, node in on if model == "m") == ["a", "b", "c"]
+    assert len(placements) == len(on) == 4 and unplaced == []
+    # The one that stays on a is the one that ran there first.
+    assert Placement("m", 0, "a", 0) in placements
+    # A fourth replica of m: every node runs one already, so it is unplaced, saying why.
+    specs[0].replicas = 4
+    result = place(nodes, specs, placements)
+    placements, unplaced = one_per_node(nodes, specs, result, placements)
+    assert sorted(p.node for p in placements if p.model == "m") == ["a", "b", "c"]
+    assert [(u.model, "one instance per node" in u.reason) for u in unplaced] == [("m", True)]
+
+
+def test_the_advertised_telemetry_address():
+    assert parse_hostport("[::1]:7701", "--x") == ("::1", 7701)
+    with pytest.raises(ValueError, match="--x 'nope': expected HOST:PORT"):
+        parse_hostport("nope", "--x")
+    assert join_hostport("::1", 7701) == "[::1]:7701"
+    assert advertised_host("10.1.2.3", "127.0.0.1") == "10.1.2.3"  # a specific address
+    assert advertised_host("0.0.0.0", "127.0.0.1")  # some address of this host
