@@ -151,6 +151,7 @@ def place(
     current = list(current or ())
     packer.keep(current)
     packer.place_missing()
+    packer.restore_spread()
     packer.consolidate(move_budget)
     result = packer.result(current)
     result.seconds = time.perf_counter() - t0
@@ -308,6 +309,21 @@ class _Packer:
                     continue
                 self._add(name, spec.quota_bytes, g)
                 inst[g] = -1
+
+    def restore_spread(self) -> None:
+        """Move replicas kept from `current` into locations a model lacks, where one now has
+        room: a model placed while only one location had nodes spreads once another joins,
+        instead of staying short for good. One move per missing location, taken from the
+        location holding the most replicas."""
+        for name, spec in self.specs.items():
+            inst, locs = self.inst[name], self.locs[name]
+            while len(locs) < min(self.spread[name], len(inst)):
+                crowded = max(locs, key=lambda loc: locs[loc])
+                src = next((g for g in inst if self.loc[g] == crowded), -1)
+                dst = self._find(self.eligible[name], spec.quota_bytes, inst, set(locs), True)
+                if src < 0 or dst < 0:
+                    break
+                self._move(name, src, dst)
 
     def _find(
         self,

@@ -361,3 +361,17 @@ def test_every_result_is_valid(scenario):
     res = place(survivors, models, current, move_budget=budget)
     check(survivors, models, res)
     assert res.moves <= len(current)
+
+
+def test_a_model_spreads_once_a_second_location_joins():
+    """Placed while only one location had nodes, a spread-2 model moves one replica to the
+    new location when it joins: one move, not a re-placement."""
+    east = [Node(f"e{i}", "east", [Gpu(f"e{i}", 0, "h100", 80 * G, 80 * G, 1.0)]) for i in range(2)]
+    west = [Node("w0", "west", [Gpu("w0", 0, "h100", 80 * G, 80 * G, 1.0)])]
+    spec = ModelSpec("m", 10 * G, replicas=2, spread=2)
+    first = place(east, [spec])
+    assert {p.node for p in first.placements} == {"e0", "e1"}
+    second = place(east + west, [spec], first.placements)
+    nodes = {p.node for p in second.placements}
+    assert "w0" in nodes and len(nodes & {"e0", "e1"}) == 1
+    assert second.moves == 1 and not second.spread_short
