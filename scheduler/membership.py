@@ -47,15 +47,15 @@ class Announcement:
 
 async def follow_prefix(endpoint: str, prefix: bytes) -> AsyncIterator[dict[str, dict]]:
     """Everything under `prefix` (key rest -> value) now and after each change, until
-    the caller stops; after an etcd failure it reconnects and starts from a fresh read
-    (a change missed meanwhile shows in it)."""
+    the caller stops. The watch starts right after the read's revision, so no change in
+    between is lost; after an etcd failure it reconnects and starts from a fresh read."""
     host, port = parse_endpoint(endpoint)
     while True:
         store = ClusterStore(host, port)
         try:
-            view = await store.get_prefix(prefix)
+            view, revision = await store.read_prefix(prefix)
             yield dict(view)
-            async for change in store.watch(prefix):
+            async for change in store.watch(prefix, after=revision):
                 if change.value is None:
                     view.pop(change.key, None)
                 else:

@@ -116,9 +116,11 @@ class ClusterStore:
 
     # ---------------------------------------------------------------- watches
 
-    async def watch(self, prefix: bytes) -> AsyncIterator[Change]:
-        """Changes under `prefix`, keys relative to it, from now on."""
-        watch = await self.client.watch_prefix(prefix)
+    async def watch(self, prefix: bytes, after: int | None = None) -> AsyncIterator[Change]:
+        """Changes under `prefix`, keys relative to it: from now on, or every change after
+        revision `after` (that of a read: nothing between the read and the watch is lost)."""
+        start = None if after is None else after + 1
+        watch = await self.client.watch_prefix(prefix, start_revision=start)
         try:
             async for event in watch:
                 key = event.kv.key[len(prefix) :].decode()
@@ -132,10 +134,13 @@ class ClusterStore:
 
     async def get_prefix(self, prefix: bytes) -> dict[str, dict]:
         """Every value under `prefix`, keyed by the rest of its key."""
-        return {
-            kv.key[len(prefix) :].decode(): orjson.loads(kv.value)
-            for kv in await self.client.get_prefix(prefix)
-        }
+        return (await self.read_prefix(prefix))[0]
+
+    async def read_prefix(self, prefix: bytes) -> tuple[dict[str, dict], int]:
+        """get_prefix, and the store's revision at that read (to watch from)."""
+        got = await self.client.get_prefix(prefix)
+        values = {kv.key[len(prefix) :].decode(): orjson.loads(kv.value) for kv in got}
+        return values, got.header.revision
 
 
 def _node_key(node_id: str) -> bytes:
