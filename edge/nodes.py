@@ -76,12 +76,25 @@ class NodeSet:
         self.nodes = [Node(url.rstrip("/")) for url in urls]
         self.rng = rng or random.Random()
         self.decisions: Counter[str] = Counter()  # how picks were made, for the metrics
+        # location -> round trip from this edge's location (the cluster's latency map)
+        self.rtt_from_here: dict[str, float] = {}
 
-    def set_urls(self, urls: list[str]) -> None:
+    def set_urls(self, urls: list[str], locations: dict[str, str] | None = None) -> None:
         """The nodes changed (cluster membership): keep what the edge knows of the ones
-        that stay, start fresh for new ones, forget the ones gone."""
+        that stay, forget the ones gone. A new node starts at the round trip the latency
+        map gives for its location (`locations`: url -> location), until polled: a far
+        node does not look near and draw the first requests."""
         known = {n.url: n for n in self.nodes}
-        self.nodes = [known.get(u.rstrip("/")) or Node(u.rstrip("/")) for u in dict.fromkeys(urls)]
+        nodes = []
+        for url in dict.fromkeys(u.rstrip("/") for u in urls):
+            node = known.get(url)
+            if node is None:
+                node = Node(url)
+                rtt = self.rtt_from_here.get((locations or {}).get(url, ""))
+                if rtt is not None:
+                    node.latency_s = rtt
+            nodes.append(node)
+        self.nodes = nodes
 
     # ------------------------------------------------------------ the view
 

@@ -54,6 +54,7 @@ AFFINITY_HEADER = "x-session-affinity"
 ASYNC_HEADER = "x-omni-async"
 SESSION = web.AppKey("session", aiohttp.ClientSession)
 FOLLOWER = web.AppKey("follower", asyncio.Task)
+MAP_FOLLOWER = web.AppKey("map_follower", asyncio.Task)
 MAX_ATTEMPTS = 3  # nodes tried for one request that failed before anything was streamed
 
 
@@ -154,12 +155,14 @@ def edge_app(
     early_release: bool = True,
     deadlines: dict[str, float] | None = None,
     etcd: str | None = None,
+    location: str | None = None,
 ) -> web.Application:
     """`upstream`: the nodes' (omnid's) inference endpoints; `max_queued`: requests a
     model's queue holds before shedding; `early_release=False` holds each permit until
     the client has read the whole answer (the baseline early release is measured against);
     `deadlines`: default deadline (ms) per model, "*" for the others; `etcd`: HOST:PORT
-    of the cluster's etcd, whose announced nodes join the static ones."""
+    of the cluster's etcd, whose announced nodes join the static ones; `location`: where
+    this edge is, to read its distance to each node's location from the latency map."""
     app = web.Application(middlewares=[error_middleware], client_max_size=max_body)
     deadlines = deadlines or {}
     static = [upstream] if isinstance(upstream, str) else list(upstream)
@@ -180,15 +183,19 @@ def edge_app(
 
             def joined(announced: dict[str, dict]) -> None:
                 urls = static + [n["url"] for n in announced.values() if n.get("url")]
-                nodes.set_urls(urls)
+                where = {n["url"].rstrip("/"): n.get("location", "") for n in announced.values()}
+                nodes.set_urls(urls, where)
                 admission.resize()
                 log.info("nodes: %s", ", ".join(urls) or "none")
 
             app[FOLLOWER] = asyncio.create_task(follow_nodes(etcd, joined))
+            if location:
+                app[MAP_FOLLOWER] = asyncio.create_task(follow_latency_map(etcd, location, nodes))
 
     async def close(app: web.Application) -> None:
-        if FOLLOWER in app:
-            app[FOLLOWER].cancel()
+        for key in (FOLLOWER, MAP_FOLLOWER):
+            if key in app:
+                app[key].cancel()
         await jobs.stop()
         await admission.stop()
         await app[SESSION].close()
@@ -409,6 +416,19 @@ def edge_app(
     return app
 
 
+async def follow_latency_map(etcd: str, location: str, nodes: NodeSet) -> None:
+    """Keep `nodes.rtt_from_here` at the published map's row for this edge's location."""
+    from scheduler.latency import LATENCY_MAP, LatencyMap
+    from scheduler.membership import follow_prefix
+
+    async for view in follow_prefix(etcd, LATENCY_MAP):
+        value = view.get("")
+        if value is not None:
+            nodes.rtt_from_here = (
+                LatencyMap.from_json(orjson.dumps(value)).matrix().get(location, {})
+            )
+
+
 async def run(args: argparse.Namespace) -> None:
     tenants = Tenants.from_file(args.tenants) if args.tenants else None
     runner = web.AppRunner(
@@ -421,6 +441,7 @@ async def run(args: argparse.Namespace) -> None:
             early_release=not args.no_early_release,
             deadlines=args.deadlines,
             etcd=args.etcd,
+            location=args.location,
         ),
         handler_cancellation=True,
         access_log=None,
@@ -486,6 +507,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--etcd",
         default=env("OMNI_ETCD"),
         help="HOST:PORT of etcd: route to the nodes announced there too",
+    )
+    parser.add_argument(
+        "--location",
+        default=env("OMNI_LOCATION"),
+        help="this edge's location: new nodes start at the latency map's round trip to theirs",
     )
     args = parser.parse_args(argv)
     try:

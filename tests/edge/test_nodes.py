@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 from edge.admission import ANONYMOUS, Admission
-from edge.nodes import EJECT_AFTER, NodeSet
+from edge.nodes import EJECT_AFTER, Node, NodeSet
 from omni.api.errors import ApiError
 
 
@@ -116,3 +116,16 @@ def test_a_model_that_loses_its_nodes_answers_503_or_404_never_a_wait():
     assert queued.status == 503 and queued.retry_after
     assert unknown is None  # no node lists it: the node it goes to answers 404
     assert down.status == 503
+
+
+def test_a_new_node_starts_at_the_latency_maps_round_trip_to_its_location():
+    nodes = NodeSet([])
+    nodes.rtt_from_here = {"fra": 0.001, "sin": 0.180}
+    nodes.set_urls(["http://a", "http://b", "http://c"], {"http://a": "fra", "http://b": "sin"})
+    got = {n.url: n.latency_s for n in nodes.nodes}
+    assert got["http://a"] == 0.001 and got["http://b"] == 0.180
+    assert got["http://c"] == Node("x").latency_s  # no location known: the default
+    nodes.nodes[1].latency_s = 0.05  # measured since
+    nodes.rtt_from_here = {"sin": 0.3}
+    nodes.set_urls(["http://b"], {"http://b": "sin"})
+    assert nodes.nodes[0].latency_s == 0.05  # a known node keeps what was measured
