@@ -25,12 +25,19 @@ class Omnid:
         *extra: str,
         runtime_dir: Path | None = None,
         env: dict[str, str] | None = None,
+        netns: str | None = None,
+        host: str = "127.0.0.1",
     ):
+        """`netns`: run inside that network namespace (/var/run/netns), listening on
+        `host` there."""
         (tmp / "omnid.toml").write_text(config)
         self.port = free_port()
         self.runtime_dir = runtime_dir or Path(tempfile.mkdtemp(prefix="omni-", dir="/tmp"))
         self.log_path = tmp / "omnid.log"
+        self.host = host
         argv = [sys.executable, "-m", "omni.runtime.omnid", "--config", str(tmp / "omnid.toml")]
+        if netns is not None:
+            argv = ["nsenter", f"--net=/var/run/netns/{netns}", *argv, "--host", host]
         argv += ["--no-defaults", "--port", str(self.port), "--runtime-dir", str(self.runtime_dir)]
         self.proc = subprocess.Popen(
             [*argv, *extra],
@@ -42,7 +49,7 @@ class Omnid:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def socket(self) -> Path:

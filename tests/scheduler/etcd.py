@@ -12,12 +12,15 @@ from tests.conftest import free_port, wait_until
 
 
 class EtcdServer:
-    def __init__(self, data_dir: Path):
+    def __init__(self, data_dir: Path, also_on: str | None = None):
+        """`also_on`: one more address to serve clients on (a network lab's host side)."""
         binary = shutil.which("etcd")
         if binary is None:
             pytest.skip("etcd is not installed (make test installs Debian's etcd-server)")
         self.port, peer = free_port(), free_port()
         client = f"http://127.0.0.1:{self.port}"
+        if also_on:
+            client += f",http://{also_on}:{self.port}"
         self.log = data_dir.parent / "etcd.log"
         self.proc = subprocess.Popen(
             [

@@ -118,6 +118,7 @@ class NetLab:
         *,
         subnet: str = "10.77.0.0/24",
         mechanism: Literal["auto", "netem", "relay"] = "auto",
+        host_location: str | None = None,
     ):
         if not 1 <= len(locations) <= 2:
             raise ValueError("the lab joins one or two locations")
@@ -135,6 +136,13 @@ class NetLab:
                 name = f"n{len(self.nodes)}"
                 ip = str(next(hosts))
                 self.nodes.append(LabNode(name, f"{self.prefix}-{name}", ip, location))
+        # The test's own (root) namespace joins `host_location` at the subnet's last
+        # address: processes started the plain way (etcd, an edge) reach every node.
+        if host_location is not None and host_location not in self.locations:
+            raise ValueError(f"host_location {host_location!r} is not one of the locations")
+        self.host_location = host_location
+        self.host_ip = str(list(network.hosts())[-1]) if host_location else None
+        self.host_ifname = f"olab{secrets.token_hex(3)}" if host_location else None
         self._created: list[str] = []
         self._procs: list[subprocess.Popen] = []
         self.relay: subprocess.Popen | None = None
@@ -251,12 +259,32 @@ class NetLab:
                 self._join(wan)
             else:
                 self.mechanism = "none"
+        if self.host_location is not None:
+            self._host_link(locations.index(self.host_location))
         for node in self.nodes:
             with IPRoute(netns=node.netns, flags=0) as ipr:
                 _up(ipr, "lo")
                 (eth0,) = ipr.link_lookup(ifname="eth0")
                 ipr.addr("add", index=eth0, address=node.ip, prefixlen=self.prefixlen)
                 ipr.link("set", index=eth0, state="up")
+
+    def _host_link(self, bridge: int) -> None:
+        """A veth from the root namespace into a location's bridge; it goes with the wan
+        namespace (a veth pair dies with either end)."""
+        from pyroute2 import IPRoute
+
+        with IPRoute() as host:
+            host.link(
+                "add",
+                ifname=self.host_ifname,
+                kind="veth",
+                peer={"ifname": "vh", "net_ns_fd": self.wan},
+            )
+            (index,) = host.link_lookup(ifname=self.host_ifname)
+            host.addr("add", index=index, address=self.host_ip, prefixlen=self.prefixlen)
+            host.link("set", index=index, state="up")
+        with IPRoute(netns=self.wan, flags=0) as wan:
+            _enslave(wan, "vh", f"br{bridge}")
 
     def _join(self, wan: Any) -> None:
         """The link between br0 and br1, carrying the delay."""
