@@ -325,6 +325,16 @@ def entry_from_spec(name, spec: dict, origin: str = "admin") -> ModelEntry:
     return ModelEntry.from_path(name, path, origin, limits, placement)
 
 
+def node_record(args: argparse.Namespace, config: NodeConfig) -> dict:
+    """What the cluster sees of this node: scheduler/service.py's cluster_nodes reads it."""
+    return {
+        "id": args.node_id,
+        "location": args.location,
+        "url": args.advertise_url or f"http://{args.host}:{args.port}",
+        "gpus": [{"index": i, "budget_bytes": b} for i, b in sorted(config.gpus.items())],
+    }
+
+
 def placed_entry(model: str, spec: dict) -> ModelEntry:
     """A catalog entry (origin "cluster") for a model the scheduler placed on this node,
     from its placement's catalog keys."""
@@ -668,13 +678,7 @@ async def run(args: argparse.Namespace) -> None:
         admin_path,
         ", ".join(e.name for e in entries) or "none",
     )
-    record = {  # what the cluster sees of this node
-        "id": args.node_id,
-        "location": args.location,
-        "url": args.advertise_url or f"http://{args.host}:{args.port}",
-        "gpus": [{"index": g.index, "budget_bytes": g.budget_bytes} for g in config.gpus],
-    }
-    member = ClusterMember(node, args, record, placed_entry)
+    member = ClusterMember(node, args, node_record(args, config), placed_entry)
     await member.start()
     sdnotify.notify("READY=1", f"STATUS=serving {len(entries)} models")
     watchdog = asyncio.create_task(sdnotify.watchdog(lambda: True))

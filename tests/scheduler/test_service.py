@@ -89,3 +89,21 @@ def test_the_advertised_telemetry_address():
     assert join_hostport("::1", 7701) == "[::1]:7701"
     assert advertised_host("10.1.2.3", "127.0.0.1") == "10.1.2.3"  # a specific address
     assert advertised_host("0.0.0.0", "127.0.0.1")  # some address of this host
+
+
+def test_a_nodes_record_carries_its_gpu_budgets_as_placement_reads_them():
+    """omnid's announcement of a GPU node, read back by the scheduler's view of nodes."""
+    import argparse
+
+    from omni.runtime.catalog import NodeConfig
+    from omni.runtime.omnid import node_record
+    from scheduler.service import cluster_nodes
+
+    args = argparse.Namespace(
+        node_id="n1", location="fra", advertise_url=None, host="10.0.0.1", port=8081
+    )
+    record = node_record(args, NodeConfig(gpus={1: 40 << 30, 0: 20 << 30}))
+    assert record["url"] == "http://10.0.0.1:8081"
+    (node,) = cluster_nodes({"n1": record})
+    assert node.location == "fra"
+    assert [(g.index, g.budget_bytes) for g in node.gpus] == [(0, 20 << 30), (1, 40 << 30)]
