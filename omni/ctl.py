@@ -263,12 +263,14 @@ def cluster_nodes(ctx: click.Context) -> None:
 @cluster.command("placements")
 @click.pass_context
 def cluster_placements(ctx: click.Context) -> None:
-    """What the scheduler wants where, and the leader that decided it."""
+    """What the scheduler wants where, the leader that decided it, and the state each
+    node reports of it (none yet: not converged)."""
 
     async def read(store) -> dict:
         from scheduler.state import Election
 
         nodes = await store.nodes()
+        observed = await store.observed()
         rows = []
         for key, spec in sorted((await store.placements()).items()):
             node_id, model = key.split("/", 1)
@@ -278,6 +280,7 @@ def cluster_placements(ctx: click.Context) -> None:
                     "model": model,
                     "node": node_id,
                     "alive": node_id in nodes,
+                    "state": observed.get(key, {}).get("state"),  # what the node reports
                     "replica": spec.get("replica"),
                     "gpu": spec.get("gpu"),
                     "quota_mib": _mib(quota) if isinstance(quota, int) else None,
@@ -289,7 +292,7 @@ def cluster_placements(ctx: click.Context) -> None:
     data = _cluster_read(ctx, read)
     if not ctx.obj["json"]:
         click.echo(f"leader: {data['leader'] or 'none'}")
-    columns = ["model", "node", "alive", "replica", "gpu", "quota_mib", "path"]
+    columns = ["model", "node", "alive", "state", "replica", "gpu", "quota_mib", "path"]
     _emit(ctx, data, "placements", columns)
 
 

@@ -111,6 +111,9 @@ class ClusterStore:
     async def report_observed(self, node: str, model: str, state: dict, lease) -> None:
         await self.client.put(OBSERVED + _key(node, model), orjson.dumps(state), lease=lease)
 
+    async def forget_observed(self, node: str, model: str) -> None:
+        await self.client.delete(OBSERVED + _key(node, model))
+
     async def observed(self, node: str | None = None) -> dict[str, dict]:
         return await self.get_prefix(OBSERVED + (_key(node) + b"/" if node else b""))
 

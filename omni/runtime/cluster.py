@@ -82,6 +82,9 @@ class NodeLoad(LoadAccumulator):
         return super().take(now)
 
 
+OBSERVED_EVERY_S = 1.0  # how often instance states are compared with what etcd holds
+
+
 class ClusterMember:
     """This node's part in the cluster (see the module docstring); `start()` does nothing
     when neither etcd nor a telemetry target is configured.
@@ -131,6 +134,7 @@ class ClusterMember:
                 ),
             )
             self._spawn(self.prober.run(), "latency-probes")
+            self._spawn(self._report_observed(), "observed-state")
         if args.telemetry:
             await self.report_to(args.telemetry)
         elif args.etcd:
@@ -168,6 +172,36 @@ class ClusterMember:
             log.info("placed %s from %s", model, entry.path)
         except (CatalogError, CheckpointError, ApiError, ValueError) as exc:
             log.error("cannot run placed model %s: %s", model, getattr(exc, "message", exc))
+
+    async def _report_observed(self) -> None:
+        """What runs here, as it changes: each instance's state (starting, ready, failed,
+        ...), residency, origin and restarts under /omni/observed/<node>/<model>, on the
+        node's lease (a dead node's reports go with it), so the cluster sees whether a
+        placement converged, not only what was wanted."""
+        assert self.announcement is not None
+        store, lease = self.announcement.store, self.announcement.lease
+        sent: dict[str, dict] = {}
+        while True:
+            now = {
+                name: {
+                    "state": str(inst.state),
+                    "residency": inst.tenant.state.value if inst.tenant else None,
+                    "origin": inst.entry.origin,
+                    "restarts": inst.restarts,
+                }
+                for name, inst in self.node.instances.items()
+            }
+            try:
+                for model, state in now.items():
+                    if sent.get(model) != state:
+                        await store.report_observed(self.node_id, model, state, lease)
+                        sent[model] = state
+                for model in set(sent) - set(now):
+                    await store.forget_observed(self.node_id, model)
+                    del sent[model]
+            except Exception as exc:  # etcd hiccup: the next round sends what differs
+                log.warning("reporting observed state failed: %s", exc)
+            await asyncio.sleep(OBSERVED_EVERY_S)
 
     # ---------------------------------------------------------------- latency
 

@@ -175,6 +175,12 @@ def test_a_cluster_across_two_locations(lab, tmp_path):
             return None
 
         first = wait_until(settled, 60, "both models placed")
+
+        def converged() -> bool:  # every placement reported ready by its node
+            rows = omnictl("placements", endpoint)["placements"]
+            return len(rows) == 3 and all(r["state"] == "ready" for r in rows)
+
+        wait_until(converged, 90, "every node to report its placements ready")
         assert {where[n] for n in first["west-only"]} == {"west"}
         assert {where[n] for n in first["everywhere"]} == {"east", "west"}
 
