@@ -419,10 +419,9 @@ def edge_app(
 async def follow_latency_map(etcd: str, location: str, nodes: NodeSet) -> None:
     """Keep `nodes.rtt_from_here` at the published map's row for this edge's location."""
     from scheduler.latency import LATENCY_MAP, LatencyMap
-    from scheduler.membership import follow_prefix
+    from scheduler.membership import follow_key
 
-    async for view in follow_prefix(etcd, LATENCY_MAP):
-        value = view.get("")
+    async for value in follow_key(etcd, LATENCY_MAP):
         if value is not None:
             nodes.rtt_from_here = (
                 LatencyMap.from_json(orjson.dumps(value)).matrix().get(location, {})

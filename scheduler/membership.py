@@ -71,6 +71,13 @@ async def follow_prefix(endpoint: str, prefix: bytes) -> AsyncIterator[dict[str,
         await asyncio.sleep(RETRY_S)
 
 
+async def follow_key(endpoint: str, key: bytes) -> AsyncIterator[dict | None]:
+    """One key's value (None while it is absent) now and after each change, until the
+    caller stops: follow_prefix, keeping the key itself."""
+    async for view in follow_prefix(endpoint, key):
+        yield view.get("")
+
+
 async def follow_nodes(endpoint: str, on_change: Callable[[dict[str, dict]], None]) -> None:
     """Call `on_change` with every announced node (id -> its record) now and after each
     change, until cancelled."""

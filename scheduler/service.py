@@ -42,12 +42,11 @@ from .autoscale import AutoscaleConfig, Autoscaler, Decision
 from .history import HistoryStore, demand_buckets, telemetry_series
 from .latency import build_map, publish_map
 from .placement import Gpu, ModelSpec, Node, Placement, PlacementResult, Unplaced, place
-from .state import LEADER, NODES, PREFIX, ClusterStore, Election
+from .state import LEADER, NODES, PREFIX, TELEMETRY, ClusterStore, Election
 
 log = logging.getLogger(__name__)
 
 CPU_BUDGET = 16 << 30  # what a node without GPUs offers its CPU instances, when it says nothing
-TELEMETRY = PREFIX + b"telemetry"
 AUTOSCALE = PREFIX + b"autoscale"
 RETRY_S = 2.0  # between campaigns that failed (etcd unreachable)
 PRELOAD_S = 15 * 86_400  # the history read when taking over: all the store keeps

@@ -32,6 +32,9 @@ NODES = PREFIX + b"nodes/"
 PLACEMENTS = PREFIX + b"placements/"
 OBSERVED = PREFIX + b"observed/"
 LEADER = PREFIX + b"leader"
+# {"target": "host:port", "leader": "<scheduler name>"}: where the leader takes the nodes'
+# telemetry, written by it under its leadership lease.
+TELEMETRY = PREFIX + b"telemetry"
 DEFAULT_TTL_S = 10
 
 

@@ -18,26 +18,22 @@ the same accumulator and the reports the old one had not had acknowledged.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
-
-import orjson
 
 from omni.api.errors import ApiError
 from omni.engine.checkpoint import CheckpointError
 from scheduler.latency import Prober, peers_from_nodes, publish_row
 from scheduler.membership import (
-    RETRY_S,
     Announcement,
+    follow_key,
     follow_nodes,
     follow_placements,
-    parse_endpoint,
 )
-from scheduler.state import PREFIX, ClusterStore
+from scheduler.state import TELEMETRY
 from scheduler.telemetry import MAX_INTERVAL_S, IntervalReport, LoadAccumulator, TelemetryReporter
 
 from .catalog import CatalogError, ModelEntry
@@ -49,10 +45,6 @@ if TYPE_CHECKING:
     from .omnid import Node
 
 log = logging.getLogger("omnid.cluster")
-
-# {"target": "host:port", "leader": "<scheduler name>"}: where the leader takes telemetry,
-# written by it under its leadership lease.
-TELEMETRY = PREFIX + b"telemetry"
 
 
 class NodeLoad(LoadAccumulator):
@@ -251,42 +243,6 @@ class ClusterMember:
         task = asyncio.create_task(coro, name=name)
         task.add_done_callback(_log_failure)
         self._tasks.append(task)
-
-
-async def follow_key(endpoint: str, key: bytes) -> AsyncIterator[Any]:
-    """One key's JSON value (None while it is absent or unreadable) now and after each
-    change, until the caller stops. The watch starts at the revision right after the
-    read, so a change between the two is not missed; after an etcd failure it
-    reconnects and reads afresh."""
-    host, port = parse_endpoint(endpoint)
-
-    def decode(raw: bytes) -> Any:
-        try:
-            return orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            log.warning("%s in etcd is not JSON: %r", key.decode(), raw[:200])
-            return None
-
-    while True:
-        store = ClusterStore(host, port)
-        try:
-            got = await store.client.get_prefix(key)
-            yield next((decode(kv.value) for kv in got if kv.key == key), None)
-            watch = await store.client.watch(key, start_revision=got.header.revision + 1)
-            try:
-                async for event in watch:
-                    yield decode(event.kv.value) if event.kind == "PUT" else None
-            finally:
-                with contextlib.suppress(Exception):
-                    await watch.cancel()
-        except (asyncio.CancelledError, GeneratorExit):
-            raise
-        except Exception as exc:  # etcd down or unreachable: the last value holds, retry
-            log.warning("following %s in etcd failed: %s; retrying", key.decode(), exc)
-        finally:
-            with contextlib.suppress(Exception):
-                await store.close()
-        await asyncio.sleep(RETRY_S)
 
 
 def _carry_over(old: TelemetryReporter, new: TelemetryReporter) -> None:

@@ -7,7 +7,6 @@ it within the lease TTL plus a reconcile; a killed leader hands over to the stan
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from tests.nodes import Omnid
 
 from .etcd import EtcdServer
 from .netlab import NetLab, unavailable_reason
+from .omnictl import omnictl_json
 
 DELAY_MS = 40.0
 TTL = 3  # nodes' and schedulers' leases, seconds
@@ -32,16 +32,10 @@ INTERVAL = 1.0  # the scheduler's reconcile period
 REPO = Path(__file__).resolve().parents[2]
 
 
-def omnictl(view: str, endpoint: str) -> dict:
-    argv = [sys.executable, "-m", "omni.ctl", "--json", "cluster", "--etcd", endpoint, view]
-    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=30, cwd=REPO)
-    return json.loads(out.stdout)
-
-
 def placed(endpoint: str) -> dict[str, set[str]]:
     """model -> the nodes it is placed on, as etcd holds it."""
     out: dict[str, set[str]] = {}
-    for p in omnictl("placements", endpoint)["placements"]:
+    for p in omnictl_json(endpoint, "placements")["placements"]:
         out.setdefault(p["model"], set()).add(p["node"])
     return out
 
@@ -131,7 +125,8 @@ def test_a_cluster_across_two_locations(lab, tmp_path):
     base = f"http://127.0.0.1:{edge_port}"
     try:
         scheduler("s1")
-        wait_until(lambda: omnictl("placements", endpoint).get("leader") == "s1", 30, "s1 leads")
+        leader = lambda: omnictl_json(endpoint, "placements").get("leader")  # noqa: E731
+        wait_until(lambda: leader() == "s1", 30, "s1 leads")
         scheduler("s2")  # the standby
         for node in lab.nodes:
             (tmp_path / node.name).mkdir()
@@ -177,7 +172,7 @@ def test_a_cluster_across_two_locations(lab, tmp_path):
         first = wait_until(settled, 60, "both models placed")
 
         def converged() -> bool:  # every placement reported ready by its node
-            rows = omnictl("placements", endpoint)["placements"]
+            rows = omnictl_json(endpoint, "placements")["placements"]
             return len(rows) == 3 and all(r["state"] == "ready" for r in rows)
 
         wait_until(converged, 90, "every node to report its placements ready")
@@ -194,7 +189,7 @@ def test_a_cluster_across_two_locations(lab, tmp_path):
         assert abs(across - DELAY_MS) <= 0.2 * DELAY_MS, matrix
         assert matrix["east"]["east"] * 1e3 < 0.2 * DELAY_MS, matrix
         assert matrix["west"]["west"] * 1e3 < 0.2 * DELAY_MS, matrix
-        view = omnictl("latency", endpoint)
+        view = omnictl_json(endpoint, "latency")
         assert view["matrix_ms"]["east"]["west"] == pytest.approx(across, rel=0.5)
 
         for name in ("west-only", "everywhere"):
@@ -221,9 +216,7 @@ def test_a_cluster_across_two_locations(lab, tmp_path):
         procs["s1"].send_signal(signal.SIGKILL)
         procs["s1"].wait()
         t0 = time.monotonic()
-        wait_until(
-            lambda: omnictl("placements", endpoint).get("leader") == "s2", 3 * TTL, "s2 leads"
-        )
+        wait_until(lambda: leader() == "s2", 3 * TTL, "s2 leads")
         assert time.monotonic() - t0 <= TTL + 2
         east = next(n for n in placed(endpoint)["everywhere"] if where[n] == "east")
         nodes[east].proc.send_signal(signal.SIGKILL)

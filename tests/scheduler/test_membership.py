@@ -3,7 +3,6 @@ stops routing to one within its lease TTL after it dies (at once when it stops c
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from tests.conftest import free_port, wait_until
 from tests.nodes import Omnid
 
 from .etcd import EtcdServer
+from .omnictl import omnictl_json
 
 TTL = 2
 
@@ -75,11 +75,6 @@ def edge_nodes(base: str) -> list[str]:
         )
     except httpx.TransportError:
         return []
-
-
-def omnictl(view: str, endpoint: str) -> str:
-    argv = [sys.executable, "-m", "omni.ctl", "--json", "cluster", "--etcd", endpoint, view]
-    return subprocess.run(argv, capture_output=True, text=True, check=True, timeout=30).stdout
 
 
 def complete(base: str) -> int:
@@ -170,12 +165,12 @@ def test_the_scheduler_places_a_model_and_replaces_it_when_its_node_dies(tmp_pat
     try:
         first = wait_until(running, 30, "the scheduler to place tiny")
         assert len(first) == 1
-        view = json.loads(omnictl("placements", endpoint))
+        view = omnictl_json(endpoint, "placements")
         assert view["leader"] == "s1"
         assert [(p["model"], p["node"], p["alive"]) for p in view["placements"]] == [
             ("tiny", first[0], True)
         ]
-        listed = json.loads(omnictl("nodes", endpoint))["nodes"]
+        listed = omnictl_json(endpoint, "nodes")["nodes"]
         assert sorted(n["id"] for n in listed) == ["n1", "n2"]
         wait_until(lambda: complete(base) == 200, 60, "tiny served through the edge")
         home = nodes[first[0]]

@@ -17,10 +17,10 @@ import httpx
 import orjson
 import pytest
 
-from omni.runtime.cluster import TELEMETRY, ClusterMember
+from omni.runtime.cluster import ClusterMember
 from scheduler.history import HistoryStore
 from scheduler.latency import read_rows
-from scheduler.state import ClusterStore
+from scheduler.state import TELEMETRY, ClusterStore
 from scheduler.telemetry import TelemetryServer
 from tests.checkpoints import tiny_llama
 from tests.conftest import wait_until

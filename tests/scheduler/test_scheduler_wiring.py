@@ -34,6 +34,7 @@ from scheduler.telemetry import (
 from tests.conftest import free_port, wait_until
 
 from .etcd import EtcdServer
+from .omnictl import omnictl
 
 REPO = Path(__file__).resolve().parents[2]
 TTL = 2  # seconds: the leadership lease
@@ -61,13 +62,6 @@ async def until(predicate, timeout_s: float, what: str):
 async def read_json(store: ClusterStore, key: bytes):
     kv = await store.client.get(key)
     return None if kv is None else orjson.loads(kv.value)
-
-
-def omnictl(endpoint: str, view: str, *flags: str) -> str:
-    argv = [sys.executable, "-m", "omni.ctl", *flags, "cluster", "--etcd", endpoint, view]
-    out = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=REPO)
-    assert out.returncode == 0, out.stderr
-    return out.stdout
 
 
 def test_the_leader_publishes_its_telemetry_target_and_a_standby_takes_it_over(etcd, tmp_path):
