@@ -219,21 +219,20 @@ class ClusterMember:
             await self.report_to(target)
 
     async def report_to(self, target: str) -> None:
-        """(Re)start the reporter on `target`, keeping the accumulator and what the
-        previous reporter had not had acknowledged."""
+        """(Re)start reporting to `target`: the same reporter, so the accumulator, what
+        was not acknowledged yet (resent first: the history ignores a report it has) and
+        the sequence numbers carry over to the new scheduler."""
         assert self.load is not None
-        old, task = self.reporter, self._reporting
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        if old is None and time.time() - self._load_since > MAX_INTERVAL_S:
-            self.load.take(time.time())  # too long for one report: a scheduler refuses it
-        self.target = target
-        self.reporter = TelemetryReporter(
-            self.load, target, self.node_id, interval_s=self.args.telemetry_interval
-        )
-        if old is not None:
-            _carry_over(old, self.reporter)
+        if self._reporting is not None:
+            self._reporting.cancel()
+            await asyncio.gather(self._reporting, return_exceptions=True)
+        if self.reporter is None:
+            if time.time() - self._load_since > MAX_INTERVAL_S:
+                self.load.take(time.time())  # too long for one report: a scheduler refuses it
+            self.reporter = TelemetryReporter(
+                self.load, target, self.node_id, interval_s=self.args.telemetry_interval
+            )
+        self.target = self.reporter.target = target
         self._reporting = asyncio.create_task(self.reporter.run(), name="telemetry")
         self._reporting.add_done_callback(_log_failure)
 
@@ -243,19 +242,6 @@ class ClusterMember:
         task = asyncio.create_task(coro, name=name)
         task.add_done_callback(_log_failure)
         self._tasks.append(task)
-
-
-def _carry_over(old: TelemetryReporter, new: TelemetryReporter) -> None:
-    """The old reporter's unacknowledged reports go to the new target first (a resend is
-    harmless: the history keys reports by node, model and start), and the sequence
-    numbers continue from the old one's."""
-    buffer = getattr(old, "_buffer", None)
-    if buffer:
-        new._buffer.extend(buffer)
-        while len(new._buffer) > new.max_buffered:
-            new._buffer.popleft()
-            new.dropped += 1
-    new.sent, new.acked, new.dropped = old.sent, old.acked, new.dropped + old.dropped
 
 
 def _log_failure(task: asyncio.Task) -> None:
