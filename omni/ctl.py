@@ -103,6 +103,7 @@ def instances(ctx: click.Context) -> None:
         "instances",
         [
             "name",
+            "version",
             "state",
             "residency",
             "gpu",
@@ -282,6 +283,7 @@ def cluster_placements(ctx: click.Context) -> None:
                     "alive": node_id in nodes,
                     "state": observed.get(key, {}).get("state"),  # what the node reports
                     "replica": spec.get("replica"),
+                    "version": spec.get("version"),
                     "gpu": spec.get("gpu"),
                     "quota_mib": _mib(quota) if isinstance(quota, int) else None,
                     "path": spec.get("path"),
@@ -292,7 +294,9 @@ def cluster_placements(ctx: click.Context) -> None:
     data = _cluster_read(ctx, read)
     if not ctx.obj["json"]:
         click.echo(f"leader: {data['leader'] or 'none'}")
-    columns = ["model", "node", "alive", "state", "replica", "gpu", "quota_mib", "path"]
+    columns = [
+        "model", "node", "alive", "state", "replica", "version", "gpu", "quota_mib", "path"
+    ]  # fmt: skip
     _emit(ctx, data, "placements", columns)
 
 
@@ -412,6 +416,145 @@ def cluster_forecast(ctx: click.Context) -> None:
             row["age"] = _ago(row.get("at"))
     columns = ["model", "replicas", "placed", "min", "max", "reason", "demand", "predicted"]
     _emit(ctx, data, "models", [*columns, "age"])
+
+
+@cluster.group("rollout")
+def rollout() -> None:
+    """Gradual rollouts of a model's new version: start one, abort one, watch them."""
+
+
+def _steps(_ctx, _param, value: str) -> list[float]:
+    try:
+        return [float(s) for s in value.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: percentages separated by commas") from None
+
+
+@rollout.command("start")
+@click.argument("model")
+@click.argument("version")
+@click.argument("path")
+@click.option(
+    "--steps", default="10,50,100", show_default=True, callback=_steps,
+    help="Percent of replicas on the new version at each stage, ending at 100.",
+)  # fmt: skip
+@click.option("--step-time", default=300.0, show_default=True, help="Seconds per stage, at least.")
+@click.option(
+    "--min-requests", default=100, show_default=True,
+    help="Requests the new version serves before it is judged and a stage may end.",
+)  # fmt: skip
+@click.option(
+    "--tolerance", default=0.01, show_default=True,
+    help="How far its error rate may exceed the old version's before it is rolled back.",
+)  # fmt: skip
+@click.option(
+    "--max-restarts", default=2, show_default=True,
+    help="Restarts of a new-version instance that roll it back.",
+)  # fmt: skip
+@click.pass_context
+def rollout_start(
+    ctx: click.Context, model: str, version: str, path: str, steps: list[float], **options
+) -> None:
+    """Roll MODEL out to VERSION, whose checkpoint is at PATH on the nodes. The scheduler's
+    leader moves it stage by stage and rolls it back on its own when it errs more than the
+    version it replaces (`omnictl cluster rollout status`)."""
+    import uuid
+
+    from scheduler.rollout import ROLLOUTS, RolloutRequest
+
+    try:
+        req = RolloutRequest(
+            id=uuid.uuid4().hex[:12],
+            version=version,
+            path=path,
+            steps=tuple(steps),
+            step_s=options["step_time"],
+            min_requests=options["min_requests"],
+            tolerance=options["tolerance"],
+            max_restarts=options["max_restarts"],
+        )
+        req.check()
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+
+    async def write(store) -> dict:
+        import orjson
+
+        placed = [k for k in await store.placements() if k.split("/", 1)[1] == model]
+        await store.client.put(ROLLOUTS + model.encode(), orjson.dumps(req.to_json()))
+        return {"rollout": req.to_json(), "placed": len(placed)}
+
+    data = _cluster_read(ctx, write)
+    if ctx.obj["json"]:
+        click.echo(json.dumps(data, indent=2))
+        return
+    click.echo(f"rollout {req.id}: {model} to {version} in steps {steps}")
+    if not data["placed"]:
+        click.echo(f"warning: {model} is placed on no node now", err=True)
+
+
+@rollout.command("abort")
+@click.argument("model")
+@click.pass_context
+def rollout_abort(ctx: click.Context, model: str) -> None:
+    """Roll MODEL's rollout in progress back to the version it replaces."""
+    from scheduler.rollout import ROLLOUTS
+
+    async def write(store) -> dict:
+        import orjson
+
+        kv = await store.client.get(ROLLOUTS + model.encode())
+        if kv is None:
+            return {"aborted": None}
+        value = {**orjson.loads(kv.value), "abort": True}
+        await store.client.put(ROLLOUTS + model.encode(), orjson.dumps(value))
+        return {"aborted": value.get("id")}
+
+    data = _cluster_read(ctx, write)
+    if data["aborted"] is None:
+        raise click.ClickException(f"no rollout of {model}")
+    click.echo(json.dumps(data) if ctx.obj["json"] else f"rollout {data['aborted']}: aborting")
+
+
+@rollout.command("status")
+@click.pass_context
+def rollout_status(ctx: click.Context) -> None:
+    """Each model's latest rollout as the leader carries it out: state (rolling, done,
+    rolled-back, refused), stage, share of replicas, and the two versions' error rates."""
+
+    async def read(store) -> dict:
+        from scheduler.rollout import ROLLOUT_STATUS, ROLLOUTS
+
+        asked = await store.get_prefix(ROLLOUTS)
+        statuses = await store.get_prefix(ROLLOUT_STATUS)
+        rows = []
+        for model in sorted(asked.keys() | statuses.keys()):
+            req, st = asked.get(model, {}), statuses.get(model, {})
+            if st.get("id") != req.get("id"):
+                st = {"state": "pending"}  # the leader has not taken it up yet
+            rows.append(
+                {
+                    "model": model,
+                    "id": req.get("id"),
+                    "version": req.get("version"),
+                    "from": (st.get("previous") or {}).get("version"),
+                    "state": st.get("state"),
+                    "percent": st.get("percent"),
+                    "new": st.get("new"),
+                    "old": st.get("old"),
+                    "reason": st.get("reason"),
+                }
+            )
+        return {"rollouts": rows}
+
+    data = _cluster_read(ctx, read)
+    if not ctx.obj["json"]:
+        for row in data["rollouts"]:
+            for side in ("new", "old"):
+                c = row[side]
+                row[side] = c and f"{c['errors']}/{c['requests']}"
+    columns = ["model", "version", "from", "state", "percent", "new", "old", "reason"]
+    _emit(ctx, data, "rollouts", columns)
 
 
 def _fmt_num(value: float | None) -> str | None:

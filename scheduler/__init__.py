@@ -6,3 +6,10 @@ leader that places the models (placement.py) at the replicas its autoscaler asks
 (autoscale.py, forecast.py), from the load the nodes stream to it (telemetry.py, kept in
 history.py), and publishes the latency map of the nodes' round-trip probes (latency.py).
 """
+
+import os
+
+# gRPC (aetcd's transport and the telemetry stream) registers fork handlers that may crash
+# a child forked while gRPC's threads are busy (SIGSEGV before it execs): omnid forks every
+# model instance while it streams telemetry. Children here only exec, so they need none.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")

@@ -148,8 +148,8 @@ def main(argv: list[str] | None = None) -> None:
         "--models",
         type=Path,
         default=env("OMNI_SCHEDULER_MODELS"),
-        help="TOML: [[models]] name, path, quota, replicas (the minimum), max_replicas, "
-        "constraints",
+        help="TOML: [[models]] name, path, version, quota, replicas (the minimum), "
+        "max_replicas, constraints",
     )
     parser.add_argument("--name", default=env("OMNI_SCHEDULER_NAME") or socket.gethostname())
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between rounds")

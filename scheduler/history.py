@@ -71,7 +71,7 @@ _MODEL_COLS = (
     "completion_tokens",
 )
 _GAUGES = 4
-_NUMBERS = [f.name for f in fields(ModelFigures) if f.name != "version"]
+_NUMBERS = [f.name for f in fields(ModelFigures) if f.name not in ("version", "by_version")]
 
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -83,6 +83,11 @@ CREATE TABLE IF NOT EXISTS node_load (
     PRIMARY KEY (node, model, start)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS node_load_start ON node_load (start);
+CREATE TABLE IF NOT EXISTS version_load (
+    model TEXT NOT NULL, start REAL NOT NULL, node TEXT NOT NULL, version TEXT NOT NULL,
+    requests INTEGER NOT NULL, errors INTEGER NOT NULL,
+    PRIMARY KEY (model, start, node, version)
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS model_load (
     model TEXT NOT NULL, k INTEGER NOT NULL,
     {", ".join(f"{c} REAL NOT NULL" for c in _MODEL_COLS)},
@@ -112,10 +117,12 @@ SELECT name FROM m WHERE name IS NOT NULL
 class HistoryStore:
     """The cluster's load history in one sqlite file; it survives scheduler restarts.
 
-    Two tables:
+    Three tables:
     - node_load: every report as sent, one row per (node, model, interval start), kept
       `node_retention_s` (default a day). Its key makes a resent report a no-op, so
       storing is idempotent; per-node figures are there for inspection.
+    - version_load: the same reports' requests and errors split by the model version
+      that served them, kept as long: what rollouts are judged on.
     - model_load: per model and resolution interval (10 s), summed over nodes as reports
       arrive (a late one still lands in its interval), kept `retention_s`. This is what
       the autoscaler reads: its forecast needs a week and a day of history for every
@@ -197,8 +204,11 @@ class HistoryStore:
             raise ValueError(f"interval of {report.interval_s} s")
         for model, f in report.models.items():
             numbers = [getattr(f, name) for name in _NUMBERS]
+            numbers += [x for counts in f.by_version.values() for x in counts]
             if not model or not all(math.isfinite(x) and 0 <= x < 2**62 for x in numbers):
                 raise ValueError(f"model {model!r}: figures out of range")
+            if any(len(v) > 256 for v in f.by_version):
+                raise ValueError(f"model {model!r}: version label over 256 characters")
         now = self.clock()
         if report.start < now - min(self.node_retention_s, self.retention_s):
             return 0
@@ -219,6 +229,13 @@ class HistoryStore:
                 if cur.rowcount == 0:
                     continue  # a resend: stored already
                 new += 1
+                self._db.executemany(
+                    "INSERT OR IGNORE INTO version_load VALUES (?, ?, ?, ?, ?, ?)",
+                    [
+                        (model, report.start, node_id, version, int(req), int(err))
+                        for version, (req, err) in f.by_version.items()
+                    ],
+                )
                 counters = (
                     f.wall_s, f.queue_s, f.queued, f.requests, f.errors,
                     f.out_of_capacity, f.prompt_tokens, f.completion_tokens,
@@ -243,6 +260,11 @@ class HistoryStore:
     def _prune(self, now: float) -> None:
         self._next_prune = now + self.prune_every_s
         self._db.execute("DELETE FROM node_load WHERE start < ?", (now - self.node_retention_s,))
+        for (model,) in self._db.execute(_MODELS).fetchall():
+            self._db.execute(
+                "DELETE FROM version_load WHERE model = ? AND start < ?",
+                (model, now - self.node_retention_s),
+            )
         oldest = self._index(now - self.retention_s)
         for (model,) in self._db.execute(_MODELS).fetchall():
             self._db.execute("DELETE FROM model_load WHERE model = ? AND k < ?", (model, oldest))
@@ -251,6 +273,18 @@ class HistoryStore:
         """Models with any history, sorted."""
         with self._lock:
             return [m for (m,) in self._db.execute(_MODELS)]
+
+    def version_counts(self, model: str, since: float) -> dict[str, tuple[int, int]]:
+        """Admitted requests and errors per version of `model` in the reports starting
+        at or after `since` (kept as long as the node reports): what a rollout is judged
+        on."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT version, SUM(requests), SUM(errors) FROM version_load "
+                "WHERE model = ? AND start >= ? GROUP BY version",
+                (model, since),
+            ).fetchall()
+        return {version: (int(req), int(err)) for version, req, err in rows}
 
     def series(
         self, model: str, since: float, until: float, step: float | None = None

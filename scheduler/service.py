@@ -42,6 +42,21 @@ from .autoscale import AutoscaleConfig, Autoscaler, Decision
 from .history import HistoryStore, demand_buckets, telemetry_series
 from .latency import build_map, publish_map
 from .placement import Gpu, ModelSpec, Node, Placement, PlacementResult, Unplaced, place
+from .rollout import (
+    BASELINE_S,
+    ROLLING,
+    ROLLOUT_STATUS,
+    ROLLOUTS,
+    Counts,
+    Observed,
+    RolloutRequest,
+    Version,
+    advance,
+    begin,
+    new_replicas,
+    stable,
+    versions,
+)
 from .state import LEADER, NODES, PREFIX, TELEMETRY, ClusterStore, Election
 
 log = logging.getLogger(__name__)
@@ -62,10 +77,16 @@ class WantedModel:
     path: str
     permits: int | None = None
     max_replicas: int | None = None
+    version: str = "1"
 
-    def node_spec(self) -> dict:
+    @property
+    def base_version(self) -> Version:
+        """The version the models file names: what runs before any rollout."""
+        return Version(self.version, self.path)
+
+    def node_spec(self, version: Version) -> dict:
         """What a node is told to run (omnid's catalog keys)."""
-        out: dict = {"path": self.path}
+        out: dict = {"path": version.path, "version": version.name}
         if self.permits:
             out["permits"] = self.permits
         return out
@@ -79,8 +100,8 @@ class WantedModel:
 
 
 def load_models(path: Path) -> list[WantedModel]:
-    """[[models]] tables: name, path, quota, replicas (the minimum), max_replicas, and the
-    placement constraints."""
+    """[[models]] tables: name, path, version (a label, default "1"), quota, replicas (the
+    minimum), max_replicas, and the placement constraints."""
     with path.open("rb") as f:
         data = tomllib.load(f)
     out = []
@@ -102,7 +123,10 @@ def load_models(path: Path) -> list[WantedModel]:
                 high = int(high)
                 if high < spec.replicas:
                     raise ValueError(f"max_replicas {high} is below replicas {spec.replicas}")
-            out.append(WantedModel(spec, str(m["path"]), m.get("permits"), high))
+            version = str(m.get("version", "1"))
+            if not version:
+                raise ValueError("version must not be empty")
+            out.append(WantedModel(spec, str(m["path"]), m.get("permits"), high, version))
         except KeyError as exc:
             raise ValueError(f"{where}: missing {exc.args[0]!r}") from None
         except (TypeError, ValueError) as exc:
@@ -225,6 +249,7 @@ class Scheduler:
         self._fed: dict[str, float] = {}  # model -> history fed to its autoscaler up to
         self._in_office = False  # this term's start (telemetry key, preload) is done
         self._unplaced: set[tuple[str, int]] = set()  # warned about already
+        self._bad_rollouts: dict[str, dict] = {}  # malformed requests, warned about already
         self._wake = asyncio.Event()
 
     async def run(self) -> None:
@@ -318,9 +343,10 @@ class Scheduler:
                     scaler.observe(report)
                 self._fed[name] = until
             decision = scaler.decide()
-            if decision.replicas != int(decision.replicas):
+            if not isinstance(decision.replicas, int):
                 # History's replicas are time averages (a node that joined mid-interval
-                # counts for part of it): "one more than were ready" can be fractional.
+                # counts for part of it): "one more than were ready" can be fractional,
+                # and even a whole one is a float that placement cannot count with.
                 scaler.replicas = math.ceil(decision.replicas - 1e-9)
                 decision = dataclasses.replace(decision, replicas=scaler.replicas)
             self.decisions[name] = decision
@@ -353,6 +379,57 @@ class Scheduler:
             }
         await self.store.client.put(AUTOSCALE, orjson.dumps(value))
 
+    async def _roll(self, replica_ids: dict[str, list[int]]) -> dict[str, dict]:
+        """Carry the rollouts on by a round (rollout.py): each model's rollout status after
+        it, written back where it changed."""
+        asked = await self.store.get_prefix(ROLLOUTS)
+        statuses = await self.store.get_prefix(ROLLOUT_STATUS)
+        observed = await self.store.observed() if asked else {}
+        now = self.clock()
+        for name, value in asked.items():
+            model = self.models.get(name)
+            if model is None:
+                continue
+            try:
+                req = RolloutRequest.from_json(value)
+            except ValueError as exc:
+                if self._bad_rollouts.get(name) != value:
+                    log.warning("rollout of %s ignored: %s", name, exc)
+                    self._bad_rollouts[name] = value
+                continue
+            status = statuses.get(name)
+            if status is None or status.get("id") != req.id:
+                after = begin(req, stable(status, model.base_version), now)
+                log.info("rollout of %s to %s: %s", name, req.version, after["reason"])
+            elif status.get("state") == ROLLING:
+                new, old = await self._version_counts(name, status)
+                wanted_new = new_replicas(len(replica_ids.get(name, [])), status["percent"])
+                after = advance(
+                    req, status, new, old, _observed(observed, name, req.version), wanted_new, now
+                )
+                if after["state"] != ROLLING or after["stage"] != status["stage"]:
+                    log.info("rollout of %s to %s: %s", name, req.version, after["reason"])
+            else:
+                continue
+            if after != status:
+                await self.store.client.put(ROLLOUT_STATUS + name.encode(), orjson.dumps(after))
+                statuses[name] = after
+        return statuses
+
+    async def _version_counts(
+        self, model: str, status: dict
+    ) -> tuple[Counts | None, Counts | None]:
+        """The new version's requests and errors since the rollout started, and the old
+        one's since BASELINE_S before; None for both without a history."""
+        if self.history is None:
+            return None, None
+        started = status["started"]
+        since = await asyncio.to_thread(self.history.version_counts, model, started)
+        before = await asyncio.to_thread(self.history.version_counts, model, started - BASELINE_S)
+        new = Counts(*since.get(status["version"], (0, 0)))
+        old = Counts(*before.get(status["previous"]["version"], (0, 0)))
+        return new, old
+
     async def reconcile(self) -> None:
         """One round: scale, place the wanted models on the live nodes and write what
         changed, publish the decisions and the latency map."""
@@ -373,11 +450,20 @@ class Scheduler:
         nodes = cluster_nodes(records)
         result = place(nodes, specs, current)
         placements, misses = one_per_node(nodes, specs, result, current)
+        replica_ids: dict[str, list[int]] = defaultdict(list)
+        for p in placements:
+            replica_ids[p.model].append(p.replica)
+        rollouts = await self._roll(replica_ids)
+        version_of = {
+            name: versions(ids, rollouts.get(name), self.models[name].base_version)
+            for name, ids in replica_ids.items()
+        }
         wanted = {}
         for p in placements:
-            spec = {**self.models[p.model].node_spec(), "replica": p.replica}
+            model = self.models[p.model]
+            spec = {**model.node_spec(version_of[p.model][p.replica]), "replica": p.replica}
             if p.gpu >= 0:
-                spec.update(gpu=p.gpu, quota=self.models[p.model].spec.quota_bytes)
+                spec.update(gpu=p.gpu, quota=model.spec.quota_bytes)
             wanted[f"{p.node}/{p.model}"] = spec
         for key, spec in wanted.items():
             if written.get(key) != spec:
@@ -396,3 +482,17 @@ class Scheduler:
         if self.decisions:
             await self._publish_decisions()
         await publish_map(self.store, await build_map(self.store))
+
+
+def _observed(observed: dict[str, dict], model: str, version: str) -> Observed:
+    """The nodes' reports on `model`'s instances of `version`: how many are ready, and the
+    most restarts of one (and where)."""
+    ready, restarts, where = 0, 0, ""
+    for key, state in observed.items():
+        node, name = key.split("/", 1)
+        if name != model or state.get("version") != version:
+            continue
+        ready += state.get("state") == "ready"
+        if int(state.get("restarts") or 0) > restarts:
+            restarts, where = int(state["restarts"]), node
+    return Observed(ready, restarts, where)

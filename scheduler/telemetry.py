@@ -95,6 +95,8 @@ class ModelFigures:
     permits_free: int = 0
     replicas: int = 0
     version: str = ""
+    # version -> [requests, errors]: what each version served (rollouts are judged on it)
+    by_version: dict[str, list[int]] = field(default_factory=dict)
 
     def to_proto(self, model: str) -> Any:
         def n(x: int) -> int:
@@ -114,6 +116,10 @@ class ModelFigures:
             completion_tokens=n(self.completion_tokens),
             version=self.version,
             replicas=n(self.replicas),
+            versions=[
+                pb.VersionLoad(version=v, requests=n(r), errors=n(e))
+                for v, (r, e) in sorted(self.by_version.items())
+            ],
         )
 
     @classmethod
@@ -131,6 +137,7 @@ class ModelFigures:
             permits_free=m.permits_free,
             replicas=m.replicas,
             version=m.version,
+            by_version={v.version: [v.requests, v.errors] for v in m.versions},
         )
 
 
@@ -201,6 +208,10 @@ class LoadAccumulator:
             else:
                 f.requests += 1
                 f.errors += status >= 400
+                if version:
+                    counts = f.by_version.setdefault(version, [0, 0])
+                    counts[0] += 1
+                    counts[1] += status >= 400
             if version:
                 self._versions[model] = version
 

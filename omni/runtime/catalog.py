@@ -66,6 +66,7 @@ class ModelEntry:
     limits: Limits = DEFAULT_LIMITS
     placement: Placement = Placement()
     runtime: str = "omni"
+    version: str = ""  # the rollout version a scheduler placed (telemetry is tagged with it)
 
     @classmethod
     def from_path(
@@ -75,6 +76,7 @@ class ModelEntry:
         origin: str,
         limits: Limits = DEFAULT_LIMITS,
         placement: Placement = Placement(),
+        version: str = "",
     ) -> ModelEntry:
         """Validate the name and the checkpoint now, so a bad entry never reaches an instance."""
         if not isinstance(name, str) or not NAME_RE.match(name):
@@ -82,7 +84,7 @@ class ModelEntry:
                 f"model name {name!r} is invalid: use 1-64 letters, digits, '.', '_' or '-'"
             )
         ckpt = Checkpoint.open(Path(path).resolve())  # CheckpointError names the file
-        return cls(name, ckpt.path, ckpt.kind, origin, limits, placement)
+        return cls(name, ckpt.path, ckpt.kind, origin, limits, placement, version=version)
 
     def to_json(self) -> dict:
         return {
@@ -98,6 +100,7 @@ class ModelEntry:
             "quota_bytes": self.placement.quota_bytes,
             "permits": self.placement.permits,
             "cold": self.placement.cold,
+            "version": self.version,
         }
 
 

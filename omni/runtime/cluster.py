@@ -22,6 +22,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omni.api.errors import ApiError
@@ -148,7 +149,9 @@ class ClusterMember:
 
     async def _apply(self, model: str, spec: dict | None) -> None:
         """Run what the scheduler places on this node (origin "cluster"), and stop what it
-        takes away; models of the local config or the admin API are left alone."""
+        takes away; models of the local config or the admin API are left alone. A placed
+        model whose checkpoint or version changes (a rollout, or its rollback) is stopped
+        and started again from the new one."""
         node = self.node
         inst = node.instances.get(model)
         if spec is None:
@@ -156,14 +159,25 @@ class ClusterMember:
                 await node.remove(model)
                 log.info("unplaced %s", model)
             return
-        if inst is not None:
+        if inst is not None and (inst.entry.origin != "cluster" or _runs(inst.entry, spec)):
             return
         try:
             entry = await asyncio.to_thread(self.make_entry, model, spec)
-            node.add(entry)
-            log.info("placed %s from %s", model, entry.path)
         except (CatalogError, CheckpointError, ApiError, ValueError) as exc:
             log.error("cannot run placed model %s: %s", model, getattr(exc, "message", exc))
+            return
+        if inst is not None:
+            if (inst.entry.path, inst.entry.version) == (entry.path, entry.version):
+                return
+            log.info(
+                "%s: version %s -> %s (%s)", model, inst.entry.version, entry.version, entry.path
+            )
+            await node.remove(model)
+        try:
+            node.add(entry)
+            log.info("placed %s %s from %s", model, entry.version, entry.path)
+        except ApiError as exc:
+            log.error("cannot run placed model %s: %s", model, exc.message)
 
     async def _report_observed(self) -> None:
         """What runs here, as it changes: each instance's state (starting, ready, failed,
@@ -180,6 +194,7 @@ class ClusterMember:
                     "residency": inst.tenant.state.value if inst.tenant else None,
                     "origin": inst.entry.origin,
                     "restarts": inst.restarts,
+                    "version": inst.entry.version,
                 }
                 for name, inst in self.node.instances.items()
             }
@@ -242,6 +257,16 @@ class ClusterMember:
         task = asyncio.create_task(coro, name=name)
         task.add_done_callback(_log_failure)
         self._tasks.append(task)
+
+
+def _runs(entry: ModelEntry, spec: dict) -> bool:
+    """Whether `entry` is what the placement `spec` names (checkpoint and version)."""
+    path = spec.get("path")
+    return (
+        isinstance(path, str)
+        and entry.version == spec.get("version", "")
+        and entry.path == Path(path).resolve()
+    )
 
 
 def _log_failure(task: asyncio.Task) -> None:

@@ -178,6 +178,8 @@ class Instance:
             "gpu": self.entry.placement.gpu,
             "permits": self.entry.placement.permits,
             "in_flight": self.in_flight,
+            "version": self.entry.version or None,
+            "path": str(self.entry.path),
             **(self.tenant.to_json() if self.tenant else {}),
         }
 

@@ -309,7 +309,7 @@ class CatalogStore:
         self._write(data)
 
 
-SPEC_KEYS = {"path", "gpu", "quota", "permits", "cold", "memory", "cpus", "pids"}
+SPEC_KEYS = {"path", "gpu", "quota", "permits", "cold", "memory", "cpus", "pids", "version"}
 
 
 def entry_from_spec(name, spec: dict, origin: str = "admin") -> ModelEntry:
@@ -320,9 +320,12 @@ def entry_from_spec(name, spec: dict, origin: str = "admin") -> ModelEntry:
     path = spec.get("path")
     if not isinstance(path, str) or not path:
         raise CatalogError("'path' is required")
+    version = spec.get("version", "")
+    if not isinstance(version, str) or len(version) > 64:
+        raise CatalogError("'version' must be a string of at most 64 characters")
     limits = limits_from(spec, "model")
     placement = placement_from(spec, "model", None)
-    return ModelEntry.from_path(name, path, origin, limits, placement)
+    return ModelEntry.from_path(name, path, origin, limits, placement, version)
 
 
 def node_record(args: argparse.Namespace, config: NodeConfig) -> dict:
@@ -421,6 +424,7 @@ def inference_app(node: Node) -> web.Application:
                     prompt_tokens=prompt,
                     completion_tokens=completion,
                     status=status,
+                    version=request.get("omni_version", ""),
                 )
 
     async def route(request: web.Request) -> web.StreamResponse:
@@ -429,6 +433,7 @@ def inference_app(node: Node) -> web.Application:
         req = parse_request(schema, body)
         inst = node.get(req.model)
         request["omni_model"] = req.model
+        request["omni_version"] = inst.entry.version
         if inst.entry.kind != kind:
             raise ApiError(
                 400,
