@@ -48,8 +48,11 @@ access = logging.getLogger("omni-edge.access")  # one JSON line per request; nev
 
 DEFAULT_MAX_BODY = 4 << 20
 # Set by the edge itself (from the caller's credentials), never taken from a client.
-TRUSTED_HEADERS = frozenset({"x-omni-tenant"})
+TRUSTED_HEADERS = frozenset({"x-omni-tenant", "x-omni-origin"})
+# x-omni-origin: this edge's location, so nodes count where their demand comes from and
+# the scheduler places replicas near it.
 INFERENCE_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+FORWARDED = TRUSTED_HEADERS | {"traceparent"}  # set by the edge on every relayed request
 AFFINITY_HEADER = "x-session-affinity"
 ASYNC_HEADER = "x-omni-async"
 SESSION = web.AppKey("session", aiohttp.ClientSession)
@@ -316,9 +319,10 @@ def edge_app(
             path=request.path_qs,
             body=body,
             headers={
-                **relay_headers(request.headers, TRUSTED_HEADERS | {"traceparent"}),
+                **relay_headers(request.headers, FORWARDED),
                 "x-omni-tenant": tenant.name,
                 "traceparent": trace_header(request.headers.get("traceparent")),
+                **({"x-omni-origin": location} if location else {}),
             },
             cost=cost,
             deadline=deadline,
@@ -338,8 +342,8 @@ def edge_app(
                 node.url + call.path,
                 body,
                 upstream_name="omnid",
-                drop_headers=TRUSTED_HEADERS | {"traceparent"},
-                extra_headers={k: call.headers[k] for k in ("x-omni-tenant", "traceparent")},
+                drop_headers=FORWARDED,
+                extra_headers={k: v for k, v in call.headers.items() if k in FORWARDED},
                 on_usage=on_usage,
                 on_upstream_done=on_done,
             )

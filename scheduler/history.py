@@ -71,7 +71,9 @@ _MODEL_COLS = (
     "completion_tokens",
 )
 _GAUGES = 4
-_NUMBERS = [f.name for f in fields(ModelFigures) if f.name not in ("version", "by_version")]
+_NUMBERS = [
+    f.name for f in fields(ModelFigures) if f.name not in ("version", "by_version", "origins")
+]
 
 _SCHEMA = f"""
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -87,6 +89,11 @@ CREATE TABLE IF NOT EXISTS version_load (
     model TEXT NOT NULL, start REAL NOT NULL, node TEXT NOT NULL, version TEXT NOT NULL,
     requests INTEGER NOT NULL, errors INTEGER NOT NULL,
     PRIMARY KEY (model, start, node, version)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS origin_load (
+    model TEXT NOT NULL, start REAL NOT NULL, node TEXT NOT NULL, origin TEXT NOT NULL,
+    requests INTEGER NOT NULL,
+    PRIMARY KEY (model, start, node, origin)
 ) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS model_load (
     model TEXT NOT NULL, k INTEGER NOT NULL,
@@ -117,12 +124,14 @@ SELECT name FROM m WHERE name IS NOT NULL
 class HistoryStore:
     """The cluster's load history in one sqlite file; it survives scheduler restarts.
 
-    Three tables:
+    Four tables:
     - node_load: every report as sent, one row per (node, model, interval start), kept
       `node_retention_s` (default a day). Its key makes a resent report a no-op, so
       storing is idempotent; per-node figures are there for inspection.
     - version_load: the same reports' requests and errors split by the model version
       that served them, kept as long: what rollouts are judged on.
+    - origin_load: their requests split by the location of the edge they came through,
+      kept as long: where placement puts replicas.
     - model_load: per model and resolution interval (10 s), summed over nodes as reports
       arrive (a late one still lands in its interval), kept `retention_s`. This is what
       the autoscaler reads: its forecast needs a week and a day of history for every
@@ -205,10 +214,11 @@ class HistoryStore:
         for model, f in report.models.items():
             numbers = [getattr(f, name) for name in _NUMBERS]
             numbers += [x for counts in f.by_version.values() for x in counts]
+            numbers += list(f.origins.values())
             if not model or not all(math.isfinite(x) and 0 <= x < 2**62 for x in numbers):
                 raise ValueError(f"model {model!r}: figures out of range")
-            if any(len(v) > 256 for v in f.by_version):
-                raise ValueError(f"model {model!r}: version label over 256 characters")
+            if any(len(label) > 256 for label in [*f.by_version, *f.origins]):
+                raise ValueError(f"model {model!r}: version or origin over 256 characters")
         now = self.clock()
         if report.start < now - min(self.node_retention_s, self.retention_s):
             return 0
@@ -236,6 +246,13 @@ class HistoryStore:
                         for version, (req, err) in f.by_version.items()
                     ],
                 )
+                self._db.executemany(
+                    "INSERT OR IGNORE INTO origin_load VALUES (?, ?, ?, ?, ?)",
+                    [
+                        (model, report.start, node_id, origin, int(req))
+                        for origin, req in f.origins.items()
+                    ],
+                )
                 counters = (
                     f.wall_s, f.queue_s, f.queued, f.requests, f.errors,
                     f.out_of_capacity, f.prompt_tokens, f.completion_tokens,
@@ -261,10 +278,11 @@ class HistoryStore:
         self._next_prune = now + self.prune_every_s
         self._db.execute("DELETE FROM node_load WHERE start < ?", (now - self.node_retention_s,))
         for (model,) in self._db.execute(_MODELS).fetchall():
-            self._db.execute(
-                "DELETE FROM version_load WHERE model = ? AND start < ?",
-                (model, now - self.node_retention_s),
-            )
+            for table in ("version_load", "origin_load"):
+                self._db.execute(
+                    f"DELETE FROM {table} WHERE model = ? AND start < ?",
+                    (model, now - self.node_retention_s),
+                )
         oldest = self._index(now - self.retention_s)
         for (model,) in self._db.execute(_MODELS).fetchall():
             self._db.execute("DELETE FROM model_load WHERE model = ? AND k < ?", (model, oldest))
@@ -285,6 +303,17 @@ class HistoryStore:
                 (model, since),
             ).fetchall()
         return {version: (int(req), int(err)) for version, req, err in rows}
+
+    def demand_by_origin(self, model: str, since: float) -> dict[str, int]:
+        """Requests for `model` by the location of the edge they came through, in the
+        reports starting at or after `since`: where placement should put its replicas."""
+        with self._lock:
+            rows = self._db.execute(
+                "SELECT origin, SUM(requests) FROM origin_load "
+                "WHERE model = ? AND start >= ? GROUP BY origin",
+                (model, since),
+            ).fetchall()
+        return {origin: int(n) for origin, n in rows}
 
     def series(
         self, model: str, since: float, until: float, step: float | None = None

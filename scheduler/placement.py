@@ -55,7 +55,9 @@ class Node:
 @dataclass(slots=True)
 class ModelSpec:
     """What a model wants. Empty `gpu_kinds` / `allowed_locations` mean any; `spread` is the
-    number of distinct locations its replicas should cover when the cluster allows it."""
+    number of distinct locations its replicas should cover when the cluster allows it;
+    `demand` weighs locations by the demand nearest them: new replicas go where the most
+    demand is short of replicas (a share of them in proportion), room allowing."""
 
     name: str
     quota_bytes: int
@@ -65,6 +67,7 @@ class ModelSpec:
     allowed_locations: frozenset[str] = frozenset()
     denied_locations: frozenset[str] = frozenset()
     spread: int = 1
+    demand: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.gpu_kinds = frozenset(self.gpu_kinds)
@@ -74,6 +77,8 @@ class ModelSpec:
             raise ValueError(f"{self.name}: quota_bytes must be positive")
         if self.replicas < 0 or self.spread < 1:
             raise ValueError(f"{self.name}: replicas must be >= 0 and spread >= 1")
+        if any(not (w >= 0 and math.isfinite(w)) for w in self.demand.values()):
+            raise ValueError(f"{self.name}: demand weights must be finite and >= 0")
 
     def matches(self, gpu: Gpu, location: str) -> bool:
         """The hardware profile and location rules, not the budget."""
@@ -300,7 +305,13 @@ class _Packer:
             pools, inst, locs = self.eligible[name], self.inst[name], self.locs[name]
             for _ in range(missing):
                 g = -1
-                if len(locs) < self.spread[name]:
+                short = len(locs) < self.spread[name]
+                for loc in self._wanted_locations(spec, locs):
+                    if not (short and loc in locs):
+                        g = self._find(pools, spec.quota_bytes, inst, _AllBut(loc), True)
+                        if g >= 0:
+                            break
+                if g < 0 and short:
                     g = self._find(pools, spec.quota_bytes, inst, locs, True)
                 if g < 0:
                     g = self._find(pools, spec.quota_bytes, inst, None, True)
@@ -309,6 +320,15 @@ class _Packer:
                     continue
                 self._add(name, spec.quota_bytes, g)
                 inst[g] = -1
+
+    @staticmethod
+    def _wanted_locations(spec: ModelSpec, locs: Counter[str]) -> list[str]:
+        """The locations with demand, the one most short of its share of the replicas
+        first."""
+        short = {
+            loc: _share(spec, loc) - locs.get(loc, 0) for loc, w in spec.demand.items() if w > 0
+        }
+        return sorted(short, key=lambda loc: (-short[loc], loc))
 
     def restore_spread(self) -> None:
         """Move replicas kept from `current` into locations a model lacks, where one now has
@@ -436,9 +456,11 @@ class _Packer:
             done = []
             for name in names:
                 locs, here = self.locs[name], self.loc[g]
-                avoid = None
+                avoid: Container[str] | None = None
                 if locs[here] == 1 and len(locs) <= self.spread[name]:
                     avoid = {loc for loc in locs if loc != here}
+                if locs[here] - 1 < _share(self.specs[name], here):
+                    avoid = _AllBut(here)  # its demand there would be short of replicas
                 quota, inst = self.specs[name].quota_bytes, self.inst[name]
                 dst = self._find(self.eligible[name], quota, inst, avoid, False)
                 if dst < 0:
@@ -526,6 +548,24 @@ class _Packer:
             rest = _fewest(self.pools, left, total - cap_s)[0]
             best = max(best, b_s + rest)
         return max(best, most_replicas)
+
+
+def _share(spec: ModelSpec, location: str) -> float:
+    """The replicas a location's demand calls for: replicas x its weight / all the weight."""
+    weight = spec.demand.get(location, 0.0)
+    return spec.replicas * weight / sum(spec.demand.values()) if weight > 0 else 0.0
+
+
+class _AllBut:
+    """`avoid` for _find: every location but one."""
+
+    __slots__ = ("keep",)
+
+    def __init__(self, keep: str) -> None:
+        self.keep = keep
+
+    def __contains__(self, location: object) -> bool:
+        return location != self.keep
 
 
 def _pool_matches(spec: ModelSpec, pool: _Pool) -> bool:

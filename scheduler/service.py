@@ -65,6 +65,7 @@ CPU_BUDGET = 16 << 30  # what a node without GPUs offers its CPU instances, when
 AUTOSCALE = PREFIX + b"autoscale"
 RETRY_S = 2.0  # between campaigns that failed (etcd unreachable)
 PRELOAD_S = 15 * 86_400  # the history read when taking over: all the store keeps
+DEMAND_WINDOW_S = 3600.0  # where a model's demand came from, over this long
 
 
 @dataclass
@@ -202,7 +203,7 @@ def one_per_node(
                     or not spec.matches(gpu, loc)
                 ):
                     continue
-                rank = (loc in locations, room, gpu.node, gpu.index)
+                rank = (loc in locations, -spec.demand.get(loc, 0.0), room, gpu.node, gpu.index)
                 if best is None or rank < best[0]:
                     best = (rank, gpu)
             if best is None:
@@ -430,24 +431,57 @@ class Scheduler:
         old = Counts(*before.get(status["previous"]["version"], (0, 0)))
         return new, old
 
+    async def _demand(
+        self, nodes: list[Node], matrix: dict[str, dict[str, float]]
+    ) -> dict[str, dict[str, float]]:
+        """Per model, its requests of the last DEMAND_WINDOW_S by the location nearest to
+        the edge they came through among those with nodes it may run on (the edge's own,
+        or the closest by the latency map; demand from a location the map does not
+        connect to any is left out).
+        Placement puts new replicas where this demand is short of them."""
+        if self.history is None:
+            return {}
+        since = self.clock() - DEMAND_WINDOW_S
+        out: dict[str, dict[str, float]] = {}
+        for name, model in self.models.items():
+            allowed, denied = model.spec.allowed_locations, model.spec.denied_locations
+            hosts = {
+                node.location
+                for node in nodes
+                if (not allowed or node.location in allowed) and node.location not in denied
+            }
+            by_origin = await asyncio.to_thread(self.history.demand_by_origin, name, since)
+            weights: dict[str, float] = defaultdict(float)
+            for origin, requests in by_origin.items():
+                if origin in hosts:
+                    weights[origin] += requests
+                    continue
+                row = matrix.get(origin, {})
+                near = min((loc for loc in hosts if loc in row), key=row.get, default=None)
+                if near is not None:
+                    weights[near] += requests
+            if weights:
+                out[name] = dict(weights)
+        return out
+
     async def reconcile(self) -> None:
         """One round: scale, place the wanted models on the live nodes and write what
         changed, publish the decisions and the latency map."""
         replicas = await self._scale()
+        records = await self.store.nodes()
+        nodes = cluster_nodes(records)
+        latency_map = await build_map(self.store)
+        demand = await self._demand(nodes, latency_map.matrix())
         specs = [
-            dataclasses.replace(m.spec, replicas=replicas[name])
-            if replicas[name] != m.spec.replicas
-            else m.spec
+            dataclasses.replace(m.spec, replicas=replicas[name], demand=demand.get(name, {}))
             for name, m in self.models.items()
         ]
-        records = await self.store.nodes()
         written = await self.store.placements()
         current = []
         for key, spec in written.items():
             node, model = key.split("/", 1)
             if node in records and model in self.models:
                 current.append(Placement(model, spec.get("replica", 0), node, spec.get("gpu", -1)))
-        nodes = cluster_nodes(records)
         result = place(nodes, specs, current)
         placements, misses = one_per_node(nodes, specs, result, current)
         replica_ids: dict[str, list[int]] = defaultdict(list)
@@ -481,7 +515,7 @@ class Scheduler:
         self._unplaced = set(unplaced)
         if self.decisions:
             await self._publish_decisions()
-        await publish_map(self.store, await build_map(self.store))
+        await publish_map(self.store, latency_map)
 
 
 def _observed(observed: dict[str, dict], model: str, version: str) -> Observed:

@@ -58,6 +58,8 @@ pb, pb_grpc = _load_protos()
 
 DAY_S = 86_400
 OUT_OF_CAPACITY = frozenset({429, 503})  # shed by omnid: at capacity, or busy past the deadline
+MAX_ORIGINS = 64  # locations counted per model and interval (a header may come from anyone)
+MAX_LABEL = 64  # characters of a version or origin label
 MAX_INTERVAL_S = 3600.0  # a longer report is a broken clock, not telemetry
 _EPS = 1e-6  # of a resolution step: float noise when timestamps become bucket indices
 
@@ -97,6 +99,8 @@ class ModelFigures:
     version: str = ""
     # version -> [requests, errors]: what each version served (rollouts are judged on it)
     by_version: dict[str, list[int]] = field(default_factory=dict)
+    # edge location -> requests offered through it (shed ones too): where demand comes from
+    origins: dict[str, int] = field(default_factory=dict)
 
     def to_proto(self, model: str) -> Any:
         def n(x: int) -> int:
@@ -120,6 +124,7 @@ class ModelFigures:
                 pb.VersionLoad(version=v, requests=n(r), errors=n(e))
                 for v, (r, e) in sorted(self.by_version.items())
             ],
+            origins={o: n(c) for o, c in self.origins.items()},
         )
 
     @classmethod
@@ -138,6 +143,7 @@ class ModelFigures:
             replicas=m.replicas,
             version=m.version,
             by_version={v.version: [v.requests, v.errors] for v in m.versions},
+            origins=dict(m.origins),
         )
 
 
@@ -192,8 +198,11 @@ class LoadAccumulator:
         completion_tokens: int = 0,
         status: int = 200,
         version: str = "",
+        origin: str = "",
     ) -> None:
-        """One finished request: 429 and 503 count as out of capacity, other >= 400 as errors."""
+        """One finished request: 429 and 503 count as out of capacity, other >= 400 as
+        errors. `version`: the model version that served it; `origin`: the location of the
+        edge it came through."""
         with self._lock:
             f = self._counts.get(model)
             if f is None:
@@ -214,6 +223,12 @@ class LoadAccumulator:
                     counts[1] += status >= 400
             if version:
                 self._versions[model] = version
+            if (
+                origin
+                and len(origin) <= MAX_LABEL
+                and (origin in f.origins or len(f.origins) < MAX_ORIGINS)
+            ):
+                f.origins[origin] = f.origins.get(origin, 0) + 1
 
     def set_permits(
         self, model: str, total: int, free: int, *, replicas: int | None = None

@@ -425,6 +425,7 @@ def inference_app(node: Node) -> web.Application:
                     completion_tokens=completion,
                     status=status,
                     version=request.get("omni_version", ""),
+                    origin=request.headers.get("x-omni-origin", ""),
                 )
 
     async def route(request: web.Request) -> web.StreamResponse:

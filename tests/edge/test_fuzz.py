@@ -47,6 +47,7 @@ requests_per_minute = 3
 keys = ["{hash_key(SLOW_KEY)}"]
 """
 MODEL = "m"
+ORIGIN = "fra"  # the "open" edge's location
 MAX_BODY = 16384  # room for bodies nested as deep as orjson allows
 ENCODINGS = ["gzip", "deflate", "br", "zstd", "identity"]
 # CPython's default, what `python -m edge.server` runs under. Hypothesis raises the limit
@@ -178,6 +179,7 @@ headers = st.fixed_dictionaries(
         "Authorization": authorizations,
         DEADLINE_HEADER: deadlines,
         "X-Omni-Tenant": header_text,
+        "X-Omni-Origin": header_text,
         "Content-Encoding": st.sampled_from(ENCODINGS),
         "Accept": header_text,
         "traceparent": st.sampled_from(["00-" + "1" * 32 + "-" + "2" * 16 + "-01"]) | header_text,
@@ -190,6 +192,7 @@ plausible_headers = st.fixed_dictionaries(
         DEADLINE_HEADER: st.sampled_from(["10000", "5e3", "1e308", "inf", "0.001", "1e-300"]),
         "Content-Type": st.just("application/json"),
         "X-Omni-Tenant": header_text,
+        "X-Omni-Origin": header_text,
         "Content-Encoding": st.sampled_from(ENCODINGS),
         "traceparent": header_text,
         "x-session-affinity": header_text,
@@ -294,7 +297,7 @@ def test_authenticate_only_refuses_with_401(tenants: Tenants, header: str | None
 
 def fake_omnid() -> web.Application:
     """Just enough of omnid for the edge: a catalog with permits, health, and answers
-    that report usage and echo the tenant the edge named."""
+    that report usage and echo the tenant and the origin the edge named."""
 
     async def models(request: web.Request) -> web.Response:
         return json_response({"object": "list", "data": [{"id": MODEL, "permits": 4}]})
@@ -316,7 +319,8 @@ def fake_omnid() -> web.Application:
             await resp.write(b"data: [DONE]\n\n")
             return resp
         answer = {"object": "text_completion", "choices": [{"text": "hi"}], "usage": usage}
-        return json_response({**answer, "tenant": tenant})
+        origin = request.headers.get("x-omni-origin")
+        return json_response({**answer, "tenant": tenant, "origin": origin})
 
     app = web.Application(middlewares=[error_middleware])
     app.router.add_get("/v1/models", models)
@@ -352,7 +356,7 @@ class Stack:
 
     async def start(self) -> None:
         upstream = await self.serve(fake_omnid())
-        self.bases["open"] = await self.serve(edge_app(upstream, MAX_BODY, None))
+        self.bases["open"] = await self.serve(edge_app(upstream, MAX_BODY, None, location=ORIGIN))
         self.bases["keyed"] = await self.serve(edge_app(upstream, MAX_BODY, self.tenants))
         # A fresh connection per request: one example's leftovers never reach the next.
         self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
@@ -426,8 +430,11 @@ def test_no_request_gets_a_500_or_hangs(
     if status >= 400 and not refused_by_parser(status, content_type, hdrs):
         assert is_error_body(reply), (status, reply, request)
     if status == 200 and path in INFERENCE_PATHS and content_type == "application/json":
-        # A client's X-Omni-Tenant never reaches omnid: the edge names the tenant itself.
-        assert orjson.loads(reply)["tenant"] in {"anonymous", "fuzz", "slow"}, request
+        # A client's X-Omni-Tenant or X-Omni-Origin never reaches omnid: the edge names
+        # the tenant and its own location itself.
+        answer = orjson.loads(reply)
+        assert answer["tenant"] in {"anonymous", "fuzz", "slow"}, request
+        assert answer["origin"] == {"open": ORIGIN, "keyed": None}[edge], request
 
 
 @pytest.mark.parametrize("field", ["prompt", "input", "messages"])

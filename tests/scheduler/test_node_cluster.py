@@ -79,9 +79,9 @@ def node_totals(path: Path, node: str, model: str) -> dict[str, float]:
     return dict(zip(("reports", *columns, "permits_total"), row, strict=True))
 
 
-def complete(base: str) -> httpx.Response:
+def complete(base: str, headers: dict[str, str] | None = None) -> httpx.Response:
     body = {"model": "tiny", "prompt": "t1 t2 t3", "max_tokens": 3}
-    return httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+    return httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=60)
 
 
 def test_nodes_report_load_and_latency_to_the_cluster(tmp_path, telemetry):
@@ -121,8 +121,8 @@ def test_nodes_report_load_and_latency_to_the_cluster(tmp_path, telemetry):
         telemetry.loop.run(store.client.put(TELEMETRY, orjson.dumps(value)))
 
         usages = []
-        for _ in range(3):
-            resp = complete(nodes["n1"].base_url)
+        for origin in ("fra", "fra", None):  # as an edge in fra names itself; one direct
+            resp = complete(nodes["n1"].base_url, {"x-omni-origin": origin} if origin else None)
             assert resp.status_code == 200, resp.text
             usages.append(resp.json()["usage"])
         prompt = sum(u["prompt_tokens"] for u in usages)
@@ -137,6 +137,9 @@ def test_nodes_report_load_and_latency_to_the_cluster(tmp_path, telemetry):
         assert n1["requests"] == 3 and n1["oc"] == 0
         assert (n1["prompt_tokens"], n1["completion_tokens"]) == (prompt, completion)
         assert n1["wall_s"] > 0 and n1["permits_total"] == 2
+        with contextlib.closing(sqlite3.connect(telemetry.path)) as db:
+            origins = db.execute("SELECT origin, SUM(requests) FROM origin_load GROUP BY origin")
+            assert dict(origins.fetchall()) == {"fra": 2}  # where the demand came from
         n2 = node_totals(telemetry.path, "n2", "tiny")  # idle: its permits all the same
         assert n2["reports"] > 0 and n2["requests"] == 0 and n2["permits_total"] == 2
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -339,6 +340,7 @@ def scenarios(draw):
         spec.allowed_locations = frozenset(draw(st.sets(st.sampled_from(locations), max_size=2)))
         spec.denied_locations = frozenset(draw(st.sets(st.sampled_from(locations), max_size=1)))
         spec.spread = draw(st.integers(1, 3))
+        spec.demand = draw(st.dictionaries(st.sampled_from(locations), st.sampled_from([0, 1, 5])))
         models.append(spec)
     return nodes, models, draw(st.integers(0, 5)), draw(st.randoms(use_true_random=False))
 
@@ -375,3 +377,36 @@ def test_a_model_spreads_once_a_second_location_joins():
     nodes = {p.node for p in second.placements}
     assert "w0" in nodes and len(nodes & {"e0", "e1"}) == 1
     assert second.moves == 1 and not second.spread_short
+
+
+def test_new_replicas_go_where_the_demand_is_short_of_them():
+    """Demand weighs locations: replicas split in proportion to it, room allowing, and a
+    model with demand in one location runs there though another location comes first."""
+    nodes = [node(f"a{i}", "a") for i in range(3)] + [node(f"b{i}", "b") for i in range(3)]
+    plain = place(nodes, [model("m", 4)])
+    assert {p.node[0] for p in plain.placements} == {"a"}  # without demand: the first pool
+    near_b = place(nodes, [model("m", 4, demand={"b": 10.0})])
+    assert {p.node[0] for p in near_b.placements} == {"b"}
+    split = place(nodes, [model("m", 4, replicas=3, demand={"a": 1.0, "b": 2.0})])
+    assert Counter(p.node[0] for p in split.placements) == {"b": 2, "a": 1}
+    # Spread still comes first: two replicas, two locations, though all demand is in b.
+    spread = place(nodes, [model("m", 4, replicas=2, spread=2, demand={"b": 1.0})])
+    assert Counter(p.node[0] for p in spread.placements) == {"a": 1, "b": 1}
+    # b full: the demand's replicas go elsewhere rather than nowhere.
+    full = [node("a0", "a"), node("b0", "b", budget=2)]
+    res = place(full, [model("m", 4, demand={"b": 1.0})])
+    assert [p.node for p in res.placements] == ["a0"]
+    # Consolidation does not pack a new replica away from its demand: "other" runs in a
+    # with room to spare, m still starts in b.
+    two = [node("a0", "a"), node("b0", "b")]
+    running = [Placement("other", 0, "a0", 0)]
+    specs = [model("other", 4), model("m", 4, demand={"b": 1.0})]
+    res = place(two, specs, running)
+    assert sorted((p.model, p.node) for p in res.placements) == [("m", "b0"), ("other", "a0")]
+    packed = place(two, [specs[0], model("m", 4)], running)  # without demand: packed
+    assert sorted((p.model, p.node) for p in packed.placements) == [("m", "a0"), ("other", "a0")]
+    # What runs stays: demand moving to b starts nothing and moves nothing.
+    again = place(nodes, [model("m", 4, demand={"b": 10.0})], plain.placements)
+    assert again.placements == plain.placements and again.moves == 0
+    with pytest.raises(ValueError, match="demand"):
+        model("m", 4, demand={"b": -1.0})

@@ -308,3 +308,39 @@ def test_the_leader_publishes_the_latency_map_and_omnictl_shows_it(etcd, tmp_pat
 async def rtt_is(store: ClusterStore, a: str, b: str, rtt: float) -> bool:
     latency_map = await read_map(store)
     return latency_map is not None and latency_map.rows.get(a, {}).get(b) == rtt
+
+
+def test_a_model_is_placed_near_where_its_requests_come_from(etcd, tmp_path):
+    """Demand through an edge in lon, where the model may not run: the latency map says
+    ams is nearest, so the model is placed there; without that demand it packs onto the
+    first node, in fra."""
+
+    async def main():
+        store = ClusterStore(port=etcd.port)
+        for node_id, location in (("n1", "fra"), ("n2", "ams"), ("n3", "lon")):
+            record = {"id": node_id, "location": location, "gpus": [{"index": 0, **GPU}]}
+            await store.register_node({**record, "url": "http://127.0.0.1:9"}, ttl_s=10)
+        await publish_row(store, "n1", {"n2": 0.030, "n3": 0.040})
+        await publish_row(store, "n3", {"n2": 0.010, "n1": 0.040})
+        history = HistoryStore(tmp_path / "history.sqlite")
+        acc = LoadAccumulator()
+        for _ in range(30):
+            acc.record_request("m", wall_s=0.1, origin="lon")
+        acc.record_request("m", wall_s=0.1, origin="fra")
+        history.add("n1", acc.take(time.time()))
+        assert history.demand_by_origin("m", time.time() - 60) == {"lon": 30, "fra": 1}
+        no_lon = frozenset({"lon"})
+        models = [WantedModel(ModelSpec("m", 1 << 30, denied_locations=no_lon), "/models/m")]
+        placed = {}
+        try:
+            for name, known in (("no demand", None), ("demand", history)):
+                await Scheduler(store, "lead", models, history=known).reconcile()
+                (key,) = await store.placements()
+                placed[name] = key.split("/")[0]
+                await store.remove_placement(*key.split("/"))
+        finally:
+            history.close()
+            await store.close()
+        return placed
+
+    assert asyncio.run(main()) == {"no demand": "n1", "demand": "n2"}
