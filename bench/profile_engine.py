@@ -39,7 +39,8 @@ def decode_batch(runner, n: int, context: int):
     blocks = BlockManager(runner.num_blocks, runner.block_size)
     seqs = []
     for i in range(n):
-        seq = Sequence(token_ids=[(7 * i + j) % 1000 + 1 for j in range(context + 1)])
+        ids = [(7 * i + j) % 1000 + 1 for j in range(context + 1)]
+        seq = Sequence(token_ids=ids, num_prompt_tokens=context)  # the last one generated
         blocks.allocate(seq)
         seq.num_computed = context
         seqs.append(seq)
@@ -146,7 +147,7 @@ def step_profile(model, context: int) -> dict:
 
     res: dict = {"decode": {}, "kernels": {}}
     with torch.inference_mode():
-        runner = ModelRunner(model, num_blocks=4096)
+        runner = ModelRunner(model, num_blocks=8192)
         for n in (1, 128):
             batch = decode_batch(runner, n, context)
             ids, step = runner.prepare(batch)
@@ -160,6 +161,7 @@ def step_profile(model, context: int) -> dict:
                 ),
                 10,
             )
+            assert step.decode_only
             res["decode"][n] = {
                 "graph_replay_ms": round(replay, 3),
                 "run_wall_ms": round(full, 3),
