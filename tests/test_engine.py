@@ -157,6 +157,22 @@ def test_broken_checkpoints_name_the_file(tmp_path, text_model_dir):
         LlamaForCausalLM.load(Checkpoint.open(tmp_path))
 
 
+def test_a_missing_or_misshapen_projection_is_named(tmp_path):
+    """q/k/v and gate/up are stacked into fused projections at load: a checkpoint that
+    lacks one of them, or has one of the wrong width, is refused naming that tensor."""
+    _, ckpt = tiny_checkpoint(tmp_path, ARCHES["llama"]())
+    cfg = LlamaForCausalLM.load(ckpt).cfg
+    state = ckpt.load_tensors("cpu", torch.float32)
+    del state["model.layers.1.self_attn.k_proj.weight"]
+    missing = r"missing tensors \['model\.layers\.1\.self_attn\.k_proj\.weight'\]"
+    with pytest.raises(CheckpointError, match=missing):
+        LlamaForCausalLM.from_state(cfg, state, ckpt.path)
+    state = ckpt.load_tensors("cpu", torch.float32)
+    state["model.layers.0.mlp.up_proj.weight"] = state["model.layers.0.mlp.up_proj.weight"][:, :5]
+    with pytest.raises(CheckpointError, match=r"unequal width: .*up_proj\.weight \(96, 5\)"):
+        LlamaForCausalLM.from_state(cfg, state, ckpt.path)
+
+
 def run_engine(engine: Engine, prompt: list[int], params: SamplingParams) -> tuple[str, list]:
     steps = run_requests(engine, [prompt], params)[0]
     return "".join(s.text for s in steps), steps

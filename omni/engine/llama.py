@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import Checkpoint, CheckpointError
@@ -148,20 +147,23 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int):
         super().__init__()
         self.cfg, self.layer = cfg, layer
-        q_dim, kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, q_dim, bias=cfg.attention_bias)
-        self.k_proj = Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
-        self.v_proj = Linear(cfg.hidden_size, kv_dim, bias=cfg.attention_bias)
-        self.o_proj = Linear(q_dim, cfg.hidden_size, bias=False)
+        self.q_dim, self.kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        # q, k and v in one matmul: one launch and one pass over x instead of three (the
+        # checkpoint's q_proj/k_proj/v_proj are stacked at load, see fuse_projections).
+        self.qkv_proj = Linear(
+            cfg.hidden_size, self.q_dim + 2 * self.kv_dim, bias=cfg.attention_bias
+        )
+        self.o_proj = Linear(self.q_dim, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, step, k_cache, v_cache, inv_freq) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
-        q = self.q_proj(x).view(n, cfg.num_heads, cfg.head_dim)
-        k = self.k_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim)
-        v = self.v_proj(x).view(n, cfg.num_kv_heads, cfg.head_dim)
+        q, k, v = self.qkv_proj(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
+        q = q.view(n, cfg.num_heads, cfg.head_dim)  # views into the fused output
+        k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         kc, vc = k_cache[self.layer], v_cache[self.layer]
@@ -175,12 +177,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        # gate and up in one matmul, then one kernel for silu(gate) * up
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ops(x.device).silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -234,24 +236,62 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def load(cls, ckpt: Checkpoint, device="cpu", dtype=torch.float32) -> LlamaForCausalLM:
         cfg = LlamaConfig.from_checkpoint(ckpt)
+        return cls.from_state(cfg, ckpt.load_tensors(device, dtype), ckpt.path)
+
+    @classmethod
+    def from_state(cls, cfg: LlamaConfig, state: dict, source="state") -> LlamaForCausalLM:
+        """The model on a checkpoint's tensors (HF names; taken over, not copied, but for
+        the fused projections); CheckpointError names what is missing or misshapen."""
         with torch.device("meta"):
             model = cls(cfg)
-        state = ckpt.load_tensors(device, dtype)
+        fuse_projections(state, cfg, source)
         if cfg.tie_embeddings:
             state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
         expected = set(model.state_dict())
         missing = sorted(expected - set(state))
         if missing:
-            raise CheckpointError(f"{ckpt.path}: missing tensors {missing[:5]}")
+            raise CheckpointError(f"{source}: missing tensors {missing[:5]}")
         extra = [k for k in state if k not in expected and "rotary_emb" not in k]
         if extra:
-            raise CheckpointError(f"{ckpt.path}: unexpected tensors {sorted(extra)[:5]}")
+            raise CheckpointError(f"{source}: unexpected tensors {sorted(extra)[:5]}")
         for name, param in model.state_dict().items():
             if state[name].shape != param.shape:
                 raise CheckpointError(
-                    f"{ckpt.path}: tensor {name} has shape {tuple(state[name].shape)}, "
+                    f"{source}: tensor {name} has shape {tuple(state[name].shape)}, "
                     f"config says {tuple(param.shape)}"
                 )
         model.load_state_dict({k: state[k] for k in expected}, assign=True)
-        model.inv_freq = rope_inv_freq(cfg).to(device)
+        model.inv_freq = rope_inv_freq(cfg).to(state["lm_head.weight"].device)
         return model.eval()
+
+
+FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def fuse_projections(state: dict[str, torch.Tensor], cfg: LlamaConfig, path) -> None:
+    """Stack each layer's q/k/v and gate/up tensors of a checkpoint into the fused
+    projections the model runs, in place, one layer at a time (the parts are freed as
+    they go: loading never holds a layer's weights twice)."""
+    for i in range(cfg.num_layers):
+        prefix = f"model.layers.{i}."
+        for fused, parts in FUSED.items():
+            for kind in ("weight", "bias"):
+                names = [f"{prefix}{part}.{kind}" for part in parts]
+                present = [n for n in names if n in state]
+                if not present:
+                    continue
+                if len(present) < len(names):
+                    missing = next(n for n in names if n not in state)
+                    raise CheckpointError(f"{path}: missing tensors ['{missing}']")
+                tensors = [state.pop(n) for n in names]
+                widths = {t.shape[1:] for t in tensors}
+                if len(widths) > 1:
+                    shapes = ", ".join(
+                        f"{n} {tuple(t.shape)}" for n, t in zip(names, tensors, strict=True)
+                    )
+                    raise CheckpointError(f"{path}: tensors of unequal width: {shapes}")
+                state[f"{prefix}{fused}.{kind}"] = torch.cat(tensors)
+                del tensors

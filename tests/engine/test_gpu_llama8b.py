@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 def models():
     import transformers
 
-    from omni.engine.llama import LlamaForCausalLM, rope_inv_freq
+    from omni.engine.llama import LlamaForCausalLM
 
     hf_cfg = transformers.LlamaConfig(
         vocab_size=128256,
@@ -40,12 +40,8 @@ def models():
     with torch.no_grad():
         for p in hf.parameters():
             p.normal_(0, 0.02)
-    cfg = LLAMA3_8B
-    with torch.device("meta"):
-        ours = LlamaForCausalLM(cfg)
-    ours.load_state_dict(dict(hf.state_dict()), assign=True)  # the same tensors, no copy
-    ours.inv_freq = rope_inv_freq(cfg).cuda()
-    return hf, ours.eval()
+    ours = LlamaForCausalLM.from_state(LLAMA3_8B, dict(hf.state_dict()))  # the same tensors
+    return hf, ours
 
 
 def test_logits_on_a_512_token_prompt_match_transformers(models):

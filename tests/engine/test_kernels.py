@@ -59,14 +59,23 @@ def test_silu_and_mul(gen):
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), **TOL)
 
 
-def test_rope_and_cache(gen):
+@pytest.mark.parametrize("fused", [False, True])
+def test_rope_and_cache(gen, fused):
+    """Separate q, k, v, or views into one fused qkv projection's rows (strided: the
+    kernel reads them in place)."""
     n_q, n_kv, dim, _ = SHAPE
     tokens, n_blocks = 23, 8
-    q, k, v = (
-        rand(tokens, n_q, dim, gen=gen),
-        rand(tokens, n_kv, dim, gen=gen),
-        rand(tokens, n_kv, dim, gen=gen),
-    )
+    if fused:
+        qkv = rand(tokens, (n_q + 2 * n_kv) * dim, gen=gen)
+        q, k, v = qkv.split([n_q * dim, n_kv * dim, n_kv * dim], dim=-1)
+        q, k, v = q.view(tokens, n_q, dim), k.view(tokens, n_kv, dim), v.view(tokens, n_kv, dim)
+        assert not q.is_contiguous()
+    else:
+        q, k, v = (
+            rand(tokens, n_q, dim, gen=gen),
+            rand(tokens, n_kv, dim, gen=gen),
+            rand(tokens, n_kv, dim, gen=gen),
+        )
     positions = torch.randint(0, 4000, (tokens,), generator=gen, device=DEVICE)
     inv_freq = 1.0 / (500000.0 ** (torch.arange(0, dim, 2, device=DEVICE).float() / dim))
     slots = torch.randperm(n_blocks * BLOCK, generator=gen, device=DEVICE)[:tokens]

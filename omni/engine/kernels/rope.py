@@ -54,6 +54,9 @@ def _rope_cache_kernel(
     slot_ptr,
     n_q_heads,
     n_kv_heads,
+    q_row,
+    k_row,
+    v_row,
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -66,26 +69,36 @@ def _rope_cache_kernel(
     cos, sin = tl.cos(angle), tl.sin(angle)
     dim = 2 * HALF
     if h < n_q_heads:
-        base = (t * n_q_heads + h) * dim
-        _rotate_half_into(q_ptr + base, q_out_ptr + base, j, mask, cos, sin, HALF)
+        src = t * q_row + h * dim
+        dst = (t * n_q_heads + h) * dim
+        _rotate_half_into(q_ptr + src, q_out_ptr + dst, j, mask, cos, sin, HALF)
     else:
         kh = h - n_q_heads
         slot = tl.load(slot_ptr + t)
         if slot >= 0:
-            src = (t * n_kv_heads + kh) * dim
             dst = (slot * n_kv_heads + kh) * dim
-            _rotate_half_into(k_ptr + src, k_cache_ptr + dst, j, mask, cos, sin, HALF)
-            v1 = tl.load(v_ptr + src + j, mask=mask, other=0.0)
-            v2 = tl.load(v_ptr + src + HALF + j, mask=mask, other=0.0)
+            k_src = t * k_row + kh * dim
+            _rotate_half_into(k_ptr + k_src, k_cache_ptr + dst, j, mask, cos, sin, HALF)
+            v_src = t * v_row + kh * dim
+            v1 = tl.load(v_ptr + v_src + j, mask=mask, other=0.0)
+            v2 = tl.load(v_ptr + v_src + HALF + j, mask=mask, other=0.0)
             tl.store(v_cache_ptr + dst + j, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
             tl.store(v_cache_ptr + dst + HALF + j, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, dim] with its heads packed in each row (any row stride, e.g. a
+    view into the fused qkv projection's output): as is; otherwise a packed copy."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
 def rope_and_cache(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping):
+    """q, k, v: [tokens, heads, head_dim], each row's heads packed; rows may be strided
+    (views into one fused projection: no copies)."""
     n_tokens, n_q, dim = q.shape
     n_kv = k.shape[1]
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    q_out = torch.empty_like(q)
+    q, k, v = _rows(q), _rows(k), _rows(v)
+    q_out = torch.empty(n_tokens, n_q, dim, dtype=q.dtype, device=q.device)
     half = dim // 2
     _rope_cache_kernel[(n_tokens, n_q + n_kv)](
         q,
@@ -99,6 +112,9 @@ def rope_and_cache(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping)
         slot_mapping,
         n_q,
         n_kv,
+        q.stride(0),
+        k.stride(0),
+        v.stride(0),
         HALF=half,
         BLOCK=triton.next_power_of_2(half),
     )
