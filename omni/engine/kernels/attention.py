@@ -39,7 +39,10 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_
     return out
 
 
-@triton.jit
+# The block-table width varies with the batch's longest sequence; Triton would compile a
+# variant for each of its classes (1, a multiple of 16, other) at the first step that meets
+# it, seconds of stall mid-serving. It only strides the table: not worth specializing on.
+@triton.jit(do_not_specialize=["max_blocks"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -138,7 +141,7 @@ def paged_prefill(
     return out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["max_blocks"])  # see _prefill_kernel
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
