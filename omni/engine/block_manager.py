@@ -22,6 +22,10 @@ class BlockOwner:
     principal: str = ""
     block_table: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prefix tokens whose KV came from the cache (last allocation)
+    # (hash, key) of its full blocks so far: tokens only append, so the chain is extended,
+    # never recomputed (it was, for every sequence at every step: O(context) each)
+    block_hashes: list[tuple[int, tuple]] = field(default_factory=list)
+    num_registered: int = 0  # blocks of block_table offered for reuse already
 
 
 @dataclass
@@ -45,9 +49,11 @@ class BlockManager:
         return len(self._free) + len(self._cached)
 
     def _chain(self, owner: BlockOwner, n_full: int) -> list[tuple[int, tuple]]:
-        """(hash, key) of the first n_full blocks of `owner`."""
-        out, parent = [], 0
-        for i in range(n_full):
+        """(hash, key) of at least the first n_full blocks of `owner` (its cached chain,
+        extended where needed)."""
+        out = owner.block_hashes
+        parent = out[-1][0] if out else 0
+        for i in range(len(out), n_full):
             tokens = tuple(owner.token_ids[i * self.block_size : (i + 1) * self.block_size])
             key = (owner.principal, parent, tokens)
             parent = hash(key)
@@ -74,7 +80,8 @@ class BlockManager:
         last token: that token's logits must be computed."""
         n_tokens = len(owner.token_ids)
         hits = []
-        for h, key in self._chain(owner, n_tokens // self.block_size):
+        n_full = n_tokens // self.block_size
+        for h, key in self._chain(owner, n_full)[:n_full]:
             if (len(hits) + 1) * self.block_size >= n_tokens:
                 break
             block = self._lookup(h, key)
@@ -125,13 +132,16 @@ class BlockManager:
     def register_full_blocks(self, owner: BlockOwner, n_computed: int) -> None:
         """Make the blocks whose KV is now fully computed reusable by the same principal."""
         n_full = n_computed // self.block_size
-        for i, (h, key) in enumerate(self._chain(owner, n_full)):
+        chain = self._chain(owner, n_full)
+        for i in range(owner.num_registered, n_full):
+            h, key = chain[i]
             block = owner.block_table[i]
             b = self.blocks[block]
             if b.hash is not None or h in self._by_hash:
                 continue  # already registered (or an identical block is)
             b.hash, b.key = h, key
             self._by_hash[h] = block
+        owner.num_registered = max(owner.num_registered, n_full)
 
     def free(self, owner: BlockOwner) -> None:
         """Release `owner`'s blocks; registered ones stay reusable until evicted."""
@@ -144,3 +154,4 @@ class BlockManager:
                 else:
                     self._free.append(block)
         owner.block_table = []  # num_cached_tokens stays: usage reports it after the end
+        owner.num_registered = 0  # a new allocation registers its own blocks

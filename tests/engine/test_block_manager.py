@@ -122,3 +122,24 @@ def test_random_traffic_keeps_the_books_balanced():
     for o in live:
         bm.free(o)
     assert bm.num_free == 64
+
+
+def test_a_sequence_allocated_again_registers_its_new_blocks_from_its_kept_chain():
+    """The hash chain is computed once per block and kept with the sequence; a sequence
+    whose blocks were evicted and that is allocated again (a recompute) offers its new
+    blocks for reuse all the same."""
+    bm = BlockManager(8, 4)
+    seq = BlockOwner(token_ids=list(range(12)))
+    bm.allocate(seq)
+    bm.register_full_blocks(seq, 12)
+    chain = list(seq.block_hashes)
+    assert len(chain) == 3
+    bm.free(seq)
+    filler = BlockOwner(token_ids=list(range(100, 132)), principal="other")
+    bm.allocate(filler)  # all 8 blocks: seq's cached ones are evicted
+    bm.free(filler)
+    assert bm.allocate(seq) == 0  # nothing left to hit
+    bm.register_full_blocks(seq, 12)
+    assert seq.block_hashes == chain  # kept, not recomputed
+    twin = BlockOwner(token_ids=list(range(12)))
+    assert bm.allocate(twin) == 8  # two blocks; the one with the last token is computed
