@@ -276,16 +276,15 @@ class HistoryStore:
 
     def _prune(self, now: float) -> None:
         self._next_prune = now + self.prune_every_s
-        self._db.execute("DELETE FROM node_load WHERE start < ?", (now - self.node_retention_s,))
-        for (model,) in self._db.execute(_MODELS).fetchall():
-            for table in ("version_load", "origin_load"):
-                self._db.execute(
-                    f"DELETE FROM {table} WHERE model = ? AND start < ?",
-                    (model, now - self.node_retention_s),
-                )
+        node_oldest = now - self.node_retention_s
+        self._db.execute("DELETE FROM node_load WHERE start < ?", (node_oldest,))
         oldest = self._index(now - self.retention_s)
         for (model,) in self._db.execute(_MODELS).fetchall():
             self._db.execute("DELETE FROM model_load WHERE model = ? AND k < ?", (model, oldest))
+            for table in ("version_load", "origin_load"):  # keyed by model first
+                self._db.execute(
+                    f"DELETE FROM {table} WHERE model = ? AND start < ?", (model, node_oldest)
+                )
 
     def models(self) -> list[str]:
         """Models with any history, sorted."""

@@ -166,9 +166,7 @@ class ClusterMember:
         except (CatalogError, CheckpointError, ApiError, ValueError) as exc:
             log.error("cannot run placed model %s: %s", model, getattr(exc, "message", exc))
             return
-        if inst is not None:
-            if (inst.entry.path, inst.entry.version) == (entry.path, entry.version):
-                return
+        if inst is not None:  # another checkpoint or version (_runs said so above)
             log.info(
                 "%s: version %s -> %s (%s)", model, inst.entry.version, entry.version, entry.path
             )
