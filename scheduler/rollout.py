@@ -174,26 +174,21 @@ def versions(replica_ids: list[int], status: dict | None, default: Version) -> d
 def begin(req: RolloutRequest, previous: Version, now: float) -> dict:
     """The status of a rollout that starts now, from `previous`: refused when it names
     the version running already (its telemetry could not be told apart)."""
-    if req.version == previous.name:
-        return {
-            "id": req.id,
-            "version": req.version,
-            "path": req.path,
-            "previous": previous.to_json(),
-            "state": REFUSED,
-            "reason": f"{req.version} is the version running now",
-            "started": now,
-            "ended": now,
-        }
-    return {
+    base = {
         "id": req.id,
         "version": req.version,
         "path": req.path,
         "previous": previous.to_json(),
+        "started": now,
+    }
+    if req.version == previous.name:
+        reason = f"{req.version} is the version running now"
+        return {**base, "state": REFUSED, "reason": reason, "ended": now}
+    return {
+        **base,
         "state": ROLLING,
         "stage": 0,
         "percent": req.steps[0],
-        "started": now,
         "stage_since": now,
         "reason": f"{req.steps[0]:g}% of replicas",
         "new": Counts().to_json(),
@@ -210,7 +205,8 @@ def advance(
     wanted_new: int,
     now: float,
 ) -> dict:
-    """The rollout's next status (the same dict when nothing changes).
+    """The rollout's next status (`status` itself once the rollout is over; else a new
+    dict, with the latest counts).
 
     `new`/`old`: each version's counts (see the module docstring), None without telemetry
     (then stages end on time and readiness alone). `wanted_new`: replicas the current
