@@ -6,9 +6,13 @@ old one is rolled back, and `omnictl cluster rollout` starts, aborts and shows t
 from __future__ import annotations
 
 import asyncio
+import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
+import httpx
 import orjson
 import pytest
 
@@ -33,9 +37,12 @@ from scheduler.rollout import (
 from scheduler.service import Scheduler, WantedModel
 from scheduler.state import ClusterStore
 from scheduler.telemetry import IntervalReport, LoadAccumulator, ModelFigures
+from tests.checkpoints import tiny_llama
+from tests.conftest import free_port, wait_until
+from tests.nodes import Omnid
 
 from .etcd import EtcdServer
-from .omnictl import omnictl, omnictl_json
+from .omnictl import REPO, omnictl, omnictl_json
 
 V1 = Version("v1", "/models/m-v1")
 REQ = RolloutRequest("r1", "v2", "/models/m-v2", steps=(25, 100), step_s=60, min_requests=10)
@@ -254,11 +261,6 @@ def test_the_leader_carries_a_rollout_through_and_rolls_a_bad_one_back(etcd, tmp
 
 
 def test_omnictl_refuses_a_malformed_rollout_before_writing_it(etcd):
-    import subprocess
-    import sys
-
-    from .omnictl import REPO
-
     argv = [sys.executable, "-m", "omni.ctl", "cluster", "--etcd", f"127.0.0.1:{etcd.port}"]
     argv += ["rollout", "start", "m", "v2", "/m", "--steps", "50,90"]
     out = subprocess.run(argv, capture_output=True, text=True, timeout=30, cwd=REPO)
@@ -276,18 +278,6 @@ def test_omnids_switch_versions_as_a_rollout_goes_and_a_failing_one_is_rolled_ba
     same weights elsewhere) is rolled out to both; v3 cannot take the prompts (its context
     is 16 tokens: every request is a 400) and is rolled back to v2 while clients keep
     being served."""
-    import shutil
-    import subprocess
-    import sys
-
-    import httpx
-
-    from tests.checkpoints import tiny_llama
-    from tests.conftest import free_port, wait_until
-    from tests.nodes import Omnid
-
-    from .omnictl import REPO
-
     etcd = EtcdServer(tmp_path / "etcd-data")
     endpoint = f"127.0.0.1:{etcd.port}"
     v1 = tiny_llama(tmp_path / "tiny-v1")
