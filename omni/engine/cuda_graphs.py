@@ -1,15 +1,16 @@
 """CUDA graphs for decode steps: one replay instead of hundreds of kernel launches.
 
-A graph is captured for each batch-size bucket at start-up (ModelRunner.warm_up),
-or else the first time the bucket is needed, and replayed from static input buffers.
-Padding rows write nowhere (cache slot -1) and their outputs are dropped.
+A graph is captured for each batch-size bucket the first time the bucket is needed
+(or by ModelRunner.warm_up), and replayed from static input buffers. It ends with
+the lm head, so a step's logits come out of the one replay. Padding rows write
+nowhere (cache slot -1) and their outputs are dropped.
 """
 
 from __future__ import annotations
 
 import torch
 
-BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
 
 class DecodeGraphs:
@@ -31,7 +32,7 @@ class DecodeGraphs:
         return next((b for b in BUCKETS if b >= n), None)
 
     def run(self, ids: torch.Tensor, step) -> torch.Tensor:
-        """Hidden states of a decode step of n <= the largest bucket sequences."""
+        """Logits (fp32) of a decode step of n <= the largest bucket sequences."""
         n = ids.shape[0]
         b = self.bucket(n)
         width = step.block_tables.shape[1]
@@ -66,11 +67,13 @@ class DecodeGraphs:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up: compiles the kernels for these shapes
-            self.model.hidden_states(self.ids[:b], step, self.k_cache, self.v_cache)
+            self._forward(b, step)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[b] = self.model.hidden_states(
-                self.ids[:b], step, self.k_cache, self.v_cache
-            )
+            self.outputs[b] = self._forward(b, step)
         self.graphs[b] = graph
+
+    def _forward(self, b: int, step) -> torch.Tensor:
+        hidden = self.model.hidden_states(self.ids[:b], step, self.k_cache, self.v_cache)
+        return self.model.logits(hidden)

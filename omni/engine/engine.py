@@ -3,6 +3,11 @@
 Requests join and leave between steps. Each step runs one mixed batch (decodes
 and prefill chunks) through the model over the paged KV cache, samples one
 token for every sequence that reached its end, and streams text deltas.
+
+Greedy steps overlap with the host: step N+1 is launched before step N's tokens
+are read back (its inputs come from N's tokens on the device), so scheduling,
+preparing and streaming happen while the GPU computes. The host waits on a
+blocking event, asleep rather than spinning.
 """
 
 from __future__ import annotations
@@ -20,10 +25,10 @@ import torch
 
 from .block_manager import BlockManager
 from .llama import LlamaForCausalLM
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, Previous
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Scheduler
-from .sequence import Sequence
+from .sequence import PLACEHOLDER, Sequence, Status
 from .stops import StopMatcher
 from .tokenizer import StreamDecoder, TextTokenizer
 
@@ -56,6 +61,21 @@ class GenerationRequest:
 
 
 Emit = Callable[[StepOutput], None]
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose greedy tokens are still on their way to the host."""
+
+    seqs: list[Sequence]  # the sampling ones, in row order
+    on_device: torch.Tensor  # [rows] int64: the next step's inputs
+    on_host: torch.Tensor  # the same, copied without waiting
+    ready: torch.cuda.Event | None  # recorded after the copy (None on the CPU)
+
+    def tokens(self) -> list[int]:
+        if self.ready is not None:
+            self.ready.synchronize()  # a blocking-sync event: the thread sleeps
+        return self.on_host.tolist()
 
 
 @dataclass
@@ -105,16 +125,19 @@ class Engine:
         self.scheduler = Scheduler(
             BlockManager(self.runner.num_blocks, block_size),
             max_batch_tokens or (8192 if on_gpu else 512),
+            max_seqs=512 if on_gpu else 256,
         )
+        self._in_flight: _InFlight | None = None
         self._inbox: queue.Queue[tuple[GenerationRequest, Emit] | None] = queue.Queue()
         self._active: dict[int, _Active] = {}
         self._thread = threading.Thread(target=self._run, name="omni-engine", daemon=True)
         self._thread.start()
 
-    def warm_up(self) -> None:
-        """Compile and capture what any step needs (GPU), before the first request: a
-        served model's first requests of each size would otherwise pay for it."""
-        self.runner.warm_up(self.scheduler.max_seqs, self.scheduler.max_batch_tokens)
+    def warm_up(self, graphs: bool = False) -> None:
+        """Compile (or load from Triton's disk cache) the kernels any step needs, before
+        the first request; with `graphs`, capture every decode graph too (otherwise each
+        is captured the first time its batch size comes up, keeping start-up short)."""
+        self.runner.warm_up(self.scheduler.max_seqs, self.scheduler.max_batch_tokens, graphs)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -172,11 +195,10 @@ class Engine:
                 if not self._admit_new():
                     return
                 self._drop_cancelled()
-                if self.before_step is not None and self.scheduler.has_work():
-                    self.before_step()
                 self._step()
             except Exception as exc:  # fail the requests in flight, keep serving
                 log.exception("engine step failed")
+                self._in_flight = None
                 for state in list(self._active.values()):
                     self._finish(state, StepOutput("", [], True, "error", error=str(exc)))
 
@@ -238,37 +260,82 @@ class Engine:
     def _step(self) -> None:
         batch = self.scheduler.schedule()
         if batch is None:
+            self._land()
             return
-        logits = self.runner.run(batch)
-        sampling = [self._active[s.seq_id] for i, s in enumerate(batch.seqs) if batch.samples(i)]
-        # greedy rows in one argmax and one transfer; the others one by one
-        greedy = logits.argmax(-1).tolist() if sampling else []
+        if self.before_step is not None:
+            self.before_step()
+        previous = self._in_flight
+        rows = {s.seq_id: i for i, s in enumerate(previous.seqs)} if previous else {}
+        logits = self.runner.run(
+            batch, previous=Previous(previous.on_device, rows) if previous else None
+        )
+        sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
+        step = self._launch_greedy(logits, sampling)
+        self._land()  # the last step's tokens, while the GPU runs this one
+        if all(self._on_device(s) for s in sampling):
+            self.scheduler.update(batch, {s.seq_id: PLACEHOLDER for s in sampling})
+            self._in_flight = step
+            return
+        tokens = step.tokens()
         new_tokens = {}
-        for row, state in enumerate(sampling):
-            params, seq = state.request.params, state.seq
-            if params.greedy and not params.penalized:
-                new_tokens[seq.seq_id] = greedy[row]
-            else:
-                prompt, output = (
-                    seq.token_ids[: seq.num_prompt_tokens],
-                    seq.token_ids[seq.num_prompt_tokens :],
-                )
-                new_tokens[seq.seq_id] = sample(
-                    logits[row], params, state.generator, prompt, output
-                )
-            if params.logprobs is not None:  # of the model's distribution, before sampling
-                logprobs = torch.log_softmax(logits[row].float(), dim=-1)
-                token = new_tokens[seq.seq_id]
-                top = torch.topk(logprobs, params.logprobs) if params.logprobs else None
-                alternatives = (
-                    list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-                    if top is not None
-                    else []
-                )
-                state.logprob = (token, float(logprobs[token]), alternatives)
+        for row, seq in enumerate(sampling):
+            state = self._active.get(seq.seq_id)
+            if state is None:
+                continue  # finished by the last step's tokens
+            new_tokens[seq.seq_id] = self._sample(state, logits[row], tokens[row])
         self.scheduler.update(batch, new_tokens)
         for seq_id, token in new_tokens.items():
             self._deliver(self._active[seq_id], token)
+
+    def _launch_greedy(self, logits: torch.Tensor, sampling: list[Sequence]) -> _InFlight:
+        """Every row's argmax, on its way to the host without waiting for the GPU."""
+        on_device = logits.argmax(-1) if sampling else logits.new_empty(0, dtype=torch.int64)
+        if on_device.device.type != "cuda":
+            return _InFlight(sampling, on_device, on_device, None)
+        on_host = torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=True)
+        on_host.copy_(on_device, non_blocking=True)
+        ready = torch.cuda.Event(blocking=True)
+        ready.record()
+        return _InFlight(sampling, on_device, on_host, ready)
+
+    def _on_device(self, seq: Sequence) -> bool:
+        """Whether the argmax is all this sequence's sampling needs (no host work)."""
+        state = self._active.get(seq.seq_id)
+        if state is None:
+            return True  # finished meanwhile: its row is dropped
+        params = state.request.params
+        return params.greedy and not params.penalized and params.logprobs is None
+
+    def _land(self) -> None:
+        """Fill in and stream the tokens of the step in flight, if any."""
+        step, self._in_flight = self._in_flight, None
+        if step is None:
+            return
+        for seq, token in zip(step.seqs, step.tokens(), strict=True):
+            state = self._active.get(seq.seq_id)
+            if state is None or seq.status is Status.FINISHED:
+                continue
+            seq.token_ids[-1] = token  # its placeholder: nothing was appended since
+            self._deliver(state, token)
+
+    def _sample(self, state: _Active, logits: torch.Tensor, greedy: int) -> int:
+        params, seq = state.request.params, state.seq
+        if params.greedy and not params.penalized:
+            token = greedy
+        else:
+            prompt = seq.token_ids[: seq.num_prompt_tokens]
+            output = seq.token_ids[seq.num_prompt_tokens :]
+            token = sample(logits, params, state.generator, prompt, output)
+        if params.logprobs is not None:  # of the model's distribution, before sampling
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            top = torch.topk(logprobs, params.logprobs) if params.logprobs else None
+            alternatives = (
+                list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
+                if top is not None
+                else []
+            )
+            state.logprob = (token, float(logprobs[token]), alternatives)
+        return token
 
     def _deliver(self, state: _Active, token: int) -> None:
         """Stream the new token's text; finish on EOS, a stop string or max_tokens."""

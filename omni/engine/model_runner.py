@@ -17,7 +17,7 @@ from .block_manager import BlockManager
 from .cuda_graphs import BUCKETS, DecodeGraphs
 from .llama import LlamaForCausalLM
 from .scheduler import Batch
-from .sequence import Sequence
+from .sequence import PLACEHOLDER, Sequence
 
 # Step sizes (tokens) whose kernels warm_up compiles: one of each tile class of the linear
 # kernel (<= 64, <= 256, wider rows) and of Triton's integer specializations (1, multiples
@@ -25,6 +25,14 @@ from .sequence import Sequence
 WARM_STEP_TOKENS = (1, 7, 16, 48, 100, 128, 200, 256, 300, 512)
 CPU_CACHE_BYTES = 1 << 30  # default KV pool without a GPU; OMNI_KV_CACHE_BYTES overrides
 GPU_CACHE_FRACTION = 0.85  # of the memory left after the weights
+
+
+@dataclass
+class Previous:
+    """The tokens the last step sampled, still on the device, by sequence."""
+
+    tokens: torch.Tensor  # [sampling rows] int64
+    rows: dict[int, int]  # seq_id -> row of `tokens`
 
 
 @dataclass
@@ -75,7 +83,7 @@ class ModelRunner:
         return min(CPU_CACHE_BYTES, limit // 4) if limit else CPU_CACHE_BYTES
 
     @torch.inference_mode()
-    def warm_up(self, max_seqs: int, max_batch_tokens: int) -> None:
+    def warm_up(self, max_seqs: int, max_batch_tokens: int, graphs: bool = True) -> None:
         """Compile the kernels of every step-size class and capture every decode graph a
         step of at most `max_seqs` sequences can need, before the first request. Nothing is
         written to the cache (slots -1); the CPU path has nothing to compile."""
@@ -95,53 +103,93 @@ class ModelRunner:
             ids = torch.zeros(n, dtype=torch.int64, device=self.device)
             hidden = self.model.hidden_states(ids, step, self.k_cache, self.v_cache)
             self.model.logits(hidden[: min(n, max_seqs)])  # the lm head at as many rows
-        if self.graphs:
+        if self.graphs and graphs:
             for b in BUCKETS:  # up to the bucket that pads `max_seqs`
                 self.graphs.capture(b)
                 if b >= max_seqs:
                     break
         torch.cuda.synchronize(self.device)
 
-    def prepare(self, batch: Batch) -> tuple[torch.Tensor, StepInputs]:
-        ids, positions, slots, seq_lens, cu = [], [], [], [], [0]
-        num_decodes = sum(not seq.is_prefilling for seq in batch.seqs)
-        if any(seq.is_prefilling for seq in batch.seqs[:num_decodes]):
+    def prepare(
+        self, batch: Batch, previous: Previous | None = None
+    ) -> tuple[torch.Tensor, StepInputs]:
+        """The step's flat inputs, in two host-to-device copies from pinned memory (they do
+        not wait for the GPU). A decoding sequence whose newest token is still a
+        PLACEHOLDER takes it from `previous`, the last step's tokens on the device."""
+        seqs, counts = batch.seqs, batch.num_tokens
+        num_decodes = sum(not seq.is_prefilling for seq in seqs)
+        if any(seq.is_prefilling for seq in seqs[:num_decodes]):
             raise ValueError("a batch lists its decoding sequences first")
         bs = self.block_size
-        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):  # per sequence, not token
-            start = seq.num_computed
-            ids.extend(seq.token_ids[start : start + n])
-            pos = np.arange(start, start + n)
-            positions.append(pos)
-            slots.append(np.asarray(seq.block_table)[pos // bs] * bs + pos % bs)
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        filled: list[tuple[int, int]] = []  # (token index, row of `previous`)
+        for seq, n in zip(seqs, counts, strict=True):  # per sequence, not per token
+            start, table = seq.num_computed, seq.block_table
+            if n == 1:
+                token = seq.token_ids[start]
+                if token == PLACEHOLDER:
+                    if previous is None or seq.seq_id not in previous.rows:
+                        raise ValueError(f"sequence {seq.seq_id}: newest token unknown")
+                    filled.append((len(ids), previous.rows[seq.seq_id]))
+                ids.append(token)
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                pos = np.arange(start, start + n)
+                ids.extend(seq.token_ids[start : start + n])
+                positions.extend(pos.tolist())
+                slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
             seq_lens.append(start + n)
-            cu.append(cu[-1] + n)
-        positions, slots = np.concatenate(positions), np.concatenate(slots)
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
-
-        def t(values, dtype):
-            return torch.as_tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
+        t, width = len(ids), max(len(s.block_table) for s in seqs)
+        longs = np.empty(3 * t, dtype=np.int64)
+        longs[:t], longs[t : 2 * t], longs[2 * t :] = ids, positions, slots
+        ints = np.zeros(2 * len(seqs) + 1 + len(seqs) * width, dtype=np.int32)
+        b = len(seqs)
+        ints[:b] = seq_lens
+        ints[b + 1 : 2 * b + 1] = np.cumsum(counts)
+        tables = ints[2 * b + 1 :].reshape(b, width)
+        for row, seq in zip(tables, seqs, strict=True):
+            row[: len(seq.block_table)] = seq.block_table
+        longs_d, ints_d = self._to_device(longs), self._to_device(ints)
+        ids_d = longs_d[:t]
+        if filled:
+            at, rows = zip(*filled, strict=True)
+            ids_d[list(at)] = previous.tokens[list(rows)]
         step = StepInputs(
-            positions=t(positions, torch.int64),
-            slot_mapping=t(slots, torch.int64),
-            block_tables=t(tables, torch.int32),
-            seq_lens=t(seq_lens, torch.int32),
-            cu_seqlens_q=t(cu, torch.int32),
-            max_q_len=max(batch.num_tokens),
+            positions=longs_d[t : 2 * t],
+            slot_mapping=longs_d[2 * t :],
+            block_tables=ints_d[2 * b + 1 :].view(b, width),
+            seq_lens=ints_d[:b],
+            cu_seqlens_q=ints_d[b : 2 * b + 1],
+            max_q_len=max(counts),
             num_decodes=num_decodes,
         )
-        return t(ids, torch.int64), step
+        return ids_d, step
+
+    def _to_device(self, values: np.ndarray) -> torch.Tensor:
+        host = torch.from_numpy(values)
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     @torch.inference_mode()
-    def run(self, batch: Batch, all_logits: bool = False) -> torch.Tensor:
-        """Logits of each sampling sequence's last token (or of every token)."""
-        ids, step = self.prepare(batch)
-        if self.graphs and step.decode_only and self.graphs.bucket(len(batch.seqs)):
-            hidden = self.graphs.run(ids, step)
-        else:
-            hidden = self.model.hidden_states(ids, step, self.k_cache, self.v_cache)
+    def run(
+        self, batch: Batch, all_logits: bool = False, previous: Previous | None = None
+    ) -> torch.Tensor:
+        """Logits of each sampling sequence's last token (or of every token). Launches the
+        step and returns without waiting for the GPU."""
+        ids, step = self.prepare(batch, previous)
+        if (
+            self.graphs
+            and step.decode_only
+            and not all_logits
+            and self.graphs.bucket(len(batch.seqs))
+        ):
+            return self.graphs.run(ids, step)  # every decoding sequence samples
+        hidden = self.model.hidden_states(ids, step, self.k_cache, self.v_cache)
         if not all_logits:
             last = step.cu_seqlens_q[1:] - 1
             keep = [i for i in range(len(batch.seqs)) if batch.samples(i)]

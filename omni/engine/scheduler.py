@@ -5,6 +5,10 @@ waiting on the next token) with prefill chunks, under a per-step token budget,
 so a long prompt never stalls the running sequences. Requests join and leave
 between steps. When the KV cache runs out, the newest running sequence is
 preempted: its blocks are freed and it is recomputed later from its tokens.
+
+While the batch is full, waiting requests are admitted in groups (an eighth of
+the batch) rather than one per freed slot: each admission makes a mixed step,
+which runs eagerly, while pure decode steps replay CUDA graphs.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from .block_manager import BlockManager
-from .sequence import Sequence, Status
+from .sequence import PLACEHOLDER, Sequence, Status
 
 
 @dataclass
@@ -36,6 +40,7 @@ class Scheduler:
         self.blocks = blocks
         self.max_batch_tokens = max_batch_tokens
         self.max_seqs = max_seqs
+        self.admit_group = max(1, max_seqs // 8)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: newest last
         self.preemptions = 0
@@ -60,6 +65,8 @@ class Scheduler:
         for seq in [s for s in self.running if not s.is_prefilling]:
             if seq.status is not Status.RUNNING or budget == 0:
                 continue
+            if seq.num_generated >= seq.max_tokens:
+                continue  # its last token is still on the GPU; it ends when that arrives
             while not self.blocks.can_append(seq):
                 self._preempt(self.running[-1])
                 if seq.status is not Status.RUNNING:
@@ -76,11 +83,17 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.num_tokens.append(n)
                 budget -= n
-        # 3. admit waiting sequences while blocks and budget last
-        while self.waiting and budget > 0 and len(self.running) < self.max_seqs:
+        # 3. admit waiting sequences while blocks and budget last; a full batch takes a
+        # group at a time (or every waiting one, when fewer wait)
+        room = self.max_seqs - len(self.running)
+        decode_only = batch.seqs and not any(s.is_prefilling for s in batch.seqs)
+        if decode_only and room < min(self.admit_group, len(self.waiting)):
+            room = 0
+        while self.waiting and budget > 0 and room > 0:
             seq = self.waiting[0]
-            if not self.blocks.can_allocate(seq):
-                break
+            if seq.token_ids[-1] == PLACEHOLDER or not self.blocks.can_allocate(seq):
+                break  # (preempted with its newest token still on the GPU: next step)
+            room -= 1
             self.waiting.popleft()
             seq.num_computed = self.blocks.allocate(seq)  # prefix-cache hits are computed
             seq.status = Status.RUNNING
@@ -102,10 +115,11 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def update(self, batch: Batch, new_tokens: dict[int, int]) -> None:
-        """After a step: advance each sequence; append the tokens it sampled."""
+        """After a step: advance each sequence; append the tokens it sampled (PLACEHOLDER
+        where the value is still on the GPU: the engine fills it in later)."""
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             if seq.status is not Status.RUNNING:
-                continue  # aborted during the step
+                continue  # aborted or finished during the step
             seq.num_computed += n
             self.blocks.register_full_blocks(seq, seq.num_computed)
             if seq.seq_id in new_tokens:

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 from .block_manager import BlockOwner
 
 _ids = itertools.count()
+# A token sampled on the GPU whose value the host does not know yet: the step after it
+# is launched first (its input comes from the device), then the value is filled in.
+PLACEHOLDER = -1
 
 
 class Status(enum.Enum):
