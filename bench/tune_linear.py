@@ -1,0 +1,385 @@
+"""Tile sweep of the batch-invariant linear kernel on Llama-3-8B's bf16 shapes.
+
+Why: batch-1 decode is memory-bound, and at M=1 `_linear_kernel` with `tile_config`'s
+tiles reads the weights at about 2.5 TB/s where we need about 2.9 (an H100's HBM copy
+runs at 3.03). Every tile shape keeps each output element one fp32 accumulator chained
+through K in order, so any of them may replace the current one without changing a bit;
+this measures which is fastest per row count M and layer shape, and checks the bits.
+
+For each M (in order of importance, until --budget-s runs out) and shape (N, K): the time
+of tile_config's tiles and of every config of the search space, in µs, weight TB/s
+(N*K*2 bytes / time) and TFLOPS. Each config's output is compared with torch.equal to
+tile_config's on the same inputs; a mismatching config is reported, never chosen as best.
+Per M also the best single config for all shapes, by a decode step's linear time.
+
+Timing: CUDA events around each launch, all of a config's launches queued behind
+torch.cuda._sleep so that Python's launch overhead leaves no gaps: 3 warm-ups, then the
+median of 20. No L2 flush: the weights exceed the H100's 50 MB L2, except o (33.5 MB;
+qkv's 50 MB is borderline), whose small-M figures are partly served from L2.
+Compiling the ~1,100 (config, M specialization) pairs, about a second each, would take
+the whole budget, so a pool of processes compiles them into Triton's disk cache
+(kernel.warmup) ahead of the timing loop, in the same order.
+Writes bench/results/tune-linear-<gpu>.json.
+
+--small: tiny shapes and 3 configs under TRITON_INTERPRET=1 on the CPU in fp32 (the
+interpreter has no bf16), a check of the harness only: the interpreter's dot is numpy's,
+whose summation order follows the tile, so mismatches are expected there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import datetime
+import itertools
+import json
+import multiprocessing
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import NamedTuple
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from bench import results_io  # noqa: E402
+from omni.engine.kernels.matmul import SHARED_MEMORY, _linear_kernel, linear, tile_config  # noqa: E402
+
+SHAPES = {  # (N, K) of Llama-3-8B's weights, q/k/v and gate/up fused
+    "qkv": (6144, 4096),
+    "o": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
+}
+PER_STEP = {"lm_head": 1}  # runs per decode step; the other shapes once per layer
+LAYERS = 32
+M_ORDER = (1, 128, 256, 16, 4, 64, 32, 512)
+SPACE_DECODE = ((16, 32, 64), (16, 32, 64, 128), (64, 128, 256), (2, 4, 8), (3, 4, 5, 6, 8))
+SPACE_PREFILL = ((64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4, 5))
+SMALL_SHAPES = {"o": (64, 128), "down": (48, 192)}  # tails of N and K masked
+SMALL_M_ORDER = (1, 4, 16)
+KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+
+class Tile(NamedTuple):
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+    @classmethod
+    def of(cls, cfg: dict) -> Tile:
+        return cls(*(cfg[key] for key in KEYS))
+
+    def kwargs(self) -> dict:
+        return dict(zip(KEYS, self, strict=True))
+
+    def __str__(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.warps} s{self.stages}"
+
+
+def candidates(m: int, current: list[Tile], small: bool) -> list[Tile]:
+    """tile_config's tiles first (always timed), then the search space for this M."""
+    if small:
+        return list(dict.fromkeys([*current, Tile(16, 32, 64, 4, 3), Tile(32, 16, 32, 2, 3)]))
+    space = map(Tile._make, itertools.product(*(SPACE_DECODE if m <= 64 else SPACE_PREFILL)))
+    fits = [
+        t
+        for t in space
+        if (t.block_m + t.block_n) * t.block_k * 2 * t.stages <= SHARED_MEMORY
+        and t.block_m <= 2 * max(m, 16)
+    ]
+    return list(dict.fromkeys(current + fits))
+
+
+def launch(tile: Tile, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """As `linear()` launches it (no bias: the weight stands in for the unused pointer)."""
+    (m, k), n = x.shape, w.shape[0]
+    grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n),)
+    _linear_kernel[grid](x, w, w, out, m, n, k, HAS_BIAS=False, GROUP_M=8, **tile.kwargs())
+
+
+def _compile(kwargs: dict, m: int) -> str | None:
+    """In a pool process: compile for this M's specialization (N and K are multiples of 16
+    in every shape) into Triton's disk cache; the error, if any (the launch repeats it)."""
+    try:
+        bf16 = [torch.bfloat16] * 4
+        _linear_kernel.warmup(*bf16, m, 4096, 4096, HAS_BIAS=False, GROUP_M=8, grid=(1,), **kwargs)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"[:300]
+    return None
+
+
+class Precompiler:
+    """Compiles ahead in `jobs` processes; without them (or once the pool breaks) the
+    first launch compiles, as usual."""
+
+    def __init__(self, jobs: int) -> None:
+        ctx = multiprocessing.get_context("spawn")  # never fork a process holding CUDA
+        self.pool = cf.ProcessPoolExecutor(jobs, mp_context=ctx) if jobs > 0 else None
+        self.futures: dict[tuple, cf.Future] = {}
+
+    @staticmethod
+    def key(tile: Tile, m: int) -> tuple:
+        return tile, 1 if m == 1 else m % 16 == 0  # Triton specializes ints on == 1, % 16
+
+    def submit(self, tile: Tile, m: int) -> None:
+        if self.pool and self.key(tile, m) not in self.futures:
+            self.futures[self.key(tile, m)] = self.pool.submit(_compile, tile.kwargs(), m)
+
+    def wait(self, tile: Tile, m: int, deadline: float) -> bool:
+        """Until this tile is compiled; False when the deadline passes first."""
+        try:
+            if fut := self.futures.get(self.key(tile, m)):
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except cf.TimeoutError:
+            return False
+        except Exception as exc:  # a broken pool
+            print(f"precompile pool failed ({type(exc).__name__}: {exc}); compiling here")
+            self.close()
+        return time.monotonic() < deadline
+
+    def close(self) -> None:
+        if self.pool:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool, self.futures = None, {}
+
+
+class Timer:
+    """Median µs of each of a list of launches. On the GPU from CUDA events around each
+    launch, all of them queued behind torch.cuda._sleep (longer while the GPU wakes before
+    the queue is full), so Python's launch overhead leaves no gaps between the kernels."""
+
+    def __init__(self, count: int, warmup: int, iters: int) -> None:
+        self.warmup, self.iters, self.cycles = warmup, iters, 10**7  # ~5 ms on an H100
+        if torch.cuda.is_available():
+            event = partial(torch.cuda.Event, enable_timing=True)
+            self.events = [
+                [(event(), event()) for _ in range(warmup + iters)] for _ in range(count)
+            ]
+
+    def __call__(self, fns: list[Callable[[], None]]) -> list[float]:
+        if not torch.cuda.is_available():  # the interpreter: wall time
+            return [self.wall(f) for f in fns]
+        while True:
+            torch.cuda._sleep(self.cycles)
+            gate = torch.cuda.Event()
+            gate.record()
+            for f, pairs in zip(fns, self.events, strict=True):
+                for start, end in pairs:
+                    start.record()
+                    f()
+                    end.record()
+            if not gate.query() or self.cycles >= 2**31:  # still asleep: queued in time
+                break
+            torch.cuda.synchronize()
+            self.cycles *= 2
+        torch.cuda.synchronize()
+        return [
+            statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs[self.warmup :])
+            for pairs in self.events
+        ]
+
+    def wall(self, f: Callable[[], None]) -> float:
+        times = []
+        for _ in range(self.warmup + self.iters):
+            t0 = time.perf_counter()
+            f()
+            times.append((time.perf_counter() - t0) * 1e6)
+        return statistics.median(times[self.warmup :])
+
+
+def sweep(args: argparse.Namespace, shapes: dict, m_order: tuple[int, ...]) -> dict:
+    deadline = time.monotonic() + args.budget_s
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32  # the interpreter lacks bf16
+    gen = torch.Generator(dev).manual_seed(0)
+    weights, inputs = {}, {}
+    for name, (n, k) in shapes.items():  # inputs and outputs O(1), never zeros
+        weights[name] = (torch.randn(n, k, device=dev, generator=gen) * k**-0.5).to(dtype)
+        if k not in inputs:
+            inputs[k] = torch.randn(max(m_order), k, device=dev, generator=gen).to(dtype)
+    current = {
+        m: {s: Tile.of(tile_config(m, n, dtype.itemsize)) for s, (n, _) in shapes.items()}
+        for m in m_order
+    }
+    plan = [(m, candidates(m, list(current[m].values()), args.small)) for m in m_order]
+    pre, timer = Precompiler(args.jobs), Timer(len(shapes), args.warmup, args.iters)
+    for m, tiles in plan:
+        for tile in tiles:
+            pre.submit(tile, m)
+    rows, per_m, failed, examples = [], [], Counter(), {}
+    first_launch_s, stopped = 0.0, None
+    for m, tiles in plan:
+        xs = {name: inputs[k][:m] for name, (_, k) in shapes.items()}
+        refs = {name: linear(xs[name], w) for name, w in weights.items()}
+        outs = {name: torch.empty_like(ref) for name, ref in refs.items()}
+        timed: dict[Tile, dict[str, tuple[float, bool]]] = {}  # tile: shape: (µs, equal)
+        t0, tried = time.monotonic(), 0
+        for tile in tiles:
+            if not pre.wait(tile, m, deadline):
+                stopped = f"out of time at M={m} after {tried} of {len(tiles)} configs"
+                break
+            tried += 1
+            try:
+                t1 = time.perf_counter()
+                same = {}
+                for name, w in weights.items():  # compiles (or loads) it, checks the bits
+                    launch(tile, xs[name], w, outs[name])
+                    same[name] = torch.equal(outs[name], refs[name])
+                first_launch_s += time.perf_counter() - t1
+                us = timer([partial(launch, tile, xs[n], w, outs[n]) for n, w in weights.items()])
+            except Exception as exc:  # out of resources, compile errors
+                failed[type(exc).__name__] += 1
+                examples.setdefault(type(exc).__name__, f"{tile}: {exc}"[:300])
+                continue
+            timed[tile] = {name: (u, same[name]) for name, u in zip(weights, us, strict=True)}
+        rows += summarize(m, shapes, current[m], timed, dtype.itemsize)
+        per_m.append(step_summary(m, current[m], timed))
+        per_m[-1] |= dict(configs=len(tiles), failed=tried - len(timed))
+        per_m[-1]["seconds"] = round(time.monotonic() - t0, 1)
+        print(
+            f"M={m}: {len(timed)} of {len(tiles)} configs in {per_m[-1]['seconds']} s", flush=True
+        )
+        if stopped:
+            break
+    pre.close()
+    return {
+        "rows": rows,
+        "per_m": per_m,
+        "stopped": stopped,
+        "failed_configs": dict(failed),
+        "failure_examples": examples,
+        "first_launch_s": round(first_launch_s, 1),  # load + check; high: the pool missed
+    }
+
+
+def figures(prefix: str, us: float, m: int, n: int, k: int, itemsize: int) -> dict:
+    return {
+        f"{prefix}_us": round(us, 2),
+        f"{prefix}_weight_tbps": round(n * k * itemsize / us / 1e6, 3),
+        f"{prefix}_tflops": round(2 * m * n * k / us / 1e6, 2),
+    }
+
+
+def summarize(m: int, shapes: dict, current: dict, timed: dict, itemsize: int) -> list[dict]:
+    """Per shape: tile_config's tiles against the fastest bit-identical config."""
+    rows = []
+    for name, (n, k) in shapes.items():
+        cur, got = current[name], {t: r[name] for t, r in timed.items()}
+        ok = sorted((us, t) for t, (us, same) in got.items() if same)
+        if cur not in got or not ok:
+            continue
+        (best_us, best), cur_us = ok[0], got[cur][0]
+        rows.append(
+            {"M": m, "shape": name, "N": n, "K": k, "configs": len(got), "current": str(cur)}
+            | figures("current", cur_us, m, n, k, itemsize)
+            | {"best": str(best)}
+            | figures("best", best_us, m, n, k, itemsize)
+            | {
+                "speedup": round(cur_us / best_us, 3),
+                "mismatches": [str(t) for t, (_, same) in got.items() if not same],
+                "top": [[str(t), round(us, 2)] for us, t in ok[:8]],
+            }
+        )
+    return rows
+
+
+def step_summary(m: int, current: dict, timed: dict) -> dict:
+    """The best single config for this M by a decode step's linear time (32 layers +
+    lm_head), and tile_config's (a tile is timed on all shapes or on none)."""
+
+    def step(tile_of: Callable[[str], Tile]) -> float:
+        return round(sum(PER_STEP.get(s, LAYERS) * timed[tile_of(s)][s][0] for s in current), 1)
+
+    out: dict = {"M": m, "configs_timed": len(timed)}
+    if all(t in timed for t in current.values()):
+        out["current_step_us"] = step(current.__getitem__)
+    if ok := [t for t, r in timed.items() if all(same for _, same in r.values())]:
+        best = min(ok, key=lambda t: step(lambda _: t))
+        out |= {"best_single": str(best), "best_single_step_us": step(lambda _: best)}
+    return out
+
+
+def print_table(res: dict) -> None:
+    head = f"{'M':>4} {'shape':8} {'cur us':>9} {'cur TB/s':>8} {'best us':>9} {'best TB/s':>9}"
+    print(f"\n{head} {'TFLOPS':>7} {'best config':22} {'speedup':>7}  mismatches")
+    for r in res["rows"]:
+        print(
+            f"{r['M']:4} {r['shape']:8} {r['current_us']:9.1f} {r['current_weight_tbps']:8.2f} "
+            f"{r['best_us']:9.1f} {r['best_weight_tbps']:9.2f} {r['best_tflops']:7.1f} "
+            f"{r['best']:22} {r['speedup']:7.3f}  {len(r['mismatches'])} "
+            + ", ".join(r["mismatches"][:3])
+        )
+    print("\nper M, one config for all shapes (a step: 32 layers + lm_head, µs):")
+    for p in res["per_m"]:
+        print(
+            f"  M={p['M']:<4} {p['configs_timed']}/{p['configs']} configs ({p['failed']} failed) "
+            f"in {p['seconds']} s; current {p.get('current_step_us')}, "
+            f"best {p.get('best_single')} {p.get('best_single_step_us')}"
+        )
+    print(f"failed: {res['failed_configs']}; {res['stopped'] or 'sweep complete'}")
+
+
+def gpu_tag() -> str:
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name()
+    if m := re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", name):
+        return m.group(1).lower()
+    return re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-")
+
+
+def save(name: str, data: dict, out: Path | None) -> Path:
+    """bench/results/<name>.json, or the same record at `out`."""
+    if out is None:
+        return results_io.write_result(name, data)
+    record = {
+        "benchmark": name,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(),
+        "commit": results_io.commit(),
+        "device": results_io.device(),
+        **data,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--budget-s", type=float, default=100.0, help="cap of the sweep (s)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--jobs", type=int, help="compile processes (default: CPUs - 2; 0: none)")
+    ap.add_argument("--small", action="store_true", help="tiny shapes on the CPU interpreter")
+    ap.add_argument("--out", type=Path, help="result file (default bench/results/...)")
+    args = ap.parse_args()
+    if args.small:
+        args.warmup, args.iters = 1, 3
+        args.out = args.out or Path(tempfile.mkdtemp()) / "tune-linear-small.json"
+    if args.jobs is None:
+        args.jobs = max(1, (os.cpu_count() or 2) - 2) if torch.cuda.is_available() else 0
+    shapes, m_order = (SMALL_SHAPES, SMALL_M_ORDER) if args.small else (SHAPES, M_ORDER)
+    res = sweep(args, shapes, m_order)
+    print_table(res)
+    settings = {k: getattr(args, k) for k in ("budget_s", "warmup", "iters", "jobs", "small")}
+    notes = "no L2 flush: the o (33.5 MB) and qkv (50 MB) weights fit the 50 MB L2 in part"
+    data = {"settings": settings, "notes": notes, **res}
+    print("wrote", save(f"tune-linear-{gpu_tag()}", data, args.out))
+
+
+if __name__ == "__main__":
+    main()
