@@ -7,19 +7,16 @@ errors name the file and the problem instead of failing deep inside a model.
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
+
+from . import safetensors_reader
+from .safetensors_reader import CheckpointError  # defined there, imported from here by callers
 
 CAUSAL_LM_SUFFIX = "ForCausalLM"
 ENCODER_ARCHITECTURES = {"BertModel", "BertForMaskedLM"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be served; the message names the file."""
 
 
 def _read_json(path: Path) -> dict:
@@ -96,22 +93,6 @@ class Checkpoint:
     def load_tensors(
         self, device: torch.device | str, dtype: torch.dtype
     ) -> dict[str, torch.Tensor]:
-        """All tensors, memory-mapped and loaded one shard per thread straight to `device`."""
-        files = self.shard_files()
-
-        def load(path: Path) -> dict[str, torch.Tensor]:
-            out = {}
-            try:
-                with safe_open(str(path), framework="pt", device=str(device)) as f:
-                    for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                        tensor = f.get_tensor(name)
-                        out[name] = tensor.to(dtype) if tensor.is_floating_point() else tensor
-            except (SafetensorError, OSError) as exc:
-                raise CheckpointError(f"{path}: cannot read safetensors ({exc})") from None
-            return out
-
-        tensors: dict[str, torch.Tensor] = {}
-        with ThreadPoolExecutor(max_workers=min(8, len(files))) as pool:
-            for part in pool.map(load, files):
-                tensors.update(part)
-        return tensors
+        """All tensors on `device`, floating ones cast to `dtype`: through pinned chunked
+        reads on CUDA, memory-mapped elsewhere (see safetensors_reader)."""
+        return safetensors_reader.load_tensors(self.shard_files(), device, dtype)
