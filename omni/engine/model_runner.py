@@ -20,8 +20,9 @@ from .scheduler import Batch
 from .sequence import PLACEHOLDER, Sequence
 
 # Step sizes (tokens) whose kernels warm_up compiles: one of each tile class of the linear
-# kernel (<= 64, <= 256, wider rows) and of Triton's integer specializations (1, multiples
-# of 16, others); a first request of a new size would otherwise wait seconds for the compiler.
+# kernel (<= 16, <= 64, <= 128, <= 256, wider rows) and of Triton's integer specializations
+# (1, multiples of 16, others); a first request of a new size would otherwise wait seconds
+# for the compiler.
 WARM_STEP_TOKENS = (1, 7, 16, 48, 100, 128, 200, 256, 300, 512)
 CPU_CACHE_BYTES = 1 << 30  # default KV pool without a GPU; OMNI_KV_CACHE_BYTES overrides
 GPU_CACHE_FRACTION = 0.85  # of the memory left after the weights
@@ -44,6 +45,7 @@ class StepInputs:
     cu_seqlens_q: torch.Tensor  # [seqs + 1] int32
     max_q_len: int
     num_decodes: int  # the first sequences decode one token each: the split-KV decode kernel
+    sample_at: torch.Tensor | None = None  # [sampling sequences]: their last token's index
 
     @property
     def decode_only(self) -> bool:
@@ -143,29 +145,38 @@ class ModelRunner:
                 positions.extend(pos.tolist())
                 slots.extend((np.asarray(table)[pos // bs] * bs + pos % bs).tolist())
             seq_lens.append(start + n)
-        t, width = len(ids), max(len(s.block_table) for s in seqs)
-        longs = np.empty(3 * t, dtype=np.int64)
-        longs[:t], longs[t : 2 * t], longs[2 * t :] = ids, positions, slots
-        ints = np.zeros(2 * len(seqs) + 1 + len(seqs) * width, dtype=np.int32)
+        # sampled rows (each sampling sequence's last token) and the placeholders' sources
+        # travel in the same copies: indexing with host lists would copy synchronously
+        # (a wait for the step in flight)
+        ends = np.cumsum(counts)
+        sample_at = [int(ends[i]) - 1 for i in range(len(seqs)) if batch.samples(i)]
+        at, rows = ([a for a, _ in filled], [r for _, r in filled]) if filled else ([], [])
+        t, width, k, f = len(ids), max(len(s.block_table) for s in seqs), len(sample_at), len(at)
+        longs = np.empty(3 * t + k + 2 * f, dtype=np.int64)
+        longs[:t], longs[t : 2 * t], longs[2 * t : 3 * t] = ids, positions, slots
+        longs[3 * t : 3 * t + k] = sample_at
+        longs[3 * t + k : 3 * t + k + f], longs[3 * t + k + f :] = at, rows
         b = len(seqs)
+        ints = np.zeros(2 * b + 1 + b * width, dtype=np.int32)
         ints[:b] = seq_lens
-        ints[b + 1 : 2 * b + 1] = np.cumsum(counts)
+        ints[b + 1 : 2 * b + 1] = ends
         tables = ints[2 * b + 1 :].reshape(b, width)
         for row, seq in zip(tables, seqs, strict=True):
             row[: len(seq.block_table)] = seq.block_table
         longs_d, ints_d = self._to_device(longs), self._to_device(ints)
         ids_d = longs_d[:t]
         if filled:
-            at, rows = zip(*filled, strict=True)
-            ids_d[list(at)] = previous.tokens[list(rows)]
+            at_d, rows_d = longs_d[3 * t + k : 3 * t + k + f], longs_d[3 * t + k + f :]
+            ids_d[at_d] = previous.tokens[rows_d]
         step = StepInputs(
             positions=longs_d[t : 2 * t],
-            slot_mapping=longs_d[2 * t :],
+            slot_mapping=longs_d[2 * t : 3 * t],
             block_tables=ints_d[2 * b + 1 :].view(b, width),
             seq_lens=ints_d[:b],
             cu_seqlens_q=ints_d[b : 2 * b + 1],
             max_q_len=max(counts),
             num_decodes=num_decodes,
+            sample_at=longs_d[3 * t : 3 * t + k],
         )
         return ids_d, step
 
@@ -191,9 +202,7 @@ class ModelRunner:
             return self.graphs.run(ids, step)  # every decoding sequence samples
         hidden = self.model.hidden_states(ids, step, self.k_cache, self.v_cache)
         if not all_logits:
-            last = step.cu_seqlens_q[1:] - 1
-            keep = [i for i in range(len(batch.seqs)) if batch.samples(i)]
-            hidden = hidden[last[keep]]
+            hidden = hidden[step.sample_at]
         return self.model.logits(hidden)
 
 

@@ -27,11 +27,16 @@ SHARED_MEMORY = 200 * 1024  # of an H100 SM's 227 KiB, for the pipelined x and w
 
 def tile_config(m: int, n: int, itemsize: int = 2) -> dict:
     """The tiles measured fastest on an H100 (bf16) for this many rows
-    (bench/matmul_bench.py), with fewer pipeline stages where wider types need it."""
-    if m <= 64:  # memory-bound: many narrow column tiles, deep pipelines
+    (bench/tune_linear.py, bench/results/tune-linear-h100.json), with fewer pipeline
+    stages where wider types need it."""
+    if m <= 16:  # decode of a few sequences: pure weight streaming, 16-row tiles
+        cfg, stages = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=2), 6
+    elif m <= 64:  # memory-bound: many narrow column tiles, deep pipelines
         block_n = 16 if n <= 2048 else 32
         cfg = dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=128, num_warps=4)
         stages = 6 if block_n == 16 else 5
+    elif m <= 128:
+        cfg, stages = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4), 5
     elif m <= 256 and triton.cdiv(m, 128) * triton.cdiv(n, 128) < SMS:
         cfg, stages = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4), 4
     else:
