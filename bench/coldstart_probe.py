@@ -42,7 +42,7 @@ def main() -> None:
     mark("torch_imported")
     from omni.engine.checkpoint import Checkpoint
     from omni.engine.engine import Engine, GenerationRequest
-    from omni.engine.llama import LlamaConfig, LlamaForCausalLM
+    from omni.engine.llama import LlamaConfig, LlamaForCausalLM, fused_groups
     from omni.engine.sampling import SamplingParams
     from omni.engine.tokenizer import TextTokenizer
 
@@ -55,11 +55,12 @@ def main() -> None:
         torch.empty(1, device=device)
     mark("device_ready")
     ckpt = Checkpoint.open(args.ckpt)
-    tensors = ckpt.load_tensors(device, dtype)  # what LlamaForCausalLM.load does, in two marks
+    cfg = LlamaConfig.from_checkpoint(ckpt)  # LlamaForCausalLM.load, in two marks:
+    tensors = ckpt.load_tensors(device, dtype, together=fused_groups(cfg))
     if device == "cuda":
         torch.cuda.synchronize()
     mark("tensors_read")
-    model = LlamaForCausalLM.from_state(LlamaConfig.from_checkpoint(ckpt), tensors, ckpt.path)
+    model = LlamaForCausalLM.from_state(cfg, tensors, ckpt.path)
     if device == "cuda":
         torch.cuda.synchronize()
     mark("weights_loaded")

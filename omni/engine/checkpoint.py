@@ -7,6 +7,7 @@ errors name the file and the problem instead of failing deep inside a model.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,8 +92,12 @@ class Checkpoint:
         return files
 
     def load_tensors(
-        self, device: torch.device | str, dtype: torch.dtype
+        self,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        together: Sequence[Sequence[str]] = (),
     ) -> dict[str, torch.Tensor]:
         """All tensors on `device`, floating ones cast to `dtype`: through pinned chunked
-        reads on CUDA, memory-mapped elsewhere (see safetensors_reader)."""
-        return safetensors_reader.load_tensors(self.shard_files(), device, dtype)
+        reads on CUDA, memory-mapped elsewhere (see safetensors_reader); each group in
+        `together` back to back in one allocation."""
+        return safetensors_reader.load_tensors(self.shard_files(), device, dtype, together)

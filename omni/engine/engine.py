@@ -114,6 +114,7 @@ class Engine:
         block_size: int = 16,
         num_blocks: int | None = None,
         max_batch_tokens: int | None = None,
+        max_seqs: int | None = None,
         before_step: Callable[[], None] | None = None,
     ):
         self.model = model
@@ -125,7 +126,7 @@ class Engine:
         self.scheduler = Scheduler(
             BlockManager(self.runner.num_blocks, block_size),
             max_batch_tokens or (8192 if on_gpu else 512),
-            max_seqs=512 if on_gpu else 256,
+            max_seqs=max_seqs or (512 if on_gpu else 256),
         )
         self._in_flight: _InFlight | None = None
         self._inbox: queue.Queue[tuple[GenerationRequest, Emit] | None] = queue.Queue()

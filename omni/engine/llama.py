@@ -236,7 +236,8 @@ class LlamaForCausalLM(nn.Module):
     @classmethod
     def load(cls, ckpt: Checkpoint, device="cpu", dtype=torch.float32) -> LlamaForCausalLM:
         cfg = LlamaConfig.from_checkpoint(ckpt)
-        return cls.from_state(cfg, ckpt.load_tensors(device, dtype), ckpt.path)
+        state = ckpt.load_tensors(device, dtype, together=fused_groups(cfg))
+        return cls.from_state(cfg, state, ckpt.path)
 
     @classmethod
     def from_state(cls, cfg: LlamaConfig, state: dict, source="state") -> LlamaForCausalLM:
@@ -271,6 +272,31 @@ FUSED = {
 }
 
 
+def fused_groups(cfg: LlamaConfig) -> list[list[str]]:
+    """The checkpoint tensors each fused projection stacks, in order: read back to back,
+    they are fused without a copy."""
+    return [
+        [f"model.layers.{i}.{part}.{kind}" for part in parts]
+        for i in range(cfg.num_layers)
+        for parts in FUSED.values()
+        for kind in ("weight", "bias")
+    ]
+
+
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """torch.cat(tensors), as a view when they already lie back to back in one storage."""
+    first = tensors[0]
+    at = first.data_ptr()
+    adjacent = all(t.is_contiguous() for t in tensors)
+    for t in tensors:
+        adjacent = adjacent and t.data_ptr() == at
+        at += t.numel() * t.element_size()
+    if adjacent and len({t.untyped_storage().data_ptr() for t in tensors}) == 1:
+        shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
+        return first.as_strided(shape, torch.empty(shape, device="meta").stride())
+    return torch.cat(tensors)
+
+
 def fuse_projections(state: dict[str, torch.Tensor], cfg: LlamaConfig, path) -> None:
     """Stack each layer's q/k/v and gate/up tensors of a checkpoint into the fused
     projections the model runs, in place, one layer at a time (the parts are freed as
@@ -293,5 +319,5 @@ def fuse_projections(state: dict[str, torch.Tensor], cfg: LlamaConfig, path) -> 
                         f"{n} {tuple(t.shape)}" for n, t in zip(names, tensors, strict=True)
                     )
                     raise CheckpointError(f"{path}: tensors of unequal width: {shapes}")
-                state[f"{prefix}{fused}.{kind}"] = torch.cat(tensors)
+                state[f"{prefix}{fused}.{kind}"] = _stacked(tensors)
                 del tensors

@@ -156,15 +156,19 @@ def _check_layout(path: Path, tensors: list[TensorEntry], data_size: int) -> Non
 
 
 def load_tensors(
-    files: Sequence[str | Path], device: torch.device | str, dtype: torch.dtype
+    files: Sequence[str | Path],
+    device: torch.device | str,
+    dtype: torch.dtype,
+    together: Sequence[Sequence[str]] = (),
 ) -> dict[str, torch.Tensor]:
     """All tensors of the shards on `device`, floating ones cast to `dtype` (integer
     tensors keep theirs). CUDA goes through the chunked pinned reader, anything else
-    through safetensors' memory map."""
+    through safetensors' memory map. Each group in `together` is read into one
+    allocation, back to back (on CUDA): a fused projection is then a view, not a copy."""
     device = torch.device(device)
     headers = [read_header(f) for f in files]
     if device.type == "cuda":
-        return read_tensors(headers, device, dtype, pinned=True)
+        return read_tensors(headers, device, dtype, pinned=True, together=together)
     return _load_mapped(headers, device, dtype)
 
 
@@ -249,6 +253,7 @@ def read_tensors(
     chunk_bytes: int = CHUNK_BYTES,
     pinned: bool | None = None,
     workers: int | None = None,
+    together: Sequence[Sequence[str]] = (),
 ) -> dict[str, torch.Tensor]:
     """The shards' tensors read chunk by chunk into tensors allocated on `device`.
 
@@ -265,7 +270,8 @@ def read_tensors(
     cuda = device.type == "cuda"
     pinned = cuda if pinned is None else pinned
     headers = [h if isinstance(h, Header) else read_header(h) for h in headers]
-    shards = [(h, _allocate(h, device)) for h in headers]
+    grouped = _allocate_groups(headers, together, device)
+    shards = [(h, _allocate(h, device, grouped)) for h in headers]
     _read_into(shards, device, pinned, chunk_bytes, workers or min(8, os.cpu_count() or 1))
     tensors = {
         t.name: raws[t.name].view(t.dtype).view(t.shape) for h, raws in shards for t in h.tensors
@@ -276,13 +282,36 @@ def read_tensors(
     return tensors
 
 
-def _allocate(header: Header, device: torch.device) -> dict[str, torch.Tensor]:
+def _allocate(
+    header: Header, device: torch.device, grouped: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
     """A flat uint8 destination per tensor, so that chunks can end anywhere in it. One
-    allocation per tensor, not per shard: the model frees tensors one by one."""
+    allocation per tensor (or group), not per shard: the model frees them one by one."""
     return {
-        t.name: torch.empty(t.end - t.begin, dtype=torch.uint8, device=device)
+        t.name: grouped.get(t.name)
+        if t.name in grouped
+        else torch.empty(t.end - t.begin, dtype=torch.uint8, device=device)
         for t in header.tensors
     }
+
+
+def _allocate_groups(
+    headers: Sequence[Header], together: Sequence[Sequence[str]], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Flat destinations of each group's tensors, slices of one allocation in the group's
+    order; a group whose tensors are not all present with one dtype is left alone."""
+    entries = {t.name: t for h in headers for t in h.tensors}
+    out: dict[str, torch.Tensor] = {}
+    for names in together:
+        parts = [entries.get(n) for n in names]
+        if None in parts or len({p.dtype for p in parts}) != 1:
+            continue
+        base = torch.empty(sum(p.end - p.begin for p in parts), dtype=torch.uint8, device=device)
+        pos = 0
+        for p in parts:
+            out[p.name] = base[pos : pos + p.end - p.begin]
+            pos += p.end - p.begin
+    return out
 
 
 def _read_into(

@@ -98,6 +98,21 @@ def test_tensors_are_separate_allocations(shards):
         assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
 
 
+def test_a_group_is_read_back_to_back_into_one_allocation(shards):
+    """What fused projections rely on: the group's tensors adjacent, in the group's order,
+    across shards; a group with a missing tensor or mixed dtypes is read as usual."""
+    group = ["c.also", "a.weight"]  # both bf16, in two shards, listed out of file order
+    got = read_tensors(
+        shards, "cpu", None, chunk_bytes=4096, together=[group, ["a.weight", "nope"]]
+    )
+    assert_same(got, reference(shards))
+    first, second = got["c.also"], got["a.weight"]
+    assert first.untyped_storage().data_ptr() == second.untyped_storage().data_ptr()
+    assert second.data_ptr() == first.data_ptr() + first.numel() * first.element_size()
+    mixed = read_tensors(shards, "cpu", None, together=[["a.bias", "a.weight"]])
+    assert mixed["a.bias"].untyped_storage().nbytes() == 97 * 4
+
+
 def test_header(shards):
     header = read_header(shards[0])
     assert header.metadata == {"format": "pt"}
@@ -180,3 +195,16 @@ def test_cuda_read_matches_cpu(shards, chunk_bytes):
     assert_same(got, want)
     cast = load_tensors(shards, "cuda", torch.bfloat16)
     assert_same(cast, {k: v.bfloat16() if v.is_floating_point() else v for k, v in want.items()})
+
+
+def test_fusing_adjacent_projections_is_a_view_and_others_a_copy():
+    from omni.engine.llama import _stacked
+
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(10, 4, generator=gen)
+    parts = [base[:6], base[6:8], base[8:]]  # q, k, v as read back to back
+    fused = _stacked(parts)
+    assert fused.data_ptr() == base.data_ptr() and torch.equal(fused, base)
+    apart = [torch.randn(6, 4, generator=gen), torch.randn(2, 4, generator=gen)]
+    assert torch.equal(_stacked(apart), torch.cat(apart))
+    assert torch.equal(_stacked([base[6:8], base[:6]]), torch.cat([base[6:8], base[:6]]))
