@@ -20,6 +20,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import queue  # noqa: E402
 import random  # noqa: E402
+import sys  # noqa: E402
 
 
 def main() -> None:
@@ -100,6 +101,7 @@ def main() -> None:
                 "cold_start_s": marks,
                 "full_batch": {"requests": args.batch, "prompt_tokens": args.prompt},
                 "first_prompt_tokens": args.first_prompt,
+                "pycache_prefix": sys.pycache_prefix,
             },
             f,
         )

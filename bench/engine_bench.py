@@ -1098,6 +1098,10 @@ def orchestrate(args) -> int:
     the cold start, then the online rates (the longest). One that would start with less
     than MIN_PHASE_S left before --deadline is skipped; results are rewritten after each."""
     deadline = Deadline(time.time() + args.deadline)
+    # Byte-compiled modules for the children, where site-packages has none and cannot take
+    # them (as on the lent GPU host): else every process compiles torch's sources again,
+    # seconds of each start that an installed host (pip writes .pyc files) never pays.
+    os.environ.setdefault("PYTHONPYCACHEPREFIX", str(Path(tempfile.gettempdir()) / "omni-pyc"))
     name = args.name or f"engine-{device_tag()}" + ("-small" if args.small else "")
     workdir = Path(tempfile.mkdtemp(prefix="engine-bench-"))
     phases: dict = {"prepare": run_child("prepare", args, workdir, deadline)}

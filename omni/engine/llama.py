@@ -94,9 +94,9 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, device=None):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
@@ -144,19 +144,19 @@ class Linear(nn.Linear):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer: int):
+    def __init__(self, cfg: LlamaConfig, layer: int, device=None):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.q_dim, self.kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         # q, k and v in one matmul: one launch and one pass over x instead of three (the
         # checkpoint's q_proj/k_proj/v_proj are stacked at load, see fuse_projections).
         self.qkv_proj = Linear(
-            cfg.hidden_size, self.q_dim + 2 * self.kv_dim, bias=cfg.attention_bias
+            cfg.hidden_size, self.q_dim + 2 * self.kv_dim, bias=cfg.attention_bias, device=device
         )
-        self.o_proj = Linear(self.q_dim, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_dim, cfg.hidden_size, bias=False, device=device)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device)
 
     def forward(self, x: torch.Tensor, step, k_cache, v_cache, inv_freq) -> torch.Tensor:
         cfg, n = self.cfg, x.shape[0]
@@ -175,23 +175,24 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, device=None):
         super().__init__()
         # gate and up in one matmul, then one kernel for silu(gate) * up
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        width = 2 * cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, width, bias=False, device=device)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops(x.device).silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer: int):
+    def __init__(self, cfg: LlamaConfig, layer: int, device=None):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.self_attn = Attention(cfg, layer, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.mlp = MLP(cfg, device)
 
     def forward(self, x, residual, step, k_cache, v_cache, inv_freq):
         """(x, residual) in and out: each norm also adds the residual, in one kernel."""
@@ -205,19 +206,22 @@ class DecoderLayer(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, device=None):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, device) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    def __init__(self, cfg: LlamaConfig, device=None):
+        """`device="meta"`: the structure only, for a checkpoint's tensors to fill (passed
+        down rather than a `torch.device` context, which imports torch._dynamo: seconds
+        of a cold start)."""
         super().__init__()
         self.cfg = cfg
-        self.model = Backbone(cfg)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.model = Backbone(cfg, device)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     @torch.inference_mode()
@@ -243,8 +247,7 @@ class LlamaForCausalLM(nn.Module):
     def from_state(cls, cfg: LlamaConfig, state: dict, source="state") -> LlamaForCausalLM:
         """The model on a checkpoint's tensors (HF names; taken over, not copied, but for
         the fused projections); CheckpointError names what is missing or misshapen."""
-        with torch.device("meta"):
-            model = cls(cfg)
+        model = cls(cfg, device="meta")
         fuse_projections(state, cfg, source)
         if cfg.tie_embeddings:
             state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
