@@ -677,8 +677,14 @@ def run_child(phase: str, args, workdir: Path, deadline: Deadline, **extra: str)
     argv += ["--phase", phase, "--phase-out", str(result), "--deadline-at", str(deadline.at)]
     for key, value in extra.items():
         argv += [f"--{key}", value]
+    return run_process(argv, result, f"phase {phase}", deadline)
+
+
+def run_process(argv: list[str], result: Path, label: str, deadline: Deadline) -> dict:
+    """Run `argv` (told its spawn time in OMNI_BENCH_T0), killed at the deadline; the JSON
+    it wrote to `result` by then, with its wall time and exit status."""
     env = dict(os.environ, OMNI_BENCH_T0=str(time.time()))
-    print(f"== {phase}")
+    print(f"== {label}")
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, cwd=REPO, env=env)
     try:
@@ -689,7 +695,7 @@ def run_child(phase: str, args, workdir: Path, deadline: Deadline, **extra: str)
     data = json.loads(result.read_text()) if result.exists() else {}
     data["wall_s"] = round(time.perf_counter() - t0, 1)
     if proc.returncode != 0:
-        data["error"] = f"phase {phase} exited with {proc.returncode}"
+        data["error"] = f"{label} exited with {proc.returncode}"
     return data
 
 
@@ -1077,20 +1083,7 @@ def coldstart_phase(args, ckpt: Path, workdir: Path, deadline: Deadline) -> dict
     argv = [sys.executable, "-m", "bench.coldstart_probe", str(ckpt), str(result)]
     argv += ["--batch", str(args.fixed_batch), "--prompt", str(args.fixed_in)]
     argv += ["--first-prompt", str(args.decode_prompt)]
-    print("== coldstart")
-    t0 = time.perf_counter()
-    env = dict(os.environ, OMNI_BENCH_T0=str(time.time()))
-    proc = subprocess.Popen(argv, cwd=REPO, env=env)
-    try:
-        proc.wait(timeout=max(1.0, deadline.left()))
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    data = json.loads(result.read_text()) if result.exists() else {}
-    data["wall_s"] = round(time.perf_counter() - t0, 1)
-    if proc.returncode != 0:
-        data["error"] = f"cold start probe exited with {proc.returncode}"
-    return data | {"page_cache": cache}
+    return run_process(argv, result, "cold start probe", deadline) | {"page_cache": cache}
 
 
 def orchestrate(args) -> int:

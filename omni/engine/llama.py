@@ -208,8 +208,11 @@ class DecoderLayer(nn.Module):
 class Backbone(nn.Module):
     def __init__(self, cfg: LlamaConfig, device=None):
         super().__init__()
-        # given its weight, Embedding skips its random init (which imports torch._dynamo)
+        # given its weight, Embedding skips its own init, which on the meta device imports
+        # torch._dynamo (seconds of a cold start); elsewhere the same init, done here
         weight = torch.empty(cfg.vocab_size, cfg.hidden_size, device=device)
+        if weight.device.type != "meta":
+            nn.init.normal_(weight)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, device) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)

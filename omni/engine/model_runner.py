@@ -86,9 +86,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def warm_up(self, max_seqs: int, max_batch_tokens: int, graphs: bool = True) -> None:
-        """Compile the kernels of every step-size class and capture every decode graph a
-        step of at most `max_seqs` sequences can need, before the first request. Nothing is
-        written to the cache (slots -1); the CPU path has nothing to compile."""
+        """Compile the kernels of every step-size class and (with `graphs`) capture every
+        decode graph a step of at most `max_seqs` sequences can need, before the first
+        request. Nothing is written to the cache (slots -1); the CPU path has nothing to
+        compile."""
         if self.device.type != "cuda":
             return
         width = self.graphs.tables.shape[1] if self.graphs else 1
@@ -127,7 +128,8 @@ class ModelRunner:
         positions: list[int] = []
         slots: list[int] = []
         seq_lens: list[int] = []
-        filled: list[tuple[int, int]] = []  # (token index, row of `previous`)
+        fill_at: list[int] = []  # token indexes whose id is a PLACEHOLDER
+        fill_rows: list[int] = []  # ... and the row of `previous` that holds it
         for seq, n in zip(seqs, counts, strict=True):  # per sequence, not per token
             start, table = seq.num_computed, seq.block_table
             if n == 1:
@@ -135,7 +137,8 @@ class ModelRunner:
                 if token == PLACEHOLDER:
                     if previous is None or seq.seq_id not in previous.rows:
                         raise ValueError(f"sequence {seq.seq_id}: newest token unknown")
-                    filled.append((len(ids), previous.rows[seq.seq_id]))
+                    fill_at.append(len(ids))
+                    fill_rows.append(previous.rows[seq.seq_id])
                 ids.append(token)
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
@@ -150,41 +153,34 @@ class ModelRunner:
         # (a wait for the step in flight)
         ends = np.cumsum(counts)
         sample_at = [int(ends[i]) - 1 for i in range(len(seqs)) if batch.samples(i)]
-        at, rows = ([a for a, _ in filled], [r for _, r in filled]) if filled else ([], [])
-        t, width, k, f = len(ids), max(len(s.block_table) for s in seqs), len(sample_at), len(at)
-        longs = np.empty(3 * t + k + 2 * f, dtype=np.int64)
-        longs[:t], longs[t : 2 * t], longs[2 * t : 3 * t] = ids, positions, slots
-        longs[3 * t : 3 * t + k] = sample_at
-        longs[3 * t + k : 3 * t + k + f], longs[3 * t + k + f :] = at, rows
-        b = len(seqs)
-        ints = np.zeros(2 * b + 1 + b * width, dtype=np.int32)
-        ints[:b] = seq_lens
-        ints[b + 1 : 2 * b + 1] = ends
-        tables = ints[2 * b + 1 :].reshape(b, width)
+        b, width = len(seqs), max(len(s.block_table) for s in seqs)
+        tables = np.zeros((b, width), dtype=np.int32)
         for row, seq in zip(tables, seqs, strict=True):
             row[: len(seq.block_table)] = seq.block_table
-        longs_d, ints_d = self._to_device(longs), self._to_device(ints)
-        ids_d = longs_d[:t]
-        if filled:
-            at_d, rows_d = longs_d[3 * t + k : 3 * t + k + f], longs_d[3 * t + k + f :]
+        longs = [ids, positions, slots, sample_at, fill_at, fill_rows]
+        ints = [seq_lens, np.concatenate(([0], ends)), tables.ravel()]
+        ids_d, positions_d, slots_d, sample_d, at_d, rows_d = self._to_device(longs, np.int64)
+        seq_lens_d, cu_d, tables_d = self._to_device(ints, np.int32)
+        if fill_at:
             ids_d[at_d] = previous.tokens[rows_d]
         step = StepInputs(
-            positions=longs_d[t : 2 * t],
-            slot_mapping=longs_d[2 * t : 3 * t],
-            block_tables=ints_d[2 * b + 1 :].view(b, width),
-            seq_lens=ints_d[:b],
-            cu_seqlens_q=ints_d[b : 2 * b + 1],
+            positions=positions_d,
+            slot_mapping=slots_d,
+            block_tables=tables_d.view(b, width),
+            seq_lens=seq_lens_d,
+            cu_seqlens_q=cu_d,
             max_q_len=max(counts),
             num_decodes=num_decodes,
-            sample_at=longs_d[3 * t : 3 * t + k],
+            sample_at=sample_d,
         )
         return ids_d, step
 
-    def _to_device(self, values: np.ndarray) -> torch.Tensor:
-        host = torch.from_numpy(values)
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+    def _to_device(self, parts: list, dtype: type) -> list[torch.Tensor]:
+        """The parts, in one copy from pinned memory (it does not wait for the GPU)."""
+        host = torch.from_numpy(np.concatenate([np.asarray(p, dtype=dtype) for p in parts]))
+        if self.device.type == "cuda":
+            host = host.pin_memory().to(self.device, non_blocking=True)
+        return list(host.split([len(p) for p in parts]))
 
     @torch.inference_mode()
     def run(
