@@ -43,6 +43,7 @@ def main() -> None:
     mark("torch_imported")
     from omni.engine.checkpoint import Checkpoint
     from omni.engine.engine import Engine, GenerationRequest
+    from omni.engine.kernels.prewarm import prewarm_triton
     from omni.engine.llama import LlamaConfig, LlamaForCausalLM, fused_groups
     from omni.engine.sampling import SamplingParams
     from omni.engine.tokenizer import TextTokenizer
@@ -51,12 +52,15 @@ def main() -> None:
     device, dtype = (
         ("cuda", torch.bfloat16) if torch.cuda.is_available() else ("cpu", torch.float32)
     )
+    # LlamaForCausalLM.load, in marks: Triton's set-up in a thread while CUDA starts and
+    # the tensors are read, joined once the weights are in
+    warming = prewarm_triton() if device == "cuda" else None
     if device == "cuda":
         torch.cuda.init()
         torch.empty(1, device=device)
     mark("device_ready")
     ckpt = Checkpoint.open(args.ckpt)
-    cfg = LlamaConfig.from_checkpoint(ckpt)  # LlamaForCausalLM.load, in two marks:
+    cfg = LlamaConfig.from_checkpoint(ckpt)
     tensors = ckpt.load_tensors(device, dtype, together=fused_groups(cfg))
     if device == "cuda":
         torch.cuda.synchronize()
@@ -64,6 +68,7 @@ def main() -> None:
     model = LlamaForCausalLM.from_state(cfg, tensors, ckpt.path)
     if device == "cuda":
         torch.cuda.synchronize()
+        warming.join()
     mark("weights_loaded")
     engine = Engine(model, TextTokenizer(ckpt))
     mark("engine_built")
@@ -102,6 +107,7 @@ def main() -> None:
                 "full_batch": {"requests": args.batch, "prompt_tokens": args.prompt},
                 "first_prompt_tokens": args.first_prompt,
                 "pycache_prefix": sys.pycache_prefix,
+                "dont_write_bytecode": bool(sys.flags.dont_write_bytecode),
             },
             f,
         )

@@ -67,6 +67,7 @@ LAYERS = 32
 M_ORDER = (1, 128, 256, 16, 4, 64, 32, 512)
 SPACE_DECODE = ((16, 32, 64), (16, 32, 64, 128), (64, 128, 256), (2, 4, 8), (3, 4, 5, 6, 8))
 SPACE_PREFILL = ((64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4, 5))
+SPACE_LARGE = ((64, 128, 256), (64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4, 5))  # M >= 512
 SMALL_SHAPES = {"o": (64, 128), "down": (48, 192)}  # tails of N and K masked
 SMALL_M_ORDER = (1, 4, 16)
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
@@ -94,7 +95,8 @@ def candidates(m: int, current: list[Tile], small: bool) -> list[Tile]:
     """tile_config's tiles first (always timed), then the search space for this M."""
     if small:
         return list(dict.fromkeys([*current, Tile(16, 32, 64, 4, 3), Tile(32, 16, 32, 2, 3)]))
-    space = map(Tile._make, itertools.product(*(SPACE_DECODE if m <= 64 else SPACE_PREFILL)))
+    dims = SPACE_DECODE if m <= 64 else SPACE_PREFILL if m < 512 else SPACE_LARGE
+    space = map(Tile._make, itertools.product(*dims))
     fits = [
         t
         for t in space
@@ -366,6 +368,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, help="compile processes (default: CPUs - 2; 0: none)")
     ap.add_argument("--small", action="store_true", help="tiny shapes on the CPU interpreter")
     ap.add_argument("--out", type=Path, help="result file (default bench/results/...)")
+    ap.add_argument("--m", help=f"row counts to sweep, in order (default {M_ORDER})")
     args = ap.parse_args()
     if args.small:
         args.warmup, args.iters = 1, 3
@@ -373,9 +376,12 @@ def main() -> None:
     if args.jobs is None:
         args.jobs = max(1, (os.cpu_count() or 2) - 2) if torch.cuda.is_available() else 0
     shapes, m_order = (SMALL_SHAPES, SMALL_M_ORDER) if args.small else (SHAPES, M_ORDER)
+    if args.m:
+        m_order = tuple(int(m) for m in args.m.split(","))
     res = sweep(args, shapes, m_order)
     print_table(res)
     settings = {k: getattr(args, k) for k in ("budget_s", "warmup", "iters", "jobs", "small")}
+    settings["m"] = list(m_order)
     notes = "no L2 flush: the o (33.5 MB) and qkv (50 MB) weights fit the 50 MB L2 in part"
     data = {"settings": settings, "notes": notes, **res}
     print("wrote", save(f"tune-linear-{gpu_tag()}", data, args.out))

@@ -16,6 +16,7 @@ from torch import nn
 
 from .checkpoint import Checkpoint, CheckpointError
 from .kernels import ops, paged_attention_ref, paged_decode, paged_prefill
+from .kernels.prewarm import prewarm_triton
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -244,9 +245,14 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def load(cls, ckpt: Checkpoint, device="cpu", dtype=torch.float32) -> LlamaForCausalLM:
+        """The checkpoint's model on `device`; on CUDA, Triton's set-up runs meanwhile."""
         cfg = LlamaConfig.from_checkpoint(ckpt)
+        warming = prewarm_triton() if torch.device(device).type == "cuda" else None
         state = ckpt.load_tensors(device, dtype, together=fused_groups(cfg))
-        return cls.from_state(cfg, state, ckpt.path)
+        model = cls.from_state(cfg, state, ckpt.path)
+        if warming:
+            warming.join()
+        return model
 
     @classmethod
     def from_state(cls, cfg: LlamaConfig, state: dict, source="state") -> LlamaForCausalLM:
