@@ -726,7 +726,8 @@ class Worker:
         )
 
     async def wait_ready(self, timeout_s: float) -> float:
-        """Seconds from process start to /health answering 200 (weights loaded, warmed up)."""
+        """Seconds from process start to /health answering 200 (weights loaded: it serves
+        from then on, and warms up between requests)."""
         deadline = time.perf_counter() + timeout_s
         async with self.session(5) as s:
             while time.perf_counter() < deadline:
@@ -738,6 +739,18 @@ class Worker:
                             return time.perf_counter() - self.started
                 await asyncio.sleep(0.1)
         raise RuntimeError(f"worker not ready in {timeout_s:.0f}s:\n{self.log.read_text()[-3000:]}")
+
+    async def wait_warm(self, timeout_s: float) -> float:
+        """Seconds from process start to the end of the warm-up it does between requests
+        (/health's idle_work at 0): the timed rates start in steady state."""
+        deadline = time.perf_counter() + timeout_s
+        async with self.session(5) as s:
+            while time.perf_counter() < deadline:
+                async with s.get("http://worker/health") as r:
+                    if not (await r.json()).get("idle_work"):
+                        return time.perf_counter() - self.started
+                await asyncio.sleep(0.1)
+        raise RuntimeError(f"worker still warming up after {timeout_s:.0f}s")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -831,6 +844,7 @@ async def part_online(args, ckpt: Path, vocab: int, workdir: Path, deadline: Dea
             if rec.error:
                 raise RuntimeError(f"first request failed: {rec.error}")
             out["start_to_first_token_s"] = round(rec.times[0] - worker.started, 2)
+            out["start_to_warm_s"] = round(await worker.wait_warm(max(1.0, deadline.left())), 2)
             warm = [Req(random_prompt(rng, args.decode_prompt, vocab), 16) for _ in range(8)]
             await replay(s, warm, [0.0] * len(warm))
             out["rates"] = {}
@@ -931,6 +945,7 @@ def assemble(args, phases: dict) -> dict:
             **(phases.get("coldstart") or {}),
             "worker_start_to_ready_s": online.get("start_to_ready_s"),
             "worker_start_to_first_token_s": online.get("start_to_first_token_s"),
+            "worker_start_to_warm_s": online.get("start_to_warm_s"),
         },
         "phase_wall_s": {k: v.get("wall_s") for k, v in phases.items() if isinstance(v, dict)},
         "errors": notes(phases, "error"),
@@ -1033,7 +1048,8 @@ def print_table(res: dict, args) -> None:
         f"ready for the full batch {fmt(marks.get('ready_full_batch'), '.2f')}, full batch's "
         f"first tokens {fmt(marks.get('full_batch_first_tokens'), '.2f')}; worker ready "
         f"{fmt(cold.get('worker_start_to_ready_s'), '.2f')}, first token "
-        f"{fmt(cold.get('worker_start_to_first_token_s'), '.2f')}"
+        f"{fmt(cold.get('worker_start_to_first_token_s'), '.2f')}, warmed up "
+        f"{fmt(cold.get('worker_start_to_warm_s'), '.2f')}"
     )
     check = res["check"]
     matches = ", ".join(f"{r['match']}/{r['of']}" for r in check.get("per_prompt", []))

@@ -382,3 +382,33 @@ def test_the_engine_asks_before_each_step_and_not_while_idle(text_model_dir):
     assert len(tokens) == 6
     assert len(calls) == 6  # one prefill step and five decode steps
     assert all(b - a >= 0.01 for a, b in itertools.pairwise(calls))
+
+
+def test_idle_work_runs_only_between_requests(text_model_dir):
+    """Warm-up pieces handed to the engine (the worker serves at once after loading) run
+    on the engine thread while no request runs: a request arriving meanwhile is served
+    before the rest of them, with the same tokens, and every piece still runs."""
+    ckpt = Checkpoint.open(text_model_dir)
+    eng = Engine(LlamaForCausalLM.load(ckpt), TextTokenizer(ckpt))
+    busy_during_piece: list[bool] = []
+
+    def piece() -> None:
+        busy_during_piece.append(eng.scheduler.has_work())
+        time.sleep(0.05)
+
+    try:
+        prompt = eng.tokenizer.encode("1, 2, 3,")
+        params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        alone = tokens(run_requests(eng, [prompt], params)[0])
+        eng.when_idle([piece] * 40)  # 2 s of idle-time work
+        during = tokens(run_requests(eng, [prompt], params)[0])
+        pieces_before_served = len(busy_during_piece)
+        deadline = time.monotonic() + 30
+        while eng.stats()["idle_work"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.1)  # the last piece, popped but maybe still running
+    finally:
+        eng.shutdown()
+    assert during == alone
+    assert pieces_before_served < 40  # the request did not wait for all of them
+    assert len(busy_during_piece) == 40 and not any(busy_during_piece)

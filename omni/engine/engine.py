@@ -13,6 +13,7 @@ blocking event, asleep rather than spinning.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -129,16 +130,33 @@ class Engine:
             max_seqs=max_seqs or (512 if on_gpu else 256),
         )
         self._in_flight: _InFlight | None = None
-        self._inbox: queue.Queue[tuple[GenerationRequest, Emit] | None] = queue.Queue()
+        # requests, batches of idle-time work (lists), or None: shut down
+        self._inbox: queue.Queue[tuple[GenerationRequest, Emit] | list | None] = queue.Queue()
+        self._idle_work: collections.deque[Callable[[], None]] = collections.deque()
         self._active: dict[int, _Active] = {}
         self._thread = threading.Thread(target=self._run, name="omni-engine", daemon=True)
         self._thread.start()
 
-    def warm_up(self, graphs: bool = False) -> None:
+    def warm_up(self, graphs: bool = False, when_idle: bool = False) -> None:
         """Compile (or load from Triton's disk cache) the kernels any step needs, before
         the first request; with `graphs`, capture every decode graph too (otherwise each
-        is captured the first time its batch size comes up, keeping start-up short)."""
-        self.runner.warm_up(self.scheduler.max_seqs, self.scheduler.max_batch_tokens, graphs)
+        is captured the first time its batch size comes up, keeping start-up short).
+
+        `when_idle`: return at once and let the engine thread do it in pieces while no
+        request is running, so a server can take requests straight after loading (the
+        first one waits for one piece at most, a fraction of a second)."""
+        sched = self.scheduler
+        if when_idle:
+            self.when_idle(
+                self.runner.warm_up_tasks(sched.max_seqs, sched.max_batch_tokens, graphs)
+            )
+        else:
+            self.runner.warm_up(sched.max_seqs, sched.max_batch_tokens, graphs)
+
+    def when_idle(self, tasks: list[Callable[[], None]]) -> None:
+        """Run `tasks` on the engine thread, one at a time, whenever it has no request."""
+        if tasks:
+            self._inbox.put(list(tasks))
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -159,6 +177,7 @@ class Engine:
             "kv_blocks_free": sched.blocks.num_free,
             "running": len(sched.running),
             "waiting": len(sched.waiting),
+            "idle_work": len(self._idle_work),
         }
 
     def submit(self, request: GenerationRequest, emit: Emit) -> None:
@@ -204,15 +223,30 @@ class Engine:
                     self._finish(state, StepOutput("", [], True, "error", error=str(exc)))
 
     def _admit_new(self) -> bool:
-        """Take new requests: wait for one when idle. False: shut down."""
+        """Take new requests; when idle, do a piece of idle-time work or wait for a
+        request. False: shut down."""
         while True:
+            idle = not self.scheduler.has_work()
             try:
-                item = self._inbox.get(block=not self.scheduler.has_work())
+                item = self._inbox.get(block=idle and not self._idle_work)
             except queue.Empty:
+                if idle:  # and work to do meanwhile
+                    self._do_idle_work()
+                    continue
                 return True
             if item is None:
                 return False
-            self._admit(*item)
+            if isinstance(item, list):
+                self._idle_work.extend(item)
+            else:
+                self._admit(*item)
+
+    def _do_idle_work(self) -> None:
+        task = self._idle_work.popleft()
+        try:
+            task()
+        except Exception:  # a warm-up piece: the step that needs it compiles it instead
+            log.exception("idle-time work failed")
 
     def _admit(self, request: GenerationRequest, emit: Emit) -> None:
         params = request.params

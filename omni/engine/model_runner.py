@@ -8,7 +8,9 @@ slots, block tables, sequence lengths, query offsets.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -20,10 +22,10 @@ from .scheduler import Batch
 from .sequence import PLACEHOLDER, Sequence
 
 # Step sizes (tokens) whose kernels warm_up compiles: one of each tile class of the linear
-# kernel (<= 16, <= 64, <= 128, <= 256, wider rows) and of Triton's integer specializations
-# (1, multiples of 16, others); a first request of a new size would otherwise wait seconds
-# for the compiler.
-WARM_STEP_TOKENS = (1, 7, 16, 48, 100, 128, 200, 256, 300, 512)
+# kernel (<= 16, <= 64, <= 128, <= 256, <= 1024, wider) and of Triton's integer
+# specializations (1, multiples of 16, others); a first request of a new size would
+# otherwise wait seconds for the compiler.
+WARM_STEP_TOKENS = (1, 7, 16, 48, 100, 128, 200, 256, 300, 512, 1100, 2048)
 CPU_CACHE_BYTES = 1 << 30  # default KV pool without a GPU; OMNI_KV_CACHE_BYTES overrides
 GPU_CACHE_FRACTION = 0.85  # of the memory left after the weights
 
@@ -84,34 +86,51 @@ class ModelRunner:
         limit = int(os.environ.get("OMNI_MEMORY_LIMIT_BYTES", "0"))
         return min(CPU_CACHE_BYTES, limit // 4) if limit else CPU_CACHE_BYTES
 
-    @torch.inference_mode()
-    def warm_up(self, max_seqs: int, max_batch_tokens: int, graphs: bool = True) -> None:
-        """Compile the kernels of every step-size class and (with `graphs`) capture every
-        decode graph a step of at most `max_seqs` sequences can need, before the first
-        request. Nothing is written to the cache (slots -1); the CPU path has nothing to
-        compile."""
+    def warm_up_tasks(
+        self, max_seqs: int, max_batch_tokens: int, graphs: bool = True
+    ) -> list[Callable[[], None]]:
+        """The warm-up in pieces of a fraction of a second each, for an engine to run
+        between requests: one per step-size class whose kernels it compiles (or loads
+        from Triton's disk cache) and, with `graphs`, one per decode graph a step of at
+        most `max_seqs` sequences can need. The CPU path has nothing to compile."""
         if self.device.type != "cuda":
-            return
-        width = self.graphs.tables.shape[1] if self.graphs else 1
-        for n in (n for n in WARM_STEP_TOKENS if n <= max_batch_tokens):
-            step = StepInputs(
-                positions=torch.arange(n, device=self.device),
-                slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
-                block_tables=torch.zeros(1, width, dtype=torch.int32, device=self.device),
-                seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-                cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-                max_q_len=n,
-                num_decodes=0,
-            )
-            ids = torch.zeros(n, dtype=torch.int64, device=self.device)
-            hidden = self.model.hidden_states(ids, step, self.k_cache, self.v_cache)
-            self.model.logits(hidden[: min(n, max_seqs)])  # the lm head at as many rows
+            return []
+        sizes = [n for n in WARM_STEP_TOKENS if n <= max_batch_tokens]
+        tasks: list[Callable[[], None]] = [partial(self._warm_step, n, max_seqs) for n in sizes]
         if self.graphs and graphs:
             for b in BUCKETS:  # up to the bucket that pads `max_seqs`
-                self.graphs.capture(b)
+                tasks.append(partial(self._capture, b))
                 if b >= max_seqs:
                     break
-        torch.cuda.synchronize(self.device)
+        return tasks
+
+    def warm_up(self, max_seqs: int, max_batch_tokens: int, graphs: bool = True) -> None:
+        """All of warm_up_tasks, before the first request."""
+        for task in self.warm_up_tasks(max_seqs, max_batch_tokens, graphs):
+            task()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def _warm_step(self, n: int, max_seqs: int) -> None:
+        """A prefill step of n tokens that writes nothing to the cache (slots -1)."""
+        width = self.graphs.tables.shape[1] if self.graphs else 1
+        step = StepInputs(
+            positions=torch.arange(n, device=self.device),
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
+            block_tables=torch.zeros(1, width, dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
+            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=self.device),
+            max_q_len=n,
+            num_decodes=0,
+        )
+        ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+        hidden = self.model.hidden_states(ids, step, self.k_cache, self.v_cache)
+        self.model.logits(hidden[: min(n, max_seqs)])  # the lm head at as many rows
+
+    @torch.inference_mode()
+    def _capture(self, bucket: int) -> None:
+        self.graphs.capture(bucket)
 
     def prepare(
         self, batch: Batch, previous: Previous | None = None

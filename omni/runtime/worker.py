@@ -44,7 +44,7 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
         engine = Engine(
             LlamaForCausalLM.load(ckpt, device, dtype), TextTokenizer(ckpt), before_step=gate
         )
-        engine.warm_up()
+        engine.warm_up(when_idle=True)  # serve at once; compile between requests
         if not on_gpu and os.environ.get("OMNI_CUDA_CONTROL"):
             account_on_shim(engine.memory_bytes())
         TextGenRoutes(engine, name).add_to(app)

@@ -103,10 +103,10 @@ def test_linear_rows_do_not_depend_on_the_batch(gen):
     accumulator through K whatever the tile; the interpreter's dot is numpy's, whose
     summation order follows the tile, so there only one tile shape is compared."""
     n, k = (4096, 14336) if GPU else (160, 256)
-    total = 300 if GPU else 64
+    total = 1100 if GPU else 64  # every tile class of tile_config on the GPU
     x, w = rand(total, k, gen=gen), rand(n, k, gen=gen, scale=k**-0.5)
     full = linear(x, w)
-    for size in (1, 7, 63, 64, 200, 299):
+    for size in (1, 7, 63, 64, 200, 299, 700, 1099):
         for start in {0, total - size} if size <= total else ():
             rows = slice(start, start + size)
             assert torch.equal(linear(x[rows], w), full[rows]), rows

@@ -27,8 +27,9 @@ SHARED_MEMORY = 200 * 1024  # of an H100 SM's 227 KiB, for the pipelined x and w
 
 def tile_config(m: int, n: int, itemsize: int = 2) -> dict:
     """The tiles measured fastest on an H100 (bf16) for this many rows
-    (bench/tune_linear.py, bench/results/tune-linear-h100.json), with fewer pipeline
-    stages where wider types need it."""
+    (bench/tune_linear.py: bench/results/tune-linear-h100.json up to 256 rows,
+    tune-linear-h100-prefill.json beyond), with fewer pipeline stages where wider types
+    need it."""
     if m <= 16:  # decode of a few sequences: pure weight streaming, 16-row tiles
         cfg, stages = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=2), 6
     elif m <= 64:  # memory-bound: many narrow column tiles, deep pipelines
@@ -39,8 +40,12 @@ def tile_config(m: int, n: int, itemsize: int = 2) -> dict:
         cfg, stages = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4), 5
     elif m <= 256 and triton.cdiv(m, 128) * triton.cdiv(n, 128) < SMS:
         cfg, stages = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4), 4
-    else:
+    elif m <= 256:
         cfg, stages = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8), 3
+    elif m <= 1024:  # big decode batches, short prefills (measured at 512 rows)
+        cfg, stages = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=4), 3
+    else:  # prefill chunks (measured at 2048 rows)
+        cfg, stages = dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8), 3
     per_stage = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * itemsize
     return {**cfg, "num_stages": max(1, min(stages, SHARED_MEMORY // per_stage))}
 
