@@ -68,6 +68,8 @@ M_ORDER = (1, 128, 256, 16, 4, 64, 32, 512)
 SPACE_DECODE = ((16, 32, 64), (16, 32, 64, 128), (64, 128, 256), (2, 4, 8), (3, 4, 5, 6, 8))
 SPACE_PREFILL = ((64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4, 5))
 SPACE_LARGE = ((64, 128, 256), (64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4, 5))  # M >= 512
+# 64 < M < 512, besides SPACE_PREFILL: a whole batch in one row tile, narrow column tiles
+SPACE_MID = ((64, 128, 256), (16, 32), (64, 128, 256), (4, 8), (3, 4, 5, 6))
 SMALL_SHAPES = {"o": (64, 128), "down": (48, 192)}  # tails of N and K masked
 SMALL_M_ORDER = (1, 4, 16)
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
@@ -95,8 +97,11 @@ def candidates(m: int, current: list[Tile], small: bool) -> list[Tile]:
     """tile_config's tiles first (always timed), then the search space for this M."""
     if small:
         return list(dict.fromkeys([*current, Tile(16, 32, 64, 4, 3), Tile(32, 16, 32, 2, 3)]))
-    dims = SPACE_DECODE if m <= 64 else SPACE_PREFILL if m < 512 else SPACE_LARGE
-    space = map(Tile._make, itertools.product(*dims))
+    if m <= 64:
+        spaces = [SPACE_DECODE]
+    else:
+        spaces = [SPACE_PREFILL, SPACE_MID] if m < 512 else [SPACE_LARGE]
+    space = (Tile._make(t) for dims in spaces for t in itertools.product(*dims))
     fits = [
         t
         for t in space
