@@ -97,10 +97,8 @@ def candidates(m: int, current: list[Tile], small: bool) -> list[Tile]:
     """tile_config's tiles first (always timed), then the search space for this M."""
     if small:
         return list(dict.fromkeys([*current, Tile(16, 32, 64, 4, 3), Tile(32, 16, 32, 2, 3)]))
-    if m <= 64:
-        spaces = [SPACE_DECODE]
-    else:
-        spaces = [SPACE_PREFILL, SPACE_MID] if m < 512 else [SPACE_LARGE]
+    mid = [SPACE_PREFILL, SPACE_MID] if m < 512 else [SPACE_LARGE]
+    spaces = [SPACE_DECODE] if m <= 64 else mid
     space = (Tile._make(t) for dims in spaces for t in itertools.product(*dims))
     fits = [
         t
