@@ -97,12 +97,13 @@ def test_linear(gen, bias):
     torch.testing.assert_close(linear(x, w, b), linear_ref(x, w, b), **TOL)
 
 
-def test_linear_rows_do_not_depend_on_the_batch(gen):
+@pytest.mark.parametrize("n", [4096, 6144, 28672] if GPU else [160])  # tiles follow N too
+def test_linear_rows_do_not_depend_on_the_batch(gen, n):
     """Bit for bit: a row's output is the same alone, in a small batch and in a large one,
     though the tile shape follows the row count. On the GPU the tensor cores chain one
     accumulator through K whatever the tile; the interpreter's dot is numpy's, whose
     summation order follows the tile, so there only one tile shape is compared."""
-    n, k = (4096, 14336) if GPU else (160, 256)
+    k = 14336 if GPU else 256
     total = 1100 if GPU else 64  # every tile class of tile_config on the GPU
     x, w = rand(total, k, gen=gen), rand(n, k, gen=gen, scale=k**-0.5)
     full = linear(x, w)

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-SMS = 132  # H100 SXM; only steers the tile choice
+WIDE = 16384  # output columns from which a layer counts as wide (gate/up, lm head)
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
@@ -27,21 +27,29 @@ SHARED_MEMORY = 200 * 1024  # of an H100 SM's 227 KiB, for the pipelined x and w
 
 def tile_config(m: int, n: int, itemsize: int = 2) -> dict:
     """The tiles measured fastest on an H100 (bf16) for this many rows
-    (bench/tune_linear.py: bench/results/tune-linear-h100.json up to 256 rows,
-    tune-linear-h100-prefill.json beyond), with fewer pipeline stages where wider types
-    need it."""
+    (bench/tune_linear.py: bench/results/tune-linear-h100.json up to 64 rows,
+    tune-linear-h100-mid.json up to 256, tune-linear-h100-prefill.json beyond), with fewer
+    pipeline stages where wider types need it."""
     if m <= 16:  # decode of a few sequences: pure weight streaming, 16-row tiles
         cfg, stages = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=2), 6
     elif m <= 64:  # memory-bound: many narrow column tiles, deep pipelines
         block_n = 16 if n <= 2048 else 32
         cfg = dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=128, num_warps=4)
         stages = 6 if block_n == 16 else 5
-    elif m <= 128:
-        cfg, stages = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4), 5
-    elif m <= 256 and triton.cdiv(m, 128) * triton.cdiv(n, 128) < SMS:
-        cfg, stages = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4), 4
-    elif m <= 256:
-        cfg, stages = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8), 3
+    elif m <= 128:  # decode of a large batch: by output width (measured at 128 rows)
+        if n >= WIDE:  # gate/up, lm head
+            cfg, stages = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=4), 3
+        elif n > 4096:  # fused q/k/v
+            cfg, stages = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4), 4
+        else:  # o, down
+            cfg, stages = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4), 5
+    elif m <= 256:  # measured at 256 rows
+        if n >= WIDE:
+            cfg, stages = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8), 3
+        elif n > 4096:
+            cfg, stages = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8), 4
+        else:
+            cfg, stages = dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=8), 4
     elif m <= 1024:  # big decode batches, short prefills (measured at 512 rows)
         cfg, stages = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=4), 3
     else:  # prefill chunks (measured at 2048 rows)
