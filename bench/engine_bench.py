@@ -728,6 +728,18 @@ class Worker:
     async def wait_ready(self, timeout_s: float) -> float:
         """Seconds from process start to /health answering 200 (weights loaded: it serves
         from then on, and warms up between requests)."""
+        return await self._poll_health(timeout_s, lambda _health: True, "not ready")
+
+    async def wait_warm(self, timeout_s: float) -> float:
+        """Seconds from process start to the end of the warm-up it does between requests
+        (/health's idle_work at 0): the timed rates start in steady state."""
+        warm = self._poll_health(timeout_s, lambda h: not h.get("idle_work"), "still warming up")
+        return await warm
+
+    async def _poll_health(
+        self, timeout_s: float, done: Callable[[dict], bool], failure: str
+    ) -> float:
+        """Seconds from process start to a /health answer (200) that `done` accepts."""
         deadline = time.perf_counter() + timeout_s
         async with self.session(5) as s:
             while time.perf_counter() < deadline:
@@ -735,22 +747,12 @@ class Worker:
                     raise RuntimeError(f"worker exited:\n{self.log.read_text()[-3000:]}")
                 with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
                     async with s.get("http://worker/health") as r:
-                        if r.status == 200:
+                        if r.status == 200 and done(await r.json()):
                             return time.perf_counter() - self.started
                 await asyncio.sleep(0.1)
-        raise RuntimeError(f"worker not ready in {timeout_s:.0f}s:\n{self.log.read_text()[-3000:]}")
-
-    async def wait_warm(self, timeout_s: float) -> float:
-        """Seconds from process start to the end of the warm-up it does between requests
-        (/health's idle_work at 0): the timed rates start in steady state."""
-        deadline = time.perf_counter() + timeout_s
-        async with self.session(5) as s:
-            while time.perf_counter() < deadline:
-                async with s.get("http://worker/health") as r:
-                    if not (await r.json()).get("idle_work"):
-                        return time.perf_counter() - self.started
-                await asyncio.sleep(0.1)
-        raise RuntimeError(f"worker still warming up after {timeout_s:.0f}s")
+        raise RuntimeError(
+            f"worker {failure} after {timeout_s:.0f}s:\n{self.log.read_text()[-3000:]}"
+        )
 
     def stop(self) -> None:
         if self.proc.poll() is None:
