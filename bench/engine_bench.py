@@ -1111,9 +1111,10 @@ def orchestrate(args) -> int:
     deadline = Deadline(time.time() + args.deadline)
     # Byte-compiled modules for the children, where site-packages has none (as on the lent
     # GPU host, whose environment also sets PYTHONDONTWRITEBYTECODE): else every process
-    # compiles torch's sources again, 3 s of each start (torch's import: 4.8-5.0 s, then
-    # 1.7-2.1 s with them) that an installed host (pip writes .pyc files) never pays. The
-    # first child writes them, under a prefix of ours; the cold start's result says so.
+    # compiles torch's sources again, seconds of each start (the probe's torch import: 4.44 s
+    # without them, 2.03 s with them) that an installed host (pip writes .pyc files) never
+    # pays. The first child writes them, under a prefix of ours; the cold start's result
+    # says so.
     os.environ.setdefault("PYTHONPYCACHEPREFIX", str(Path(tempfile.gettempdir()) / "omni-pyc"))
     os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     name = args.name or f"engine-{device_tag()}" + ("-small" if args.small else "")

@@ -1,9 +1,11 @@
 """Triton's per-process set-up, started in a thread while the weights are read.
 
 The first kernel a process compiles or loads from Triton's disk cache pays for set-up
-that has nothing to do with the kernel: hashing Triton's own sources and its 500 MB
-library into the cache key, importing its compiler front ends. On the lent H100 host
-that was 0.6 s of the 0.7 s first step of a cold start (bench/coldstart_probe.py).
+that has nothing to do with the kernel: hashing Triton's own sources and its library
+into the cache key, importing its compiler front ends. On the lent H100 host the cold
+start's first step took 0.74 s before this (and before byte-compiled imports) and 0.11 s
+after both (bench/coldstart_probe.py; bench/results/engine-h100.json at d94c88e and
+fe5f7fd).
 Running one tiny kernel's lookup in a thread takes it off the first request's path:
 the hashing releases the GIL, so it overlaps the checkpoint's reads.
 """
