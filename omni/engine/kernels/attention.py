@@ -12,6 +12,8 @@ a KV head are packed into one tile, so the dot products run on tensor cores.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -141,6 +143,25 @@ def paged_prefill(
     return out
 
 
+# Decode splits. A sequence's context is cut into splits by its own length alone (at most
+# MAX_SPLITS, each at least MIN_SPLIT_TILES tiles of DECODE_TILE tokens), each split's
+# partial result is kept apart and the merge combines them in a fixed order. How many
+# programs share the splits is then free to follow the batch (few sequences: many
+# programs, so a long context is read by the whole GPU) without changing a single bit
+# of any sequence's output: batch invariance.
+MAX_SPLITS = 16
+MIN_SPLIT_TILES = 4
+DECODE_TILE = 64  # tokens per loop step: several pages' loads in flight at once
+
+
+@triton.jit
+def _split_layout(length, TILE: tl.constexpr, MAX_S: tl.constexpr, MIN_TILES: tl.constexpr):
+    """(tiles per split, number of splits) of a context of `length` tokens."""
+    n_tiles = tl.cdiv(length, TILE)
+    per = tl.cdiv(n_tiles, tl.minimum(MAX_S, tl.cdiv(n_tiles, MIN_TILES)))
+    return per, tl.cdiv(n_tiles, per)
+
+
 @triton.jit(do_not_specialize=["max_blocks"])  # see _prefill_kernel
 def _decode_split_kernel(
     q_ptr,
@@ -154,23 +175,23 @@ def _decode_split_kernel(
     max_blocks,
     n_q_heads,
     n_kv_heads,
-    n_splits,
+    split_stride,
     GROUP: tl.constexpr,
     BLOCK_H: tl.constexpr,
     DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    TILE: tl.constexpr,
+    MAX_S: tl.constexpr,
+    MIN_TILES: tl.constexpr,
 ):
     b = tl.program_id(0)
     kh = tl.program_id(1)
-    split = tl.program_id(2)
+    programs = tl.num_programs(2)
     length = tl.load(seq_lens_ptr + b)
-    n_blocks = tl.cdiv(length, BLOCK_SIZE)
-    per_split = tl.cdiv(n_blocks, n_splits)
-    first = split * per_split
-    last = tl.minimum(first + per_split, n_blocks)
+    per, n_splits = _split_layout(length, TILE, MAX_S, MIN_TILES)
     offs_g = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, DIM)
-    offs_n = tl.arange(0, BLOCK_SIZE)
+    offs_t = tl.arange(0, TILE)
     head_ok = offs_g < GROUP
     heads = kh * GROUP + offs_g
     q = tl.load(
@@ -178,43 +199,65 @@ def _decode_split_kernel(
         mask=head_ok[:, None],
         other=0.0,
     )
-    m_i = tl.full((BLOCK_H,), NEG_INF, tl.float32)
-    l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, DIM), tl.float32)
-    for blk in range(first, last):
-        block = tl.load(block_tables_ptr + b * max_blocks + blk)
-        rows = (block * BLOCK_SIZE + offs_n) * n_kv_heads + kh
-        k = tl.load(k_cache_ptr + rows[:, None] * DIM + offs_d[None, :])
-        s = tl.dot(q, tl.trans(k)) * scale
-        visible = (blk * BLOCK_SIZE + offs_n)[None, :] < length
-        s = tl.where(visible, s, NEG_INF)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + rows[:, None] * DIM + offs_d[None, :])
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    part = acc / tl.maximum(l_i, 1e-30)[:, None]
-    lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), NEG_INF)
-    slot = (b * n_q_heads + heads) * n_splits + split
-    tl.store(part_ptr + slot[:, None] * DIM + offs_d[None, :], part, mask=head_ok[:, None])
-    tl.store(lse_ptr + slot, lse, mask=head_ok)
+    for split in range(tl.program_id(2), n_splits, programs):
+        m_i = tl.full((BLOCK_H,), NEG_INF, tl.float32)
+        l_i = tl.zeros((BLOCK_H,), tl.float32)
+        acc = tl.zeros((BLOCK_H, DIM), tl.float32)
+        for t in range(split * per, tl.minimum((split + 1) * per, tl.cdiv(length, TILE))):
+            pos = t * TILE + offs_t
+            visible = pos < length
+            block = tl.load(
+                block_tables_ptr + b * max_blocks + pos // BLOCK_SIZE, mask=visible, other=0
+            )
+            rows = (block * BLOCK_SIZE + pos % BLOCK_SIZE) * n_kv_heads + kh
+            k = tl.load(
+                k_cache_ptr + rows[:, None] * DIM + offs_d[None, :],
+                mask=visible[:, None],
+                other=0.0,
+            )
+            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.where(visible[None, :], s, NEG_INF)
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            p = tl.where(visible[None, :], tl.exp(s - m_new[:, None]), 0.0)
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(
+                v_cache_ptr + rows[:, None] * DIM + offs_d[None, :],
+                mask=visible[:, None],
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        part = acc / tl.maximum(l_i, 1e-30)[:, None]
+        lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), NEG_INF)
+        slot = (b * n_q_heads + heads) * split_stride + split
+        tl.store(part_ptr + slot[:, None] * DIM + offs_d[None, :], part, mask=head_ok[:, None])
+        tl.store(lse_ptr + slot, lse, mask=head_ok)
 
 
 @triton.jit
 def _decode_merge_kernel(
-    part_ptr, lse_ptr, out_ptr, n_splits, DIM: tl.constexpr, BLOCK_S: tl.constexpr
+    part_ptr,
+    lse_ptr,
+    out_ptr,
+    seq_lens_ptr,
+    n_q_heads,
+    split_stride,
+    DIM: tl.constexpr,
+    TILE: tl.constexpr,
+    MAX_S: tl.constexpr,
+    MIN_TILES: tl.constexpr,
 ):
     row = tl.program_id(0)  # b * q_heads + h
-    offs_s = tl.arange(0, BLOCK_S)
+    _per, n_splits = _split_layout(tl.load(seq_lens_ptr + row // n_q_heads), TILE, MAX_S, MIN_TILES)
+    offs_s = tl.arange(0, MAX_S)
     offs_d = tl.arange(0, DIM)
     s_ok = offs_s < n_splits
-    lse = tl.load(lse_ptr + row * n_splits + offs_s, mask=s_ok, other=NEG_INF)
+    lse = tl.load(lse_ptr + row * split_stride + offs_s, mask=s_ok, other=NEG_INF)
     weights = tl.exp(lse - tl.max(lse, axis=0))
     weights = tl.where(s_ok, weights, 0.0)
     part = tl.load(
-        part_ptr + (row * n_splits + offs_s)[:, None] * DIM + offs_d[None, :],
+        part_ptr + (row * split_stride + offs_s)[:, None] * DIM + offs_d[None, :],
         mask=s_ok[:, None],
         other=0.0,
     )
@@ -222,14 +265,38 @@ def _decode_merge_kernel(
     tl.store(out_ptr + row * DIM + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
-def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, n_splits: int = 4):
-    """q: [batch, q_heads, dim], one new token per sequence (already in the cache)."""
+def max_decode_splits(length: int) -> int:
+    """The most splits any context of at most `length` tokens is cut into."""
+    tiles = -(-length // DECODE_TILE)
+    return min(MAX_SPLITS, -(-tiles // MIN_SPLIT_TILES))
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_programs(pairs: int, device: torch.device) -> int:
+    """Programs per (sequence, KV head): about four per SM in all, a power of two (the
+    best counts in a sweep on the H100, bench/decode_attention_bench.py)."""
+    if device.type != "cuda":
+        return 1
+    want = -(-4 * _sm_count(device) // pairs)
+    return min(MAX_SPLITS, 1 << (want.bit_length() - 1))
+
+
+def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, programs: int | None = None):
+    """q: [batch, q_heads, dim], one new token per sequence (already in the cache).
+    `programs` per (sequence, KV head) changes the speed only, never the output."""
     batch, n_q, dim = q.shape
     n_kv, block_size = k_cache.shape[2], k_cache.shape[1]
     group = n_q // n_kv
-    part = torch.empty(batch, n_q, n_splits, dim, dtype=torch.float32, device=q.device)
-    lse = torch.empty(batch, n_q, n_splits, dtype=torch.float32, device=q.device)
-    _decode_split_kernel[(batch, n_kv, n_splits)](
+    programs = programs or decode_programs(batch * n_kv, q.device)
+    stride = max_decode_splits(block_tables.shape[1] * block_size)
+    part = torch.empty(batch, n_q, stride, dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(batch, n_q, stride, dtype=torch.float32, device=q.device)
+    layout = {"TILE": DECODE_TILE, "MAX_S": MAX_SPLITS, "MIN_TILES": MIN_SPLIT_TILES}
+    _decode_split_kernel[(batch, n_kv, programs)](
         q.contiguous(),
         k_cache,
         v_cache,
@@ -241,14 +308,15 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, n_splits: i
         block_tables.shape[1],
         n_q,
         n_kv,
-        n_splits,
+        stride,
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         DIM=dim,
         BLOCK_SIZE=block_size,
+        num_warps=4,
+        num_stages=2,
+        **layout,
     )
     out = torch.empty_like(q)
-    _decode_merge_kernel[(batch * n_q,)](
-        part, lse, out, n_splits, DIM=dim, BLOCK_S=triton.next_power_of_2(n_splits)
-    )
+    _decode_merge_kernel[(batch * n_q,)](part, lse, out, seq_lens, n_q, stride, DIM=dim, **layout)
     return out
