@@ -532,6 +532,55 @@ def part_decode(runner, args, vocab: int) -> dict:
     }
 
 
+class StepTimeline:
+    """Where an offline run's time goes: each step's launch time and shape, recorded by
+    wrapping the engine's ModelRunner.run. A launch returns at once and the one after
+    waits for the step before it, so launch-to-launch is about a step's GPU time."""
+
+    DECODE_BANDS = ((1, 16), (17, 64), (65, 128), (129, 256), (257, 512), (513, 4096))
+
+    def __init__(self, engine):
+        self.model_runner, self.steps = engine.runner, []
+
+    def __enter__(self) -> StepTimeline:
+        run = self.model_runner.run
+
+        def timed_run(batch, *a, **kw):
+            t0 = time.perf_counter()
+            out = run(batch, *a, **kw)
+            launch = time.perf_counter() - t0
+            self.steps.append((t0, launch, len(batch.seqs), batch.total_tokens))
+            return out
+
+        self.model_runner.run = timed_run
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.model_runner.run  # the class's method again
+
+    def summary(self, end: float) -> dict:
+        """Decode-only steps by batch size and mixed (prefill) steps: count, seconds,
+        ms per step and ms of host launch per step."""
+        starts = [s[0] for s in self.steps] + [end]
+        bands: dict[str, list] = {}
+        for (t0, launch, seqs, tokens), t1 in zip(self.steps, starts[1:], strict=True):
+            if tokens > seqs:
+                key = "mixed"
+            else:
+                lo, hi = next(b for b in self.DECODE_BANDS if b[0] <= seqs <= b[1])
+                key = f"decode b={lo}-{hi}"
+            bands.setdefault(key, []).append((t1 - t0, launch))
+        return {
+            key: {
+                "steps": len(v),
+                "s": round(sum(d for d, _ in v), 3),
+                "ms_per_step": round(1e3 * sum(d for d, _ in v) / len(v), 2),
+                "launch_ms_per_step": round(1e3 * sum(la for _, la in v) / len(v), 2),
+            }
+            for key, v in bands.items()
+        }
+
+
 def part_offline(runner, args, vocab: int, deadline: Deadline) -> dict:
     """Throughput of the ShareGPT-like mix (ours: all submitted at once) and of the fixed
     set (at most --fixed-batch in flight), with the engine process's CPU per wall second."""
@@ -550,9 +599,12 @@ def part_offline(runner, args, vocab: int, deadline: Deadline) -> dict:
         if deadline.left() < 20:
             out[name] = {"skipped": "out of time (--deadline)"}
             continue
-        with CpuMeter() as cpu:
+        timeline = StepTimeline(runner.engine) if runner.name == "ours" else None
+        with CpuMeter() as cpu, timeline or contextlib.nullcontext():
             recs = runner.timed(reqs, concurrency)
         out[name] = throughput(recs) | {"batch": concurrency, "cpu": cpu.result()}
+        if timeline:
+            out[name]["steps"] = timeline.summary(max(r.times[-1] for r in recs if r.times))
         print(f"[{runner.name}] offline {name}: {out[name]['output_tok_s']:.0f} output tok/s")
     return out
 
@@ -1026,6 +1078,11 @@ def print_table(res: dict, args) -> None:
             row(f"{label} {what}", a.get(key), b.get(key), ratio(a.get(key), b.get(key)))
         cpu = (get(a, "cpu", "cpu_per_wall"), get(b, "cpu", "cpu_per_wall"))
         row(f"{label} CPU s/wall s", *cpu, spec=".2f")
+        for band, st in (a.get("steps") or {}).items():
+            print(
+                f"    ours, {band:16} {st['steps']:5d} steps {st['s']:7.2f} s "
+                f"{st['ms_per_step']:7.2f} ms/step"
+            )
     print(f"fixed set, ours >= 6x HF: {off['target_fixed_ours_ge_6x_hf']}")
     rates = get(res, "online", "rates") or {}
     if rates:
