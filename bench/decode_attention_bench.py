@@ -58,7 +58,7 @@ def case(batch: int, ctx: int, gen: torch.Generator) -> dict:
     rec = {"batch": batch, "context": ctx, "kv_bytes": kv_bytes, "max_abs_diff": err}
     rec["programs_per_head"] = decode_programs(batch * N_KV, q.device)
     for label, fn in (("ours", ours), ("sdpa", sdpa)):
-        ms = triton.testing.do_bench_cudagraph(fn, rep=100)  # the kernels, not the launches
+        ms = triton.testing.do_bench_cudagraph(fn, rep=50)  # the kernels, not the launches
         rec[f"{label}_us"] = round(ms * 1000, 1)
         rec[f"{label}_gb_s"] = round(kv_bytes / ms / 1e6, 1)
     rec["ours_vs_sdpa"] = round(rec["ours_us"] / rec["sdpa_us"], 3)
@@ -70,7 +70,7 @@ def case(batch: int, ctx: int, gen: torch.Generator) -> dict:
         n: round(
             triton.testing.do_bench_cudagraph(
                 lambda n=n: paged_decode(q, k_cache, v_cache, table, lens, scale, programs=n),
-                rep=50,
+                rep=20,
             )
             * 1000,
             1,
