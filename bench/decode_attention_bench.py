@@ -99,7 +99,7 @@ def main() -> None:
     rows = []
     print(
         f"{'batch':>5} {'ctx':>5} {'progs':>5} {'ours us':>8} {'sdpa us':>8} "
-        f"{'ours GB/s':>9} {'sdpa GB/s':>9} {'ratio':>6}"
+        f"{'ours GB/s':>9} {'sdpa GB/s':>9} {'ratio':>6}  ours us at 1/2/4/8/16 programs"
     )
     for batch in BATCHES:
         for ctx in CONTEXTS:
@@ -110,7 +110,9 @@ def main() -> None:
             print(
                 f"{batch:5d} {ctx:5d} {r['programs_per_head']:5d} {r['ours_us']:8.1f} "
                 f"{r['sdpa_us']:8.1f} {r['ours_gb_s']:9.0f} {r['sdpa_gb_s']:9.0f} "
-                f"{r['ours_vs_sdpa']:6.2f}"
+                f"{r['ours_vs_sdpa']:6.2f}  "
+                + "/".join(f"{us:.1f}" for us in r["ours_us_by_programs"].values())
+                + ("" if r["programs_identical"] else "  PROGRAM COUNTS DIFFER")
             )
             torch.cuda.empty_cache()
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s")
