@@ -41,10 +41,16 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_
     return out
 
 
-# The block-table width varies with the batch's longest sequence; Triton would compile a
-# variant for each of its classes (1, a multiple of 16, other) at the first step that meets
-# it, seconds of stall mid-serving. It only strides the table: not worth specializing on.
-@triton.jit(do_not_specialize=["max_blocks"])
+# Triton compiles a variant of a kernel for each class of its integer arguments (1, a
+# multiple of 16, other) and of its pointers' alignment, at the first step that meets it:
+# seconds of stall mid-serving. The block-table width and split stride vary with the
+# batch, and a mixed step hands the prefill kernel its rows of the tables and lengths
+# (a slice, aligned or not); none of them is worth specializing on: scalar loads and
+# strides.
+ANY_BATCH = ["max_blocks", "block_tables_ptr", "seq_lens_ptr"]
+
+
+@triton.jit(do_not_specialize=[*ANY_BATCH, "cu_q_ptr"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -162,7 +168,7 @@ def _split_layout(length, TILE: tl.constexpr, MAX_S: tl.constexpr, MIN_TILES: tl
     return per, tl.cdiv(n_tiles, per)
 
 
-@triton.jit(do_not_specialize=["max_blocks"])  # see _prefill_kernel
+@triton.jit(do_not_specialize=[*ANY_BATCH, "split_stride"])  # see _prefill_kernel
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -235,7 +241,7 @@ def _decode_split_kernel(
         tl.store(lse_ptr + slot, lse, mask=head_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seq_lens_ptr", "split_stride"])
 def _decode_merge_kernel(
     part_ptr,
     lse_ptr,
