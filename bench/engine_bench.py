@@ -10,7 +10,9 @@ config.json and a word-level tokenizer written under --ckpt-root, reused when pr
    without the embedding table, of which a step reads one row);
 2. offline: 1000 requests of a ShareGPT-like length mix (lognormal, fixed seed) and a
    512-in/256-out set at batch 128: output and total tok/s, ours and HF (the issue asks
-   ours >= 6x HF on the fixed set; HF on the mix only with --hf-sharegpt);
+   ours >= 6x HF on the fixed set; HF on the mix only with --hf-sharegpt), and for each
+   set the bytes floor: the longest request's steps each read the weights, every decode
+   step its K/V, at the measured copy bandwidth (no engine runs faster at bf16);
 3. online: the instance's own HTTP server (omni.runtime.worker, OpenAI /v1/completions,
    streaming) at 3 Poisson request rates: TTFT and inter-token latency p50/p90/p99;
 4. CPU seconds of the engine process (children included) per wall second in 2 and 3;
@@ -581,6 +583,41 @@ class StepTimeline:
         }
 
 
+def workload(reqs: list[Req]) -> dict:
+    """What any engine must do for these requests, whatever its kernels: the longest output
+    is that many forward steps one after another (the first token comes from the prompt's
+    step), and each decode step reads the K/V of every token before it."""
+    return {
+        "max_output": max(r.max_tokens for r in reqs),
+        "decode_kv_token_reads": sum(
+            (r.max_tokens - 1) * len(r.prompt) + r.max_tokens * (r.max_tokens - 1) // 2
+            for r in reqs
+        ),
+    }
+
+
+def offline_floor(work: dict | None, prep: dict, output_tokens: int | None) -> dict | None:
+    """A lower bound on an offline run's wall time from bytes alone, at the measured copy
+    bandwidth: the longest request's steps each read the weights once, and every decode step
+    reads its K/V (bf16). It leaves out all compute (prompts included), so no engine, ours or
+    any other, can beat it at bf16 without speculative decoding."""
+    bw = get(prep, "bandwidth", "bytes_per_s")
+    weights = get(prep, "checkpoint", "weight_bytes", "read_per_decode_step")
+    cfg = get(prep, "checkpoint", "config") or {}
+    if not (work and bw and weights and output_tokens and cfg.get("num_hidden_layers")):
+        return None
+    head_dim = cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2
+    weights_s = work["max_output"] * weights / bw
+    kv_s = work["decode_kv_token_reads"] * kv_per_token / bw
+    return {
+        "weights_s": round(weights_s, 3),
+        "kv_s": round(kv_s, 3),
+        "floor_s": round(weights_s + kv_s, 3),
+        "ceiling_output_tok_s": round(output_tokens / (weights_s + kv_s), 1),
+    }
+
+
 def part_offline(runner, args, vocab: int, deadline: Deadline) -> dict:
     """Throughput of the ShareGPT-like mix (ours: all submitted at once) and of the fixed
     set (at most --fixed-batch in flight), with the engine process's CPU per wall second."""
@@ -603,6 +640,7 @@ def part_offline(runner, args, vocab: int, deadline: Deadline) -> dict:
         with CpuMeter() as cpu, timeline or contextlib.nullcontext():
             recs = runner.timed(reqs, concurrency)
         out[name] = throughput(recs) | {"batch": concurrency, "cpu": cpu.result()}
+        out[name]["workload"] = workload(reqs)
         if timeline:
             out[name]["steps"] = timeline.summary(max(r.times[-1] for r in recs if r.times))
         print(f"[{runner.name}] offline {name}: {out[name]['output_tok_s']:.0f} output tok/s")
@@ -989,6 +1027,14 @@ def assemble(args, phases: dict) -> dict:
             "ours_vs_hf_fixed": fixed,
             "target_fixed_ours_ge_6x_hf": target(fixed, 6.0, args.small),
             "ours_preemptions": ours.get("preemptions"),
+            "bytes_floor": {
+                name: offline_floor(
+                    get(ours, "offline", name, "workload"),
+                    prep,
+                    get(ours, "offline", name, "output_tokens"),
+                )
+                for name in ("sharegpt", "fixed")
+            },
         },
         "online": online,
         "cpu_per_wall": {
@@ -1078,6 +1124,11 @@ def print_table(res: dict, args) -> None:
             row(f"{label} {what}", a.get(key), b.get(key), ratio(a.get(key), b.get(key)))
         cpu = (get(a, "cpu", "cpu_per_wall"), get(b, "cpu", "cpu_per_wall"))
         row(f"{label} CPU s/wall s", *cpu, spec=".2f")
+        if floor := get(off, "bytes_floor", name):
+            print(
+                f"    no engine beats {floor['ceiling_output_tok_s']:.0f} out tok/s here (bytes "
+                f"alone: weights {floor['weights_s']:.2f} s + K/V {floor['kv_s']:.2f} s)"
+            )
         for band, st in (a.get("steps") or {}).items():
             print(
                 f"    ours, {band:16} {st['steps']:5d} steps {st['s']:7.2f} s "

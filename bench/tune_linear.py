@@ -50,10 +50,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
-import triton  # noqa: E402
 
 from bench import results_io  # noqa: E402
-from omni.engine.kernels.matmul import SHARED_MEMORY, _linear_kernel, linear, tile_config  # noqa: E402
+from omni.engine.kernels.matmul import (  # noqa: E402
+    SHARED_MEMORY,
+    TMA_MIN_ROWS,
+    TMA_SHARED_MEMORY,
+    _linear_kernel,
+    launch_linear,
+    linear,
+    tile_config,
+    tma_usable,
+)
 
 SHAPES = {  # (N, K) of Llama-3-8B's weights, q/k/v and gate/up fused
     "qkv": (6144, 4096),
@@ -70,6 +78,10 @@ SPACE_PREFILL = ((64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4, 5))
 SPACE_LARGE = ((64, 128, 256), (64, 128, 256), (32, 64, 128), (4, 8), (2, 3, 4, 5))  # M >= 512
 # 64 < M < 512, besides SPACE_PREFILL: a whole batch in one row tile, narrow column tiles
 SPACE_MID = ((64, 128, 256), (16, 32), (64, 128, 256), (4, 8), (3, 4, 5, 6))
+# The TMA kernel (M >= TMA_MIN_ROWS on Hopper): + one program per tile (0) or persistent (1)
+TMA_SMALL = ((64, 128), (32, 64, 128), (64, 128), (4,), (4, 5, 6, 8), (0, 1))  # M <= 128
+TMA_MID = ((64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4, 5), (0, 1))  # M <= 1024
+TMA_LARGE = ((128, 256), (128, 256), (64, 128), (8,), (2, 3, 4), (0, 1))
 SMALL_SHAPES = {"o": (64, 128), "down": (48, 192)}  # tails of N and K masked
 SMALL_M_ORDER = (1, 4, 16)
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
@@ -81,22 +93,38 @@ class Tile(NamedTuple):
     block_k: int
     warps: int
     stages: int
+    persistent: int = -1  # -1: the pointer kernel; TMA: 0 one program per tile, 1 persistent
 
     @classmethod
     def of(cls, cfg: dict) -> Tile:
-        return cls(*(cfg[key] for key in KEYS))
+        return cls(*(cfg[key] for key in KEYS), int(cfg.get("persistent", -1)))
 
     def kwargs(self) -> dict:
-        return dict(zip(KEYS, self, strict=True))
+        tma = {"persistent": bool(self.persistent)} if self.persistent >= 0 else {}
+        return dict(zip(KEYS, self[:5], strict=True)) | tma
 
     def __str__(self) -> str:
-        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.warps} s{self.stages}"
+        kind = ("", " tma", " tma-p")[self.persistent + 1]
+        return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.warps} s{self.stages}{kind}"
 
 
-def candidates(m: int, current: list[Tile], small: bool) -> list[Tile]:
-    """tile_config's tiles first (always timed), then the search space for this M."""
+def candidates(m: int, current: list[Tile], small: bool, tma: bool) -> list[Tile]:
+    """tile_config's tiles first (always timed), then the search space for this M: the
+    TMA kernel's where `linear` would use it, else the pointer kernel's."""
     if small:
-        return list(dict.fromkeys([*current, Tile(16, 32, 64, 4, 3), Tile(32, 16, 32, 2, 3)]))
+        extra = [Tile(16, 32, 64, 4, 3), Tile(32, 16, 32, 2, 3), Tile(16, 32, 64, 4, 3, 1)]
+        return list(dict.fromkeys([*current, *extra]))
+    if tma and m >= TMA_MIN_ROWS:
+        dims = TMA_SMALL if m <= 128 else TMA_MID if m <= 1024 else TMA_LARGE
+        space = (Tile._make(t) for t in itertools.product(*dims))
+        fits = [
+            t
+            for t in space
+            if (t.block_m + t.block_n) * t.block_k * 2 * t.stages + t.block_m * t.block_n * 2
+            <= TMA_SHARED_MEMORY
+            and t.block_m <= 2 * m
+        ]
+        return list(dict.fromkeys(current + fits))
     mid = [SPACE_PREFILL, SPACE_MID] if m < 512 else [SPACE_LARGE]
     spaces = [SPACE_DECODE] if m <= 64 else mid
     space = (Tile._make(t) for dims in spaces for t in itertools.product(*dims))
@@ -110,10 +138,8 @@ def candidates(m: int, current: list[Tile], small: bool) -> list[Tile]:
 
 
 def launch(tile: Tile, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    """As `linear()` launches it (no bias: the weight stands in for the unused pointer)."""
-    (m, k), n = x.shape, w.shape[0]
-    grid = (triton.cdiv(m, tile.block_m) * triton.cdiv(n, tile.block_n),)
-    _linear_kernel[grid](x, w, w, out, m, n, k, HAS_BIAS=False, GROUP_M=8, **tile.kwargs())
+    """As `linear()` launches it, without bias."""
+    launch_linear(x, w, None, out, tile.kwargs())
 
 
 def _compile(kwargs: dict, m: int) -> str | None:
@@ -141,7 +167,8 @@ class Precompiler:
         return tile, 1 if m == 1 else m % 16 == 0  # Triton specializes ints on == 1, % 16
 
     def submit(self, tile: Tile, m: int) -> None:
-        if self.pool and self.key(tile, m) not in self.futures:
+        """Pointer-kernel tiles only: the TMA kernel's warm-up would need descriptors."""
+        if self.pool and tile.persistent < 0 and self.key(tile, m) not in self.futures:
             self.futures[self.key(tile, m)] = self.pool.submit(_compile, tile.kwargs(), m)
 
     def wait(self, tile: Tile, m: int, deadline: float) -> bool:
@@ -216,11 +243,12 @@ def sweep(args: argparse.Namespace, shapes: dict, m_order: tuple[int, ...]) -> d
         weights[name] = (torch.randn(n, k, device=dev, generator=gen) * k**-0.5).to(dtype)
         if k not in inputs:
             inputs[k] = torch.randn(max(m_order), k, device=dev, generator=gen).to(dtype)
+    tma = tma_usable(inputs[next(iter(inputs))])
     current = {
-        m: {s: Tile.of(tile_config(m, n, dtype.itemsize)) for s, (n, _) in shapes.items()}
+        m: {s: Tile.of(tile_config(m, n, dtype.itemsize, tma)) for s, (n, _) in shapes.items()}
         for m in m_order
     }
-    plan = [(m, candidates(m, list(current[m].values()), args.small)) for m in m_order]
+    plan = [(m, candidates(m, list(current[m].values()), args.small, tma)) for m in m_order]
     pre, timer = Precompiler(args.jobs), Timer(len(shapes), args.warmup, args.iters)
     for m, tiles in plan:
         for tile in tiles:

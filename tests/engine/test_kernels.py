@@ -100,14 +100,15 @@ def test_linear(gen, bias):
 @pytest.mark.parametrize("n", [4096, 6144, 28672] if GPU else [160])  # tiles follow N too
 def test_linear_rows_do_not_depend_on_the_batch(gen, n):
     """Bit for bit: a row's output is the same alone, in a small batch and in a large one,
-    though the tile shape follows the row count. On the GPU the tensor cores chain one
-    accumulator through K whatever the tile; the interpreter's dot is numpy's, whose
-    summation order follows the tile, so there only one tile shape is compared."""
+    though the tile shape and the kernel (pointer or TMA) follow the row count. On the GPU
+    the tensor cores chain one accumulator through K whatever the tile; the interpreter's
+    dot is numpy's, whose summation order follows the tile, so there only one tile shape
+    is compared."""
     k = 14336 if GPU else 256
-    total = 1100 if GPU else 64  # every tile class of tile_config on the GPU
+    total = 2300 if GPU else 64  # every tile class of tile_config on the GPU
     x, w = rand(total, k, gen=gen), rand(n, k, gen=gen, scale=k**-0.5)
     full = linear(x, w)
-    for size in (1, 7, 63, 64, 200, 299, 700, 1099):
+    for size in (1, 7, 63, 64, 65, 200, 299, 700, 1099, 2000):
         for start in {0, total - size} if size <= total else ():
             rows = slice(start, start + size)
             assert torch.equal(linear(x[rows], w), full[rows]), rows

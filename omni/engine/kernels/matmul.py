@@ -7,13 +7,20 @@ element is one fp32 accumulator chained through `tl.dot` over K in order, never
 split: the tile shape can then follow M (narrow tiles spread a decode step's
 weight reads over all SMs, wide ones feed the tensor cores in prefill) without
 changing a single bit of any row. The kernel tests check exactly that.
+
+Two kernels compute those sums: one that loads tiles through pointers (any GPU; the fastest
+for a few rows, where a step streams weights) and, from 65 rows on Hopper, one whose tiles
+the TMA engine brings in (bit-identical; 25-30% faster on the H100 from 512 rows).
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 WIDE = 16384  # output columns from which a layer counts as wide (gate/up, lm head)
 
@@ -23,13 +30,18 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 SHARED_MEMORY = 200 * 1024  # of an H100 SM's 227 KiB, for the pipelined x and w tiles
+TMA_SHARED_MEMORY = 226 * 1024  # the same, plus the epilogue's output tile
+TMA_MIN_ROWS = 65  # below, the pointer kernel's narrow tiles stream weights as fast
 
 
-def tile_config(m: int, n: int, itemsize: int = 2) -> dict:
-    """The tiles measured fastest on an H100 (bf16) for this many rows
-    (bench/tune_linear.py: bench/results/tune-linear-h100.json up to 64 rows,
+def tile_config(m: int, n: int, itemsize: int = 2, tma: bool = False) -> dict:
+    """The tiles measured fastest on an H100 (bf16) for this many rows, for the TMA kernel
+    (`tma`: the hardware and the tensors allow it; then "persistent" is among the keys) or
+    the pointer one (bench/tune_linear.py: bench/results/tune-linear-h100.json up to 64 rows,
     tune-linear-h100-mid.json up to 256, tune-linear-h100-prefill.json beyond), with fewer
     pipeline stages where wider types need it."""
+    if tma and m >= TMA_MIN_ROWS:
+        return _tma_tiles(m, n, itemsize)
     if m <= 16:  # decode of a few sequences: pure weight streaming, 16-row tiles
         cfg, stages = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=2), 6
     elif m <= 64:  # memory-bound: many narrow column tiles, deep pipelines
@@ -56,6 +68,54 @@ def tile_config(m: int, n: int, itemsize: int = 2) -> dict:
         cfg, stages = dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=64, num_warps=8), 3
     per_stage = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"] * itemsize
     return {**cfg, "num_stages": max(1, min(stages, SHARED_MEMORY // per_stage))}
+
+
+def _tma_tiles(m: int, n: int, itemsize: int) -> dict:
+    """TMA tiles by rows and output width, measured on an H100 (bf16) at 128, 256, 512, 2,048
+    and 8,192 rows (bench/results/tune-linear-h100-tma.json)."""
+    if m <= 128:
+        if n >= WIDE:  # gate/up, lm head
+            tiles = (128, 128, 128, 8, 3, True)
+        elif n > 4096:  # fused q/k/v
+            tiles = (64, 128, 128, 4, 4, True)
+        else:  # o, down
+            tiles = (64, 64, 128, 4, 6, True)
+    elif m <= 256:
+        tiles = (128, 128, 64, 4, 5, True) if n > 4096 else (64, 128, 128, 4, 4, True)
+    elif m <= 1024:
+        tiles = (128, 256, 64, 8, 3, True) if 4096 < n < WIDE else (128, 128, 64, 4, 5, True)
+    else:  # prefill: one program per tile only pays for gate/up in the largest chunks
+        tiles = (128, 256, 64, 8, 3, not (m > 4096 and n >= WIDE))
+    bm, bn, bk, warps, stages, persistent = tiles
+    per_stage, epilogue = (bm + bn) * bk * itemsize, bm * bn * itemsize
+    stages = max(1, min(stages, (TMA_SHARED_MEMORY - epilogue) // per_stage))
+    return dict(
+        BLOCK_M=bm,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        num_warps=warps,
+        num_stages=stages,
+        persistent=persistent,
+    )
+
+
+def tma_usable(*tensors: torch.Tensor) -> bool:
+    """Whether the TMA engine can address these 2-D tensors: a Hopper-or-later GPU (or
+    Triton's interpreter, on the CPU), 16-byte aligned bases and row strides."""
+    first = tensors[0]
+    if first.is_cuda and torch.cuda.get_device_capability(first.device)[0] < 9:
+        return False
+    return all(
+        t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and t.stride(0) * t.element_size() % 16 == 0
+        for t in tensors
+    )
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4  # the interpreter: a few programs, each walking several tiles
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
@@ -105,26 +165,87 @@ def _linear_kernel(
     )
 
 
+@triton.jit
+def _linear_tma_kernel(
+    x_desc,
+    w_desc,
+    out_desc,
+    bias_ptr,
+    M,
+    N,
+    K,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """The same sums as `_linear_kernel`, with tiles brought in by the TMA engine: no
+    address arithmetic or masks in the loop, so the SM's warps only feed the tensor cores.
+    Persistent (PROGRAMS = SMs), each program walks tiles, and the next tile's loads overlap
+    this tile's epilogue; otherwise one program per tile."""
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=PERSISTENT):
+        first_m = (tile // per_group) * GROUP_M
+        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        off_m = (first_m + (tile % per_group) % group_m) * BLOCK_M
+        off_n = ((tile % per_group) // group_m) * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=STAGES):
+            x = x_desc.load([off_m, k * BLOCK_K])  # out of bounds: zeros
+            w = w_desc.load([off_n, k * BLOCK_K])
+            acc = tl.dot(x, w.T, acc)
+        if HAS_BIAS:
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        out_desc.store([off_m, off_n], acc.to(out_desc.dtype))  # clipped to M x N
+
+
+def launch_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, cfg: dict
+) -> None:
+    """out = x @ weight.T (+ bias) with these tiles: TMA ones (with "persistent") or not."""
+    (m, k), n = x.shape, weight.shape[0]
+    cfg = dict(cfg)
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    bias_arg = bias if bias is not None else weight
+    if "persistent" not in cfg:
+        _linear_kernel[(tiles,)](
+            x, weight, bias_arg, out, m, n, k, HAS_BIAS=bias is not None, GROUP_M=8, **cfg
+        )
+        return
+    persistent = cfg.pop("persistent")
+    programs = min(tiles, _sm_count(x.device)) if persistent else tiles
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    _linear_tma_kernel[(programs,)](
+        TensorDescriptor.from_tensor(x, [bm, bk]),
+        TensorDescriptor.from_tensor(weight, [bn, bk]),
+        TensorDescriptor.from_tensor(out, [bm, bn]),
+        bias_arg,
+        m,
+        n,
+        k,
+        HAS_BIAS=bias is not None,
+        GROUP_M=8,
+        PROGRAMS=programs,
+        PERSISTENT=persistent,
+        STAGES=cfg["num_stages"],
+        **cfg,
+    )
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     """x: [..., K]; weight: [N, K] (contiguous, as nn.Linear stores it)."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
-    m, k = x2.shape
+    m = x2.shape[0]
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        cfg = tile_config(m, n, x.element_size())
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
-        _linear_kernel[grid](
-            x2,
-            weight,
-            bias if bias is not None else weight,
-            out,
-            m,
-            n,
-            k,
-            HAS_BIAS=bias is not None,
-            GROUP_M=8,
-            **cfg,
-        )
+        tma = m >= TMA_MIN_ROWS and tma_usable(x2, weight, out)
+        launch_linear(x2, weight, bias, out, tile_config(m, n, x.element_size(), tma))
     return out.view(*shape[:-1], n)
