@@ -25,7 +25,9 @@ from .sequence import PLACEHOLDER, Sequence
 # kernel (<= 16, <= 64, <= 128, <= 256, <= 1024, wider) and of Triton's integer
 # specializations (1, multiples of 16, others); a first request of a new size would
 # otherwise wait seconds for the compiler.
-WARM_STEP_TOKENS = (1, 7, 16, 48, 100, 128, 200, 256, 300, 512, 1100, 2048)
+# a step of each tile class of the linear layers (both sides of M % 16 for the pointer
+# kernel); the largest step, max_batch_tokens, is added to them
+WARM_STEP_TOKENS = (1, 7, 16, 48, 100, 128, 200, 256, 300, 512, 1100, 2048, 4100)
 CPU_CACHE_BYTES = 1 << 30  # default KV pool without a GPU; OMNI_KV_CACHE_BYTES overrides
 GPU_CACHE_FRACTION = 0.85  # of the memory left after the weights
 
@@ -95,7 +97,7 @@ class ModelRunner:
         most `max_seqs` sequences can need. The CPU path has nothing to compile."""
         if self.device.type != "cuda":
             return []
-        sizes = [n for n in WARM_STEP_TOKENS if n <= max_batch_tokens]
+        sizes = sorted({n for n in WARM_STEP_TOKENS if n < max_batch_tokens} | {max_batch_tokens})
         tasks: list[Callable[[], None]] = [partial(self._warm_step, n, max_seqs) for n in sizes]
         if self.graphs and graphs:
             for b in BUCKETS:  # up to the bucket that pads `max_seqs`
