@@ -16,6 +16,7 @@ the TMA engine brings in (bit-identical; 25-30% faster on the H100 from 512 rows
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -32,6 +33,7 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 SHARED_MEMORY = 200 * 1024  # of an H100 SM's 227 KiB, for the pipelined x and w tiles
 TMA_SHARED_MEMORY = 226 * 1024  # the same, plus the epilogue's output tile
 TMA_MIN_ROWS = 65  # below, the pointer kernel's narrow tiles stream weights as fast
+TMA_ENABLED = os.environ.get("OMNI_LINEAR_TMA", "1") != "0"  # 0: the pointer kernel only
 
 
 def tile_config(m: int, n: int, itemsize: int = 2, tma: bool = False) -> dict:
@@ -246,6 +248,6 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        tma = m >= TMA_MIN_ROWS and tma_usable(x2, weight, out)
+        tma = TMA_ENABLED and m >= TMA_MIN_ROWS and tma_usable(x2, weight, out)
         launch_linear(x2, weight, bias, out, tile_config(m, n, x.element_size(), tma))
     return out.view(*shape[:-1], n)
