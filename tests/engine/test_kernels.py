@@ -105,7 +105,7 @@ def test_linear_rows_do_not_depend_on_the_batch(gen, n):
     dot is numpy's, whose summation order follows the tile, so there only one tile shape
     is compared."""
     k = 14336 if GPU else 256
-    total = 2300 if GPU else 64  # every tile class of tile_config on the GPU
+    total = 2300 if GPU else 64  # tile_config's classes up to 4,096 rows on the GPU
     x, w = rand(total, k, gen=gen), rand(n, k, gen=gen, scale=k**-0.5)
     full = linear(x, w)
     for size in (1, 7, 63, 64, 65, 200, 299, 700, 1099, 2000):
