@@ -25,7 +25,7 @@ from .sequence import PLACEHOLDER, Sequence
 # kernels (<= 16, <= 64, <= 128, <= 256, <= 1024, <= 4096, wider) and of Triton's integer
 # specializations (1, multiples of 16, others); max_batch_tokens, the usual prefill step,
 # joins them. A first request of a new size would otherwise wait seconds for the compiler.
-WARM_STEP_TOKENS = (1, 7, 16, 48, 100, 128, 200, 256, 300, 512, 1100, 2048, 4100)
+WARM_STEP_TOKENS = (1, 7, 16, 40, 48, 100, 128, 200, 256, 300, 512, 1100, 2048, 4100)
 CPU_CACHE_BYTES = 1 << 30  # default KV pool without a GPU; OMNI_KV_CACHE_BYTES overrides
 GPU_CACHE_FRACTION = 0.85  # of the memory left after the weights
 
