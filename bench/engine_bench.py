@@ -256,6 +256,55 @@ def throughput(recs: list[Rec]) -> dict:
     }
 
 
+class JitBuilds:
+    """Triton kernels built while it is open: compiled, or loaded from Triton's disk cache,
+    on a first launch that found no build in memory. The step that launched it waits, so
+    after the warm-up a timed part should list none; those it lists say which kernel
+    variants the warm-up missed. Counts nothing where Triton has no hooks (or no GPU)."""
+
+    def __init__(self) -> None:
+        self.builds: list[tuple[str, float]] = []
+        self._started: dict = {}
+        self._knobs = None
+
+    def __enter__(self) -> JitBuilds:
+        with contextlib.suppress(ImportError, AttributeError):
+            import triton
+
+            self._knobs = triton.knobs.runtime
+            self._saved = (self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook)
+            self._knobs.jit_cache_hook = self._before
+            self._knobs.jit_post_compile_hook = self._after
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._knobs is not None:
+            self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook = self._saved
+
+    def _before(self, *args, **kw) -> bool:
+        name = getattr(kw.get("fn"), "name", "?")
+        self._started[repr(kw.get("key"))] = (name, time.perf_counter(), str(kw.get("repr")))
+        return False  # False: go on and build it
+
+    def _after(self, *args, **kw) -> bool:
+        now = time.perf_counter()
+        name, t0, variant = self._started.pop(repr(kw.get("key")), ("?", now, "?"))
+        self.builds.append((name, now - t0, variant))
+        return False
+
+    def result(self) -> dict:
+        kernels: dict[str, int] = {}
+        for name, _, _ in self.builds:
+            kernels[name] = kernels.get(name, 0) + 1
+        return {
+            "hooked": self._knobs is not None,
+            "count": len(self.builds),
+            "seconds": round(sum(s for _, s, _ in self.builds), 3),
+            "kernels": kernels,
+            "variants": [v[:400] for _, _, v in self.builds[:20]],  # Triton's signature
+        }
+
+
 class CpuMeter:
     """CPU seconds a process (its live and reaped children included) spends per wall second
     over a window, and its busiest thread's share: near 1.0 there means a host-bound loop."""
@@ -637,9 +686,11 @@ def part_offline(runner, args, vocab: int, deadline: Deadline) -> dict:
             out[name] = {"skipped": "out of time (--deadline)"}
             continue
         timeline = StepTimeline(runner.engine) if runner.name == "ours" else None
-        with CpuMeter() as cpu, timeline or contextlib.nullcontext():
+        with CpuMeter() as cpu, timeline or contextlib.nullcontext(), JitBuilds() as jit:
             recs = runner.timed(reqs, concurrency)
         out[name] = throughput(recs) | {"batch": concurrency, "cpu": cpu.result()}
+        if timeline:
+            out[name]["jit_builds"] = jit.result()
         out[name]["workload"] = workload(reqs)
         if timeline:
             out[name]["steps"] = timeline.summary(max(r.times[-1] for r in recs if r.times))
@@ -1128,6 +1179,11 @@ def print_table(res: dict, args) -> None:
             print(
                 f"    no engine beats {floor['ceiling_output_tok_s']:.0f} out tok/s here (bytes "
                 f"alone: weights {floor['weights_s']:.2f} s + K/V {floor['kv_s']:.2f} s)"
+            )
+        if (jit := a.get("jit_builds")) and jit["count"]:
+            print(
+                f"    ours built {jit['count']} Triton kernels during the run "
+                f"({jit['seconds']:.2f} s): {jit['kernels']}"
             )
         for band, st in (a.get("steps") or {}).items():
             print(
