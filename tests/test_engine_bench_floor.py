@@ -1,0 +1,64 @@
+"""engine_bench's bytes floor and its Triton-build counter: the figures a closing note
+leans on when it says a throughput target is out of reach."""
+
+from __future__ import annotations
+
+import pytest
+import triton
+
+from bench.engine_bench import JitBuilds, Req, offline_floor, workload
+
+
+def test_workload_counts_each_decode_steps_context():
+    reqs = [Req([1, 2, 3], 4), Req([1] * 5, 1)]
+    # the 3-token prompt's steps for tokens 2..4 read 4, 5 and 6 tokens of K/V; the other
+    # request's only token comes from its prompt's step, which reads no decode K/V
+    assert workload(reqs) == {"max_output": 4, "decode_kv_token_reads": 4 + 5 + 6}
+
+
+def prep(bandwidth: float) -> dict:
+    cfg = {
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "hidden_size": 8,
+        "num_attention_heads": 2,
+    }  # head_dim 4: K and V of a token are 2 layers x 2 heads x 4 x 2 bytes x 2 = 64 bytes
+    return {
+        "bandwidth": {"bytes_per_s": bandwidth},
+        "checkpoint": {"weight_bytes": {"read_per_decode_step": 100}, "config": cfg},
+    }
+
+
+def test_offline_floor_adds_weight_and_kv_reads_at_the_measured_bandwidth():
+    work = {"max_output": 4, "decode_kv_token_reads": 15}
+    floor = offline_floor(work, prep(1000.0), output_tokens=17)
+    assert floor["weights_s"] == pytest.approx(0.4)  # 4 steps x 100 bytes
+    assert floor["kv_s"] == pytest.approx(0.96)  # 15 tokens x 64 bytes
+    assert floor["floor_s"] == pytest.approx(1.36)
+    assert floor["ceiling_output_tok_s"] == pytest.approx(17 / 1.36, rel=1e-3)
+
+
+def test_offline_floor_needs_every_input():
+    work = {"max_output": 4, "decode_kv_token_reads": 15}
+    assert offline_floor(None, prep(1000.0), 17) is None
+    assert offline_floor(work, prep(0.0), 17) is None
+    assert offline_floor(work, {}, 17) is None
+
+
+def test_jit_builds_counts_through_tritons_hooks_and_restores_them():
+    knobs = triton.knobs.runtime
+    before = (knobs.jit_cache_hook, knobs.jit_post_compile_hook)
+
+    class Fn:
+        name = "_linear_kernel"
+
+    with JitBuilds() as jit:
+        # Triton calls these around a build; False lets it go on building
+        variant = "_linear_kernel[...](M: i32)"
+        assert knobs.jit_cache_hook(key=("k", 1), repr=variant, fn=Fn()) is False
+        assert knobs.jit_post_compile_hook(key=("k", 1), repr="", fn=Fn()) is False
+    assert (knobs.jit_cache_hook, knobs.jit_post_compile_hook) == before
+    got = jit.result()
+    assert got["hooked"] and got["count"] == 1
+    assert got["kernels"] == {"_linear_kernel": 1}
+    assert got["variants"] == ["_linear_kernel[...](M: i32)"]
