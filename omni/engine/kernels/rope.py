@@ -41,7 +41,10 @@ def _rotate_half_into(src_ptr, dst_ptr, j, mask, cos, sin, HALF: tl.constexpr):
     tl.store(dst_ptr + HALF + j, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
 
 
-@triton.jit
+# A step's positions and slots are views into one packed host-to-device copy
+# (ModelRunner.prepare), so their 16-byte alignment follows the step's token count; each
+# program reads one of each, so a build per alignment would buy nothing.
+@triton.jit(do_not_specialize=["pos_ptr", "slot_ptr"])
 def _rope_cache_kernel(
     q_ptr,
     k_ptr,
