@@ -257,51 +257,33 @@ def throughput(recs: list[Rec]) -> dict:
 
 
 class JitBuilds:
-    """Triton kernels built while it is open: compiled, or loaded from Triton's disk cache,
-    on a first launch that found no build in memory. The step that launched it waits, so
-    after the warm-up a timed part should list none; those it lists say which kernel
-    variants the warm-up missed. Counts nothing where Triton has no hooks (or no GPU)."""
-
-    def __init__(self) -> None:
-        self.builds: list[tuple[str, float]] = []
-        self._started: dict = {}
-        self._knobs = None
+    """Triton kernels built while it is open (compiled, or loaded from Triton's disk cache),
+    from the engine's build log (omni/engine/kernels/builds.py). The step that needed one
+    waited, so after the warm-up a timed part should list none; those it lists say which
+    variants the warm-up missed."""
 
     def __enter__(self) -> JitBuilds:
-        with contextlib.suppress(ImportError, AttributeError):
-            import triton
+        from omni.engine.kernels import builds
 
-            self._knobs = triton.knobs.runtime
-            self._saved = (self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook)
-            self._knobs.jit_cache_hook = self._before
-            self._knobs.jit_post_compile_hook = self._after
+        self.log, self.hooked = builds.BUILDS, builds.install()
+        self.start = (self.log.count, self.log.seconds)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._knobs is not None:
-            self._knobs.jit_cache_hook, self._knobs.jit_post_compile_hook = self._saved
-
-    def _before(self, *args, **kw) -> bool:
-        name = getattr(kw.get("fn"), "name", "?")
-        self._started[repr(kw.get("key"))] = (name, time.perf_counter(), str(kw.get("repr")))
-        return False  # False: go on and build it
-
-    def _after(self, *args, **kw) -> bool:
-        now = time.perf_counter()
-        name, t0, variant = self._started.pop(repr(kw.get("key")), ("?", now, "?"))
-        self.builds.append((name, now - t0, variant))
-        return False
+        self.end = (self.log.count, self.log.seconds)
+        self.kept = [b for b in self.log.since(self.start[0]) if b.seq <= self.end[0]]
 
     def result(self) -> dict:
+        kept = self.kept
         kernels: dict[str, int] = {}
-        for name, _, _ in self.builds:
-            kernels[name] = kernels.get(name, 0) + 1
+        for b in kept:
+            kernels[b.kernel] = kernels.get(b.kernel, 0) + 1
         return {
-            "hooked": self._knobs is not None,
-            "count": len(self.builds),
-            "seconds": round(sum(s for _, s, _ in self.builds), 3),
-            "kernels": kernels,
-            "variants": [v[:400] for _, _, v in self.builds[:20]],  # Triton's signature
+            "hooked": self.hooked,
+            "count": self.end[0] - self.start[0],
+            "seconds": round(self.end[1] - self.start[1], 3),
+            "kernels": kernels,  # of the last 64 builds at most
+            "variants": [b.variant for b in kept[:20]],  # Triton's signature of each
         }
 
 
@@ -973,6 +955,15 @@ def latency_summary(recs: list[Rec], window_s: float) -> dict:
     }
 
 
+async def worker_builds(s) -> int | None:
+    """The worker's count of Triton kernel builds so far (/health), if it reports one."""
+    with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+        async with s.get("http://worker/health") as r:
+            if r.status == 200:
+                return (await r.json()).get("kernel_builds")
+    return None
+
+
 async def part_online(args, ckpt: Path, vocab: int, workdir: Path, deadline: Deadline) -> dict:
     """Part 3 (and 4's online half): a fresh worker, a short warm-up, then each rate's
     Poisson arrivals over --online-seconds with the mix's lengths (outputs capped at
@@ -1002,9 +993,12 @@ async def part_online(args, ckpt: Path, vocab: int, workdir: Path, deadline: Dea
                 reqs = sharegpt_mix(
                     len(at), args.seed + 20 + k, vocab, args, args.online_max_output
                 )
+                builds = await worker_builds(s)
                 with CpuMeter(worker.proc.pid) as cpu:
                     recs = await replay(s, reqs, at)
                 res = latency_summary(recs, args.online_seconds) | {"cpu": cpu.result()}
+                if builds is not None and (after := await worker_builds(s)) is not None:
+                    res["kernel_builds"] = after - builds  # Triton builds requests waited for
                 out["rates"][key] = res
                 print(
                     f"[online] {rate:g} req/s: {res['ok']}/{res['requests']} ok, TTFT p50 "
@@ -1195,7 +1189,7 @@ def print_table(res: dict, args) -> None:
     if rates:
         print(
             f"\n{'online req/s':>12}{'ok/sent':>10}{'TTFT p50/p90/p99 ms':>26}"
-            f"{'ITL p50/p90/p99 ms':>24}{'out tok/s':>11}{'CPU/wall':>9}"
+            f"{'ITL p50/p90/p99 ms':>24}{'out tok/s':>11}{'CPU/wall':>9}{'builds':>7}"
         )
         for rate, r in rates.items():
             if "ttft" not in r:
@@ -1206,6 +1200,7 @@ def print_table(res: dict, args) -> None:
             print(
                 f"{rate:>12}{r['ok']:>5}/{r['requests']:<4}{ttft:>26}{itl:>24}"
                 f"{fmt(r['output_tok_s'], '.0f'):>11}{fmt(r['cpu']['cpu_per_wall'], '.2f'):>9}"
+                f"{fmt(r.get('kernel_builds'), 'd'):>7}"
             )
     cold = res["cold_start"]
     marks = cold.get("cold_start_s") or {}

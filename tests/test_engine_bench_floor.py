@@ -45,19 +45,21 @@ def test_offline_floor_needs_every_input():
     assert offline_floor(work, {}, 17) is None
 
 
-def test_jit_builds_counts_through_tritons_hooks_and_restores_them():
+def test_jit_builds_counts_the_builds_inside_it(monkeypatch):
     knobs = triton.knobs.runtime
-    before = (knobs.jit_cache_hook, knobs.jit_post_compile_hook)
+    monkeypatch.setattr(knobs, "jit_cache_hook", None)  # restored after the test
+    monkeypatch.setattr(knobs, "jit_post_compile_hook", None)
 
     class Fn:
         name = "_linear_kernel"
 
+    def build(key: str, variant: str) -> None:  # as Triton calls the hooks around one
+        assert knobs.jit_cache_hook(key=key, repr=variant, fn=Fn()) is False
+        assert knobs.jit_post_compile_hook(key=key, repr=variant, fn=Fn()) is False
+
     with JitBuilds() as jit:
-        # Triton calls these around a build; False lets it go on building
-        variant = "_linear_kernel[...](M: i32)"
-        assert knobs.jit_cache_hook(key=("k", 1), repr=variant, fn=Fn()) is False
-        assert knobs.jit_post_compile_hook(key=("k", 1), repr="", fn=Fn()) is False
-    assert (knobs.jit_cache_hook, knobs.jit_post_compile_hook) == before
+        build("a", "_linear_kernel[...](M: i32)")
+    build("b", "outside")  # after the block: not its build
     got = jit.result()
     assert got["hooked"] and got["count"] == 1
     assert got["kernels"] == {"_linear_kernel": 1}

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .block_manager import BlockManager
+from .kernels import builds
 from .llama import LlamaForCausalLM
 from .model_runner import ModelRunner, Previous
 from .sampling import SamplingParams, make_generator, sample
@@ -124,6 +125,8 @@ class Engine:
         self.max_context = model.cfg.max_position
         self.runner = ModelRunner(model, block_size, num_blocks)
         on_gpu = self.runner.device.type == "cuda"
+        if on_gpu:
+            builds.install()  # count (and, once warm, log) the steps that wait for Triton
         self.scheduler = Scheduler(
             BlockManager(self.runner.num_blocks, block_size),
             max_batch_tokens or (8192 if on_gpu else 512),
@@ -152,6 +155,7 @@ class Engine:
             )
         else:
             self.runner.warm_up(sched.max_seqs, sched.max_batch_tokens, graphs)
+            builds.mark_warm()
 
     def when_idle(self, tasks: list[Callable[[], None]]) -> None:
         """Run `tasks` on the engine thread, one at a time, whenever it has no request."""
@@ -178,6 +182,7 @@ class Engine:
             "running": len(sched.running),
             "waiting": len(sched.waiting),
             "idle_work": len(self._idle_work),
+            "kernel_builds": builds.BUILDS.count,  # Triton builds so far, warm-up included
         }
 
     def submit(self, request: GenerationRequest, emit: Emit) -> None:
@@ -247,6 +252,8 @@ class Engine:
             task()
         except Exception:  # a warm-up piece: the step that needs it compiles it instead
             log.exception("idle-time work failed")
+        if not self._idle_work:
+            builds.mark_warm()
 
     def _admit(self, request: GenerationRequest, emit: Emit) -> None:
         params = request.params
