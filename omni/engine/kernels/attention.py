@@ -12,11 +12,11 @@ a KV head are packed into one tile, so the dot products run on tensor cores.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from .hardware import sm_count
 
 NEG_INF = tl.constexpr(-1.0e30)  # finite: a fully masked row gives 0, not NaN
 
@@ -277,17 +277,12 @@ def max_decode_splits(length: int) -> int:
     return min(MAX_SPLITS, -(-tiles // MIN_SPLIT_TILES))
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def decode_programs(pairs: int, device: torch.device) -> int:
     """Programs per (sequence, KV head): about four per SM in all, a power of two. In the
     H100 sweep (decode-attention-h100.json) this is the best count or within 11% of it."""
     if device.type != "cuda":
         return 1
-    want = -(-4 * _sm_count(device) // pairs)
+    want = -(-4 * sm_count(device) // pairs)
     return min(MAX_SPLITS, 1 << (want.bit_length() - 1))
 
 

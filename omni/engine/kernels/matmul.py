@@ -15,13 +15,14 @@ the TMA engine brings in (bit-identical; 25-30% faster on the H100 from 512 rows
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .hardware import sm_count
 
 WIDE = 16384  # output columns from which a layer counts as wide (gate/up, lm head)
 
@@ -111,13 +112,6 @@ def tma_usable(*tensors: torch.Tensor) -> bool:
         t.data_ptr() % 16 == 0 and t.stride(-1) == 1 and t.stride(0) * t.element_size() % 16 == 0
         for t in tensors
     )
-
-
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # the interpreter: a few programs, each walking several tiles
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 @triton.jit
@@ -221,7 +215,9 @@ def launch_linear(
         )
         return
     persistent = cfg.pop("persistent")
-    programs = min(tiles, _sm_count(x.device)) if persistent else tiles
+    # the interpreter (on the CPU): a few programs, each walking several tiles
+    slots = sm_count(x.device) if x.is_cuda else 4
+    programs = min(tiles, slots) if persistent else tiles
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     _linear_tma_kernel[(programs,)](
         TensorDescriptor.from_tensor(x, [bm, bk]),
