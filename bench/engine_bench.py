@@ -242,8 +242,12 @@ def check_prompts(args, vocab: int) -> list[list[int]]:
     return [random_prompt(rng, n, vocab) for n in lengths]
 
 
+def last_token_at(recs: list[Rec]) -> float:
+    return max(r.times[-1] for r in recs if r.times)
+
+
 def throughput(recs: list[Rec]) -> dict:
-    start, end = min(r.submit for r in recs), max(r.times[-1] for r in recs if r.times)
+    start, end = min(r.submit for r in recs), last_token_at(recs)
     out_tokens, in_tokens = sum(r.tokens for r in recs), sum(r.prompt_tokens for r in recs)
     wall = end - start
     return {
@@ -671,11 +675,10 @@ def part_offline(runner, args, vocab: int, deadline: Deadline) -> dict:
         with CpuMeter() as cpu, timeline or contextlib.nullcontext(), JitBuilds() as jit:
             recs = runner.timed(reqs, concurrency)
         out[name] = throughput(recs) | {"batch": concurrency, "cpu": cpu.result()}
-        if timeline:
-            out[name]["jit_builds"] = jit.result()
         out[name]["workload"] = workload(reqs)
         if timeline:
-            out[name]["steps"] = timeline.summary(max(r.times[-1] for r in recs if r.times))
+            out[name]["jit_builds"] = jit.result()
+            out[name]["steps"] = timeline.summary(last_token_at(recs))
         print(f"[{runner.name}] offline {name}: {out[name]['output_tok_s']:.0f} output tok/s")
     return out
 
@@ -868,14 +871,21 @@ class Worker:
             while time.perf_counter() < deadline:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"worker exited:\n{self.log.read_text()[-3000:]}")
-                with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
-                    async with s.get("http://worker/health") as r:
-                        if r.status == 200 and done(await r.json()):
-                            return time.perf_counter() - self.started
+                if (health := await self.health(s)) is not None and done(health):
+                    return time.perf_counter() - self.started
                 await asyncio.sleep(0.1)
         raise RuntimeError(
             f"worker {failure} after {timeout_s:.0f}s:\n{self.log.read_text()[-3000:]}"
         )
+
+    @staticmethod
+    async def health(s) -> dict | None:
+        """The worker's /health answer, or None while it does not answer 200."""
+        with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
+            async with s.get("http://worker/health") as r:
+                if r.status == 200:
+                    return await r.json()
+        return None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -957,11 +967,7 @@ def latency_summary(recs: list[Rec], window_s: float) -> dict:
 
 async def worker_builds(s) -> int | None:
     """The worker's count of Triton kernel builds so far (/health), if it reports one."""
-    with contextlib.suppress(aiohttp.ClientError, OSError, TimeoutError):
-        async with s.get("http://worker/health") as r:
-            if r.status == 200:
-                return (await r.json()).get("kernel_builds")
-    return None
+    return (await Worker.health(s) or {}).get("kernel_builds")
 
 
 async def part_online(args, ckpt: Path, vocab: int, workdir: Path, deadline: Deadline) -> dict:
