@@ -15,10 +15,11 @@ class Fn:
     name = "_rope_cache_kernel"
 
 
-def build(log: BuildLog, key: str, variant: str) -> None:
+def build(log: BuildLog, key: str, variant: str, constants: dict | None = None) -> None:
     """As Triton calls its hooks around one build; False lets it build."""
-    assert log.before(key=key, repr=variant, fn=Fn()) is False
-    assert log.after(key=key, repr=variant, fn=Fn()) is False
+    compile = {"constants": constants or {}}
+    assert log.before(key=key, repr=variant, fn=Fn(), compile=compile) is False
+    assert log.after(key=key, repr=variant, fn=Fn(), compile=compile) is False
 
 
 def test_counts_every_build_and_warns_only_once_warm(caplog):
@@ -35,6 +36,14 @@ def test_counts_every_build_and_warns_only_once_warm(caplog):
     assert [b.seq for b in kept] == [2, 3]
     assert [b.kernel for b in kept] == ["_rope_cache_kernel"] * 2
     assert log.since(2)[0].variant == "third"
+
+
+def test_a_variant_names_its_constexpr_values():
+    """Triton's repr lists argument types only; a constexpr that follows the step's size
+    (a program count, say) shows in the constants."""
+    log = BuildLog()
+    build(log, "a", "_linear_tma_kernel[...](M: i32)", {(9,): 128})
+    assert log.since(0)[0].variant == "_linear_tma_kernel[...](M: i32) constants={(9,): 128}"
 
 
 def test_install_leaves_someone_elses_hooks(monkeypatch):

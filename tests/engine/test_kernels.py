@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from omni.engine.kernels import (
+    builds,
     linear,
     linear_ref,
     paged_attention_ref,
@@ -112,6 +113,27 @@ def test_linear_rows_do_not_depend_on_the_batch(gen, n):
         for start in {0, total - size} if size <= total else ():
             rows = slice(start, start + size)
             assert torch.equal(linear(x[rows], w), full[rows]), rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [4096, 6144, 28672])
+def test_linear_builds_once_per_row_class(gen, n):
+    """A step's size picks a tile class; within it, any other size must reuse the builds
+    (one for a multiple of 16 rows, one for the rest) that the engine's warm-up makes, or
+    a mid-serving step waits for a compile. Sizes inside each class give different program
+    counts, persistent and not."""
+    k = 4096
+    w = rand(n, k, gen=gen, scale=k**-0.5)
+    assert builds.install()
+    classes = [(80, 128, 65, 97, 120), (150, 256, 129, 193, 250), (300, 512, 257, 700, 1000)]
+    classes += [(1100, 2048, 1025, 3000, 4096), (4100, 8192, 4097, 5000, 6001)]
+    for warm_a, warm_b, *others in classes:
+        for m in (warm_a, warm_b):
+            linear(rand(m, k, gen=gen), w)
+        before = builds.BUILDS.count
+        for m in others:
+            linear(rand(m, k, gen=gen), w)
+        assert builds.BUILDS.count == before, (n, others, builds.BUILDS.since(before))
 
 
 def test_paged_prefill_does_not_depend_on_the_chunking(gen):

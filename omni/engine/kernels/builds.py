@@ -39,6 +39,9 @@ class BuildLog:
 
     def before(self, *args, **kw) -> bool:
         name, variant = getattr(kw.get("fn"), "name", "?"), str(kw.get("repr", "?"))
+        constants = (kw.get("compile") or {}).get("constants")
+        if constants:  # the constexpr values: the repr leaves them out
+            variant += f" constants={constants}"
         with self._lock:
             self._started[repr(kw.get("key"))] = (time.perf_counter(), name, variant)
         return False  # False: Triton goes on and builds it
@@ -49,7 +52,7 @@ class BuildLog:
             t0, name, variant = self._started.pop(repr(kw.get("key")), (now, "?", "?"))
             self.count += 1
             self.seconds += now - t0
-            build = Build(self.count, name, now - t0, variant[:400])
+            build = Build(self.count, name, now - t0, variant[:800])
             self.recent.append(build)
         if self.warm:
             log.warning("a step waited %.2f s for a Triton build: %s", build.seconds, variant)

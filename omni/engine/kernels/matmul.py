@@ -161,7 +161,10 @@ def _linear_kernel(
     )
 
 
-@triton.jit(do_not_specialize=["M"])  # a step of any size reuses its row class's build
+# M and the program count follow the step's size: neither may be a constexpr or specialized
+# on, or a step of a new size waits for a build (the program count is the tile count when
+# not persistent, and below the SM count for small grids)
+@triton.jit(do_not_specialize=["M", "programs"])
 def _linear_tma_kernel(
     x_desc,
     w_desc,
@@ -170,22 +173,22 @@ def _linear_tma_kernel(
     M,
     N,
     K,
+    programs,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    PROGRAMS: tl.constexpr,
     PERSISTENT: tl.constexpr,
     STAGES: tl.constexpr,
 ):
     """The same sums as `_linear_kernel`, with tiles brought in by the TMA engine: no
     address arithmetic or masks in the loop, so the SM's warps only feed the tensor cores.
-    Persistent (PROGRAMS = SMs), each program walks tiles, and the next tile's loads overlap
+    Persistent (`programs` = SMs), each program walks tiles, and the next tile's loads overlap
     this tile's epilogue; otherwise one program per tile."""
     tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
     per_group = GROUP_M * tiles_n
-    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=PERSISTENT):
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, programs, flatten=PERSISTENT):
         first_m = (tile // per_group) * GROUP_M
         group_m = tl.minimum(tiles_m - first_m, GROUP_M)
         off_m = (first_m + (tile % per_group) % group_m) * BLOCK_M
@@ -227,9 +230,9 @@ def launch_linear(
         m,
         n,
         k,
+        programs,
         HAS_BIAS=bias is not None,
         GROUP_M=8,
-        PROGRAMS=programs,
         PERSISTENT=persistent,
         STAGES=cfg["num_stages"],
         **cfg,
