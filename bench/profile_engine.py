@@ -1,10 +1,11 @@
 """Where an engine step's time goes, on the engine_bench checkpoint: a diagnostic for the
 engine-speed work, not a benchmark with a target.
 
-- GPU time of one decode step by graph replay (b = 1, 128) against the same step's
-  host-side wall time through ModelRunner.run (prepare + replay + lm head);
-- the top kernels of an eager decode step (b = 1, 128) and of a 2,048-token prefill,
-  by CUDA time (torch.profiler);
+- GPU time of one decode step by graph replay, for each --decode shape (batch x context;
+  b = 1 and 128 at 512 by default), against the same step's host-side wall time through
+  ModelRunner.run (prepare + replay + lm head), with the K/V bytes the step reads;
+- the top kernels of each eager decode step and of a 2,048-token prefill, by CUDA time
+  (torch.profiler);
 - the engine thread's Python profile (cProfile) while it serves 128 requests of 512 in
   / 128 out, with the wall time per step.
 
@@ -138,8 +139,9 @@ def engine_profile(engine_cls, model, tokenizer, requests: int, prompt: int, out
     }
 
 
-def step_profile(model, context: int) -> dict:
-    """Decode steps (graph and eager) at b = 1 and 128, and a 4 x 512 prefill."""
+def step_profile(model, shapes: list[tuple[int, int]]) -> dict:
+    """Decode steps (graph and eager) of each (batch, context) shape, and a 4 x 512
+    prefill."""
     from omni.engine.block_manager import BlockManager
     from omni.engine.model_runner import ModelRunner
     from omni.engine.scheduler import Batch
@@ -147,8 +149,9 @@ def step_profile(model, context: int) -> dict:
 
     res: dict = {"decode": {}, "kernels": {}}
     with torch.inference_mode():
-        runner = ModelRunner(model, num_blocks=8192)
-        for n in (1, 128):
+        tokens = max(n * (context + 1) for n, context in shapes)
+        runner = ModelRunner(model, num_blocks=max(8192, 2 * tokens // 16))
+        for n, context in shapes:
             batch = decode_batch(runner, n, context)
             ids, step = runner.prepare(batch)
             runner.graphs.capture(runner.graphs.bucket(n))
@@ -162,19 +165,23 @@ def step_profile(model, context: int) -> dict:
                 10,
             )
             assert step.decode_only
-            res["decode"][n] = {
+            tag = f"b{n}_ctx{context}"
+            cfg = model.cfg
+            kv_bytes = n * context * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+            res["decode"][tag] = {
+                "kv_gb": round(kv_bytes / 1e9, 3),
                 "graph_replay_ms": round(replay, 3),
                 "run_wall_ms": round(full, 3),
                 "prepare_wall_ms": round(prep, 3),
                 "eager_ms": round(eager, 3),
             }
-            res["kernels"][f"decode_b{n}"] = top_kernels(
+            res["kernels"][f"decode_{tag}"] = top_kernels(
                 lambda ids=ids, step=step: model.hidden_states(
                     ids, step, runner.k_cache, runner.v_cache
                 ),
                 15,
             )
-            print(f"decode b={n}: {res['decode'][n]}")
+            print(f"decode {tag}: {res['decode'][tag]}")
 
         blocks = BlockManager(runner.num_blocks, runner.block_size)
         seqs = []
@@ -192,7 +199,14 @@ def step_profile(model, context: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ckpt-root", default="/tmp/omni-engine-bench")
-    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument(
+        "--decode",
+        type=lambda s: [tuple(int(v) for v in pair.split("x")) for pair in s.split(",")],
+        default=[(1, 512), (128, 512)],
+        help="decode shapes, BATCHxCONTEXT, comma-separated",
+    )
+    parser.add_argument("--name", help="result file bench/results/<name>.json")
+    parser.add_argument("--no-engine", action="store_true", help="skip the engine's cProfile")
     args = parser.parse_args()
     from omni.engine.checkpoint import Checkpoint
     from omni.engine.engine import Engine
@@ -202,20 +216,21 @@ def main() -> None:
     path, _ = write_checkpoint(Path(args.ckpt_root), llama3_8b_config(False), 4, 0)
     ckpt = Checkpoint.open(path)
     model = LlamaForCausalLM.load(ckpt, "cuda", torch.bfloat16)
-    res = step_profile(model, args.context)
+    res = step_profile(model, args.decode)
     torch.cuda.empty_cache()
-    res["engine"] = engine_profile(Engine, model, TextTokenizer(ckpt), 128, 512, 128)
+    if not args.no_engine:
+        res["engine"] = engine_profile(Engine, model, TextTokenizer(ckpt), 128, 512, 128)
     for name, rows in res["kernels"].items():
         print(f"\n{name}")
         for r in rows:
             print(f"  {r['cuda_us']:>10.1f} us {r['share']:>6.1%} x{r['calls']:<4} {r['kernel']}")
-    eng = res["engine"]
-    print(
-        f"\nengine: {eng['requests']} x 512/128: {eng['wall_s']} s, {eng['steps']} steps, "
-        f"{eng['ms_per_step']} ms/step, {eng['out_tok_s']} out tok/s"
-    )
-    print("\n".join(eng["cprofile_top_tottime"]))
-    name = f"engine-profile-{device_tag()}"
+    if eng := res.get("engine"):
+        print(
+            f"\nengine: {eng['requests']} x 512/128: {eng['wall_s']} s, {eng['steps']} steps, "
+            f"{eng['ms_per_step']} ms/step, {eng['out_tok_s']} out tok/s"
+        )
+        print("\n".join(eng["cprofile_top_tottime"]))
+    name = args.name or f"engine-profile-{device_tag()}"
     write_result(name, res)
 
 
