@@ -17,6 +17,7 @@ from torch import nn
 from .checkpoint import Checkpoint, CheckpointError
 from .kernels import ops, paged_attention_ref, paged_decode, paged_prefill
 from .kernels.prewarm import prewarm_triton
+from .kernels.rows import empty_rows
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
 
@@ -134,7 +135,10 @@ def paged_attention(q, k_cache, v_cache, step, scale: float) -> torch.Tensor:
     decode = paged_decode(
         q[:nd], k_cache, v_cache, step.block_tables[:nd], step.seq_lens[:nd], scale
     )
-    return torch.cat([decode, prefill])
+    n, n_q, dim = q.shape
+    return torch.cat(
+        [decode, prefill], out=empty_rows(n, n_q * dim, q.dtype, q.device).view(n, n_q, dim)
+    )
 
 
 class Linear(nn.Linear):

@@ -17,6 +17,7 @@ import torch
 
 from .block_manager import BlockManager
 from .cuda_graphs import BUCKETS, DecodeGraphs
+from .kernels.rows import empty_rows
 from .llama import LlamaForCausalLM
 from .scheduler import Batch
 from .sequence import PLACEHOLDER, Sequence
@@ -217,7 +218,8 @@ class ModelRunner:
             return self.graphs.run(ids, step)  # every decoding sequence samples
         hidden = self.model.hidden_states(ids, step, self.k_cache, self.v_cache)
         if not all_logits:
-            hidden = hidden[step.sample_at]
+            rows = empty_rows(len(step.sample_at), hidden.shape[1], hidden.dtype, hidden.device)
+            hidden = torch.index_select(hidden, 0, step.sample_at, out=rows)  # feeds the lm head
         return self.model.logits(hidden)
 
 

@@ -7,6 +7,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .rows import empty_rows
+
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
@@ -27,7 +29,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * n).contiguous()
-    out = torch.empty(x2.shape[0], n, dtype=x.dtype, device=x.device)
+    out = empty_rows(x2.shape[0], n, x.dtype, x.device)  # feeds the down projection
     block = min(1024, triton.next_power_of_2(n))
     _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, n, BLOCK=block)
     return out.view(*x.shape[:-1], n)

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from .hardware import sm_count
+from .rows import empty_rows
 
 NEG_INF = tl.constexpr(-1.0e30)  # finite: a fully masked row gives 0, not NaN
 
@@ -127,7 +128,7 @@ def paged_prefill(
 ):
     _, n_q, dim = q.shape
     n_kv, block_size = k_cache.shape[2], k_cache.shape[1]
-    out = torch.empty_like(q)
+    out = empty_rows(q.shape[0], n_q * dim, q.dtype, q.device).view(q.shape)  # feeds o
     grid = (seq_lens.shape[0], n_q, triton.cdiv(max_q_len, block_m))
     _prefill_kernel[grid](
         q.contiguous(),
@@ -318,6 +319,6 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, programs: i
         num_stages=2,
         **layout,
     )
-    out = torch.empty_like(q)
+    out = empty_rows(batch, n_q * dim, q.dtype, q.device).view(batch, n_q, dim)  # feeds o
     _decode_merge_kernel[(batch * n_q,)](part, lse, out, seq_lens, n_q, stride, DIM=dim, **layout)
     return out

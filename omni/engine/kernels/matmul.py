@@ -23,6 +23,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .hardware import sm_count
+from .rows import tile_rows
 
 WIDE = 16384  # output columns from which a layer counts as wide (gate/up, lm head)
 
@@ -223,7 +224,7 @@ def launch_linear(
     programs = min(tiles, slots) if persistent else tiles
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     _linear_tma_kernel[(programs,)](
-        TensorDescriptor.from_tensor(x, [bm, bk]),
+        TensorDescriptor.from_tensor(tile_rows(x, bm), [bm, bk]),  # see rows.py
         TensorDescriptor.from_tensor(weight, [bn, bk]),
         TensorDescriptor.from_tensor(out, [bm, bn]),
         bias_arg,
