@@ -22,6 +22,7 @@ from omni.engine.kernels import (
     silu_and_mul,
     silu_and_mul_ref,
 )
+from omni.engine.kernels.matmul import weight_descriptor
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -113,6 +114,16 @@ def test_linear_rows_do_not_depend_on_the_batch(gen, n):
         for start in {0, total - size} if size <= total else ():
             rows = slice(start, start + size)
             assert torch.equal(linear(x[rows], w), full[rows]), rows
+
+
+def test_weight_descriptor_is_made_once_per_tile_and_follows_a_reload():
+    w = torch.nn.Parameter(torch.randn(64, 32), requires_grad=False)
+    first = weight_descriptor(w, 16, 32)
+    assert weight_descriptor(w, 16, 32) is first
+    assert weight_descriptor(w, 32, 32) is not first  # another tile shape
+    w.data = torch.randn(48, 32)  # reloaded: another address and shape
+    again = weight_descriptor(w, 16, 32)
+    assert again is not first and list(again.shape) == [48, 32]
 
 
 @pytest.mark.gpu
