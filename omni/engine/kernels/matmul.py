@@ -23,7 +23,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .hardware import capability, sm_count
-from .rows import tile_rows
+from .rows import TMA_MIN_ROWS, tile_rows
 
 WIDE = 16384  # output columns from which a layer counts as wide (gate/up, lm head)
 
@@ -34,7 +34,8 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 SHARED_MEMORY = 200 * 1024  # of an H100 SM's 227 KiB, for the pipelined x and w tiles
 TMA_SHARED_MEMORY = 226 * 1024  # the same, plus the epilogue's output tile
-TMA_MIN_ROWS = 65  # below, the pointer kernel's narrow tiles stream weights as fast
+# TMA_MIN_ROWS (rows.py, whose row room starts there too): below it the pointer kernel's
+# narrow tiles stream weights as fast
 TMA_ENABLED = os.environ.get("OMNI_LINEAR_TMA", "1") != "0"  # 0: the pointer kernel only
 
 

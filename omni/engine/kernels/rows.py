@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import torch
 
+TMA_MIN_ROWS = 65  # the TMA linear kernel's first row count (below, the pointer kernel runs)
 ROW_TILE = 128  # the TMA linear kernel's tallest row tile
-PAD_ROWS = (65, 1024)  # where that helps: from the TMA kernel's first rows to 1,024 (measured)
+PAD_ROWS = (TMA_MIN_ROWS, 1024)  # where room helps: measured up to 1,024 rows
 
 
 def empty_rows(m: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
