@@ -22,6 +22,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import triton.testing  # noqa: E402
 
+from bench.engine_bench import measure_bandwidth  # noqa: E402
 from bench.results_io import write_result  # noqa: E402
 from omni.engine.kernels.attention import decode_programs, paged_decode  # noqa: E402
 
@@ -80,14 +81,6 @@ def case(batch: int, ctx: int, gen: torch.Generator) -> dict:
     return rec
 
 
-def copy_bandwidth() -> float:
-    """Bytes per second of a device-to-device copy (read + write), 1 GiB."""
-    src = torch.empty(1 << 29, dtype=torch.int16, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=5, rep=50)
-    return 2 * src.numel() * 2 / (ms / 1e3)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--name", default="h100")
@@ -95,7 +88,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("needs a GPU")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    bandwidth = copy_bandwidth()
+    bandwidth = measure_bandwidth(1 << 30, 50)["bytes_per_s"]  # read + written, 1 GiB
     rows = []
     print(
         f"{'batch':>5} {'ctx':>5} {'progs':>5} {'ours us':>8} {'sdpa us':>8} "
