@@ -238,17 +238,20 @@ def _own_paths() -> dict[str, str]:
     return out
 
 
-def _v1_mounts() -> dict[str, tuple[Path, str]]:
-    """controller -> (mount point, root of the hierarchy that mount shows)."""
+def _v1_mounts() -> dict[str, tuple[Path, str, str]]:
+    """controller -> (mount point, root of the hierarchy that mount shows, all the
+    controllers of that hierarchy: "cpu,cpuacct" where the host mounts them together)."""
+    known = {line.split()[0] for line in Path("/proc/cgroups").read_text().splitlines()[1:]}
     out = {}
     for line in Path("/proc/self/mountinfo").read_text().splitlines():
         left, right = line.split(" - ", 1)
         fields, (fstype, _src, opts) = left.split(), right.split()[:3]
         if fstype != "cgroup":
             continue
+        controllers = ",".join(o for o in opts.split(",") if o in known)
         for opt in opts.split(","):
             if opt in V1_CONTROLLERS:
-                out[opt] = (Path(fields[4]), fields[3])
+                out[opt] = (Path(fields[4]), fields[3], controllers)
     return out
 
 
@@ -264,9 +267,22 @@ def _node_chain(path: Path) -> Node:
 class CgroupManager:
     """omnid's own cgroup subtree; hands out one group per instance."""
 
-    def __init__(self, version: int, base: dict[str, Path]):
+    def __init__(
+        self, version: int, base: dict[str, Path], hierarchies: dict[str, str] | None = None
+    ):
         self.version = version
         self.base = base  # controller ('' for v2) -> directory holding instance groups
+        self.hierarchies = hierarchies or {}  # v1: mount name -> its controllers
+
+    def view_mounts(self) -> list[dict]:
+        """Mounts (launcher plan entries) that show an instance its own group and nothing
+        else: made in its cgroup namespace, whose root is that group."""
+        if self.version == 2:
+            return [{"type": "cgroup", "dst": "/sys/fs/cgroup", "fstype": "cgroup2"}]
+        return [
+            {"type": "cgroup", "dst": f"/sys/fs/cgroup/{name}", "fstype": "cgroup", "options": c}
+            for name, c in sorted(self.hierarchies.items())
+        ]
 
     @classmethod
     def detect(cls, scope: str) -> CgroupManager:
@@ -278,13 +294,14 @@ class CgroupManager:
         missing = [c for c in V1_CONTROLLERS if c not in mounts]
         if missing:
             raise CgroupError(f"cgroup v1 controllers not mounted: {', '.join(missing)}")
-        base = {}
+        base, hierarchies = {}, {}
         for c in V1_CONTROLLERS:
-            mount_point, mount_root = mounts[c]
+            mount_point, mount_root, controllers = mounts[c]
             rel = os.path.relpath(own.get(c, "/"), mount_root)
             base[c] = (mount_point / rel / SUBTREE / scope).resolve()
             base[c].mkdir(parents=True, exist_ok=True)
-        return cls(1, base)
+            hierarchies[mount_point.name] = controllers
+        return cls(1, base, hierarchies)
 
     @staticmethod
     def _prepare_v2(own: Path, scope: str) -> Path:

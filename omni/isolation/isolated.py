@@ -33,7 +33,19 @@ SETUP_TIMEOUT_S = 10.0
 
 
 class SandboxError(RuntimeError):
-    pass
+    """The sandbox could not be built: the step that failed, on which path, and why."""
+
+    def __init__(self, name: str, step: str, path: str, reason: str):
+        where = f"{step} {path}" if path else step
+        super().__init__(f"sandbox {name}: {where}: {reason}")
+        self.step, self.path, self.reason = step, path, reason
+
+
+def _read_to_eof(fd: int) -> bytes:
+    chunks = []
+    while chunk := os.read(fd, 4096):
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 class IsolatedSandbox:
@@ -63,7 +75,7 @@ class IsolatedSandbox:
         spec.socket_dir.mkdir(parents=True, exist_ok=True)
         os.chown(spec.socket_dir, self.view.uid, self.view.gid)
         spec.socket_dir.chmod(0o700)
-        plan = build_plan(spec, self.view, self.workdir)
+        plan = build_plan(spec, self.view, self.workdir, self._cgroups.view_mounts())
         plan["env"] = {**spec.env, "HOME": "/tmp"}
         plan["seccomp"] = str(self.seccomp_bpf) if self.seccomp_bpf else None
         if spec.limits.cpu_cores:  # thread pools sized to the quota, not the host
@@ -72,7 +84,8 @@ class IsolatedSandbox:
         self._oom_before = self._cgroup.oom_kills()
         ready_r, ready_w = os.pipe()
         go_r, go_w = os.pipe()
-        plan["sync_fds"] = [ready_w, go_r]
+        err_r, err_w = os.pipe()
+        plan["sync_fds"] = [ready_w, go_r, err_w]
         join_files = self._cgroup.join_files()
         pdeathsig = die_with_parent(signal.SIGKILL)
 
@@ -94,27 +107,32 @@ class IsolatedSandbox:
                 "-S",
                 str(LAUNCHER),
                 str(plan_path),
-                pass_fds=(ready_w, go_r),
+                pass_fds=(ready_w, go_r, err_w),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,
                 start_new_session=True,
                 preexec_fn=preexec,
             )
+        except BaseException:
+            for fd in (ready_r, go_w, err_r):
+                os.close(fd)
+            await self._teardown()  # the cgroup
+            raise
         finally:
-            for fd in (ready_w, go_r):
+            for fd in (ready_w, go_r, err_w):
                 os.close(fd)
             if out is not None:
                 out.close()
         self.launcher_pid = self._proc.pid
         try:
-            await self._release(ready_r, go_w)
+            await self._release(ready_r, go_w, err_r)
         except BaseException:
             await self._teardown()
             raise
         finally:
-            os.close(ready_r)
-            os.close(go_w)
+            for fd in (ready_r, go_w, err_r):
+                os.close(fd)
 
     @property
     def pid(self) -> int | None:
@@ -130,19 +148,32 @@ class IsolatedSandbox:
             pid = int(children[0])
         return pid
 
-    async def _release(self, ready_r: int, go_w: int) -> None:
-        """Wait for the launcher's namespaces, give them loopback, let it go on."""
-        loop = asyncio.get_running_loop()
+    async def _release(self, ready_r: int, go_w: int, err_r: int) -> None:
+        """Wait for the launcher's namespaces, give them loopback, let it go on, and
+        wait for the instance's exec: the error pipe closes then, or carries the step
+        that failed."""
+        name = self.spec.name
         try:
-            byte = await asyncio.wait_for(
-                loop.run_in_executor(None, os.read, ready_r, 1), SETUP_TIMEOUT_S
-            )
+            byte = await asyncio.wait_for(asyncio.to_thread(os.read, ready_r, 1), SETUP_TIMEOUT_S)
         except TimeoutError:
-            raise SandboxError(f"sandbox {self.spec.name}: launcher did not start") from None
+            raise SandboxError(name, "launch", str(LAUNCHER), "no answer") from None
+        if byte == b"U":
+            try:
+                await asyncio.to_thread(loopback_up, self.launcher_pid)
+            except OSError as exc:
+                netns = f"/proc/{self.launcher_pid}/ns/net"
+                raise SandboxError(name, "loopback", netns, str(exc)) from None
+            with contextlib.suppress(BrokenPipeError):  # init has failed: the pipe says why
+                os.write(go_w, b"G")
+        try:
+            report = await asyncio.wait_for(asyncio.to_thread(_read_to_eof, err_r), SETUP_TIMEOUT_S)
+        except TimeoutError:
+            raise SandboxError(name, "setup", "", f"not done in {SETUP_TIMEOUT_S:.0f} s") from None
+        if report:
+            step, path, reason = marshal.loads(report)
+            raise SandboxError(name, step, path, reason)
         if byte != b"U":
-            return  # the launcher died; wait() reports how
-        await asyncio.to_thread(loopback_up, self.launcher_pid)
-        os.write(go_w, b"G")
+            raise SandboxError(name, "launch", str(LAUNCHER), "exited before its namespaces")
 
     async def wait(self) -> ExitStatus:
         assert self._proc is not None, "not started"

@@ -5,20 +5,26 @@ library so it starts in milliseconds. omnid has already put this process in
 the instance's cgroup (before exec), so everything below is accounted there.
 
     launcher (host pid namespace)
-      unshare(pid, mount, uts, ipc, net); tell omnid, which brings lo up meanwhile
+      unshare(pid, mount, uts, ipc, net, cgroup); tell omnid, which brings lo up meanwhile
       fork ──> init (pid 1 of the new namespace)
-                 private mounts, tmpfs root, bind mounts, /proc, /dev, pivot_root,
+                 private mounts, tmpfs root, bind mounts (read-only all the way down),
+                 /proc, a /sys of allowed parts, its own cgroup, /dev, pivot_root,
                  hostname, rlimits, drop capabilities, setuid, no_new_privs, seccomp
                  wait for omnid's go-ahead (network ready)
                  fork ──> the instance (exec)
                  reap orphans, forward signals; exit when the instance exits,
                  which makes the kernel kill whatever is left in the namespace
       forward signals to init; report the instance's wait status as its own
+
+A step that fails (a mount, the exec) is reported to omnid on the error pipe as
+(step, path, reason); the pipe closes without a report once the instance's exec
+succeeded, so omnid knows the sandbox is up or exactly why it is not.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import marshal
 import os
 import resource
@@ -26,39 +32,102 @@ import signal
 import sys
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
-CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
+CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWCGROUP = 0x20000000, 0x40000000, 0x02000000
+NAMESPACES = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWPID
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8  # = the MOUNT_ATTR_ bits
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
 MNT_DETACH = 0x2
+AT_FDCWD, AT_RECURSIVE = -100, 0x8000
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
 PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}[os.uname().machine]
+SYS_MOUNT_SETATTR = 442  # Linux 5.12+, the same number on x86-64 and arm64
 SETUP_FAILED = 125  # exit code when the sandbox itself could not be built
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+RO_FLAGS = MS_RDONLY | MS_NOSUID | MS_NODEV
+SYSFS_STAGE = "/.sysfs"  # where a fresh sysfs is mounted while its allowed parts are bound
 
 libc = ctypes.CDLL(None, use_errno=True)
 
 
 class SetupError(Exception):
-    pass
+    """A step of building the sandbox failed: which step, on which path, and why."""
+
+    def __init__(self, step: str, path: str, reason: str):
+        super().__init__(f"{step} {path}: {reason}" if path else f"{step}: {reason}")
+        self.step, self.path, self.reason = step, path, reason
 
 
-def check(result: int, what: str) -> int:
+def check(result: int, step: str, path: str = "") -> int:
     if result == -1:
         err = ctypes.get_errno()
-        raise SetupError(f"{what}: {os.strerror(err)} (errno {err})")
+        raise SetupError(step, path, f"{os.strerror(err)} (errno {err})")
     return result
 
 
-def mount(src: str | None, dst: str, fstype: str | None, flags: int, data: str | None = None):
+def mount(
+    src: str | None,
+    dst: str,
+    fstype: str | None,
+    flags: int,
+    data: str | None = None,
+    step: str = "mount",
+):
     def enc(s: str | None) -> bytes | None:
         return None if s is None else s.encode()
 
     check(
         libc.mount(enc(src), enc(dst), enc(fstype), ctypes.c_ulong(flags), enc(data)),
-        f"mount {src or fstype} on {dst}",
+        step,
+        src if src and src.startswith("/") else dst,
     )
+
+
+class MountAttr(ctypes.Structure):
+    _fields_ = (
+        ("attr_set", ctypes.c_uint64),
+        ("attr_clr", ctypes.c_uint64),
+        ("propagation", ctypes.c_uint64),
+        ("userns_fd", ctypes.c_uint64),
+    )
+
+
+def _mount_points_under(path: str) -> list[str]:
+    """Mount points at or below `path` in this mount namespace, parents first."""
+    out = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            point = line.split()[4]
+            for escaped, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n")):
+                point = point.replace(escaped, char)
+            point = point.replace("\\134", "\\")
+            if point == path or point.startswith(path.rstrip("/") + "/"):
+                out.append(point)
+    return sorted(out, key=len)
+
+
+def restrict_tree(path: str, flags: int) -> None:
+    """Set read-only/nosuid/nodev/noexec on a bind mount and every mount below it.
+
+    A remount of a recursive bind changes its top mount alone, so the host's sub-mounts
+    (cgroup controllers under /sys, a disk under a model directory) would stay writable.
+    """
+    attr = MountAttr(attr_set=flags)
+    result = libc.syscall(
+        SYS_MOUNT_SETATTR,
+        ctypes.c_int(AT_FDCWD),
+        path.encode(),
+        ctypes.c_uint(AT_RECURSIVE),
+        ctypes.byref(attr),
+        ctypes.c_size_t(ctypes.sizeof(attr)),
+    )
+    if result == 0:
+        return
+    if ctypes.get_errno() != errno.ENOSYS:
+        check(result, "read-only", path)
+    for point in _mount_points_under(path):  # before Linux 5.12: one remount each
+        mount(None, point, None, MS_REMOUNT | MS_BIND | flags, step="read-only")
 
 
 def prctl(option: int, arg: int = 0) -> int:
@@ -75,45 +144,73 @@ def make_target(path: str, is_dir: bool) -> None:
             os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
 
 
+def bind(src: str, dst: str, flags: int) -> None:
+    """A recursive bind of `src` on `dst`, `flags` applied to every mount in it."""
+    make_target(dst, os.path.isdir(src))
+    mount(src, dst, None, MS_BIND | MS_REC, step="bind")
+    restrict_tree(dst, flags)
+
+
+def mount_sysfs(root: str, m: dict) -> None:
+    """/sys holding only the allowed parts of a sysfs mounted in the new network
+    namespace (so its class/net would show loopback alone, were it allowed)."""
+    stage = root + SYSFS_STAGE
+    os.mkdir(stage)
+    mount("sysfs", stage, "sysfs", MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, step="sysfs")
+    for part in m["parts"]:
+        if os.path.exists(f"{stage}/{part}"):  # optional: a kernel without NUMA has no node/
+            bind(f"{stage}/{part}", f"{root}{m['dst']}/{part}", RO_FLAGS | MS_NOEXEC)
+    check(libc.umount2(stage.encode(), MNT_DETACH), "sysfs", stage)
+    os.rmdir(stage)
+
+
 def apply_mount(root: str, m: dict) -> None:
     """One entry of the plan omnid built; paths are absolute inside the sandbox."""
     dst = root + m["dst"]
     kind = m["type"]
-    if kind == "symlink":
-        os.makedirs(os.path.dirname(dst), exist_ok=True)
-        os.symlink(m["target"], dst)
-    elif kind == "dir":
-        os.makedirs(dst, exist_ok=True)
-        os.chmod(dst, m.get("mode", 0o755))
-    elif kind == "tmpfs":
-        make_target(dst, True)
-        mount("tmpfs", dst, "tmpfs", MS_NOSUID | MS_NODEV | m.get("flags", 0), m.get("options"))
-    elif kind == "proc":
-        make_target(dst, True)
-        mount("proc", dst, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    elif kind == "bind":
-        make_target(dst, os.path.isdir(m["src"]))
-        mount(m["src"], dst, None, MS_BIND | MS_REC)
-        flags = MS_REMOUNT | MS_BIND | MS_NOSUID
-        if not m.get("device"):
-            flags |= MS_NODEV
-        if m.get("ro", True):
-            flags |= MS_RDONLY
-        if m.get("noexec"):
-            flags |= MS_NOEXEC
-        mount(None, dst, None, flags)
-    else:
-        raise SetupError(f"unknown mount type {kind!r}")
+    try:
+        if kind == "symlink":
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            os.symlink(m["target"], dst)
+        elif kind == "dir":
+            os.makedirs(dst, exist_ok=True)
+            os.chmod(dst, m.get("mode", 0o755))
+        elif kind == "tmpfs":
+            make_target(dst, True)
+            flags = MS_NOSUID | MS_NODEV | m.get("flags", 0)
+            mount("tmpfs", dst, "tmpfs", flags, m.get("options"), step="tmpfs")
+        elif kind == "proc":
+            make_target(dst, True)
+            mount("proc", dst, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, step="proc")
+        elif kind == "sysfs":
+            mount_sysfs(root, m)
+        elif kind == "cgroup":  # in our cgroup namespace: rooted at the instance's own group
+            make_target(dst, True)
+            flags = RO_FLAGS | MS_NOEXEC
+            mount("cgroup", dst, m["fstype"], flags, m.get("options"), step="cgroup")
+        elif kind == "bind":
+            flags = MS_NOSUID
+            if not m.get("device"):
+                flags |= MS_NODEV
+            if m.get("ro", True):
+                flags |= MS_RDONLY
+            if m.get("noexec"):
+                flags |= MS_NOEXEC
+            bind(m["src"], dst, flags)
+        else:
+            raise SetupError("plan", m["dst"], f"unknown mount type {kind!r}")
+    except OSError as exc:
+        raise SetupError(kind, m.get("src", m["dst"]), exc.strerror or str(exc)) from None
 
 
 def pivot_into(root: str) -> None:
     os.chdir(root)
     os.mkdir(".oldroot")
-    check(libc.syscall(SYS_PIVOT_ROOT, b".", b".oldroot"), "pivot_root")
+    check(libc.syscall(SYS_PIVOT_ROOT, b".", b".oldroot"), "pivot_root", root)
     os.chdir("/")
     check(libc.umount2(b"/.oldroot", MNT_DETACH), "umount old root")
     os.rmdir("/.oldroot")
-    mount(None, "/", None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    mount(None, "/", None, MS_REMOUNT | MS_BIND | RO_FLAGS, step="read-only root")
 
 
 def drop_privileges(plan: dict) -> None:
@@ -145,13 +242,13 @@ def load_seccomp(bpf: bytes) -> None:
 
 def build_view(plan: dict) -> None:
     root = plan["root"]
-    mount(None, "/", None, MS_REC | MS_PRIVATE)  # nothing we do leaks to the host
-    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=16m")
+    mount(None, "/", None, MS_REC | MS_PRIVATE, step="private mounts")  # nothing leaks out
+    mount("tmpfs", root, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=16m", step="root")
     for m in plan["mounts"]:
         apply_mount(root, m)
     pivot_into(root)
     hostname = plan["hostname"].encode()
-    check(libc.sethostname(hostname, len(hostname)), "sethostname")
+    check(libc.sethostname(hostname, len(hostname)), "sethostname", plan["hostname"])
 
 
 def forward_signals(to_pid: int) -> None:
@@ -165,7 +262,7 @@ def forward_signals(to_pid: int) -> None:
         signal.signal(sig, forward)
 
 
-def run_init(plan: dict, seccomp: bytes | None, go_r: int, status_w: int) -> None:
+def run_init(plan: dict, seccomp: bytes | None, go_r: int, status_w: int, err_w: int) -> None:
     """pid 1 of the sandbox: build the view, start the instance, reap, report."""
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     build_view(plan)  # meanwhile omnid brings up our loopback
@@ -174,14 +271,19 @@ def run_init(plan: dict, seccomp: bytes | None, go_r: int, status_w: int) -> Non
         load_seccomp(seccomp)
     os.chdir(plan.get("cwd", "/"))
     if os.read(go_r, 1) != b"G":
-        raise SetupError("omnid did not release the sandbox")
+        raise SetupError("release", "", "omnid did not release the sandbox")
     os.close(go_r)
+    argv = plan["argv"]
     child = os.fork()
-    if child == 0:
+    if child == 0:  # a failure here reaches main's handler too, and the error pipe
         for sig in FORWARDED:
             signal.signal(sig, signal.SIG_DFL)
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        os.execve(plan["argv"][0], plan["argv"], plan["env"])
+        try:
+            os.execve(argv[0], argv, plan["env"])  # closes err_w (close-on-exec)
+        except OSError as exc:
+            raise SetupError("exec", argv[0], exc.strerror or str(exc)) from None
+    os.close(err_w)  # now only the instance holds it, until its exec
     forward_signals(child)
     while True:
         try:
@@ -195,18 +297,34 @@ def run_init(plan: dict, seccomp: bytes | None, go_r: int, status_w: int) -> Non
             os._exit(0)
 
 
+def report_failure(err_w: int, hostname: str, exc: BaseException) -> None:
+    """Tell omnid (the error pipe) and the instance's log which step failed."""
+    if not isinstance(exc, SetupError):
+        if isinstance(exc, OSError):
+            exc = SetupError("setup", exc.filename or "", exc.strerror or str(exc))
+        else:
+            exc = SetupError("setup", "", repr(exc))
+    try:  # noqa: SIM105 - importing contextlib would cost start-up time
+        os.write(err_w, marshal.dumps((exc.step, exc.path, exc.reason)))
+    except OSError:
+        pass
+    os.write(2, f"omni sandbox {hostname}: {exc}\n".encode())
+
+
 def main() -> None:
     with open(sys.argv[1], "rb") as f:  # root-only file in omnid's runtime dir
         plan = marshal.load(f)  # not json: its import alone would double our start-up
-    seccomp = None
-    if plan.get("seccomp"):  # read now: the file is out of sight after pivot_root
-        with open(plan["seccomp"], "rb") as f:
-            seccomp = f.read()
-    ready_w, go_r = plan["sync_fds"]
-    check(
-        libc.unshare(CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWPID),
-        "unshare",
-    )
+    ready_w, go_r, err_w = plan["sync_fds"]
+    os.set_inheritable(err_w, False)  # the instance's exec closes it: omnid's "it runs"
+    try:
+        seccomp = None
+        if plan.get("seccomp"):  # read now: the file is out of sight after pivot_root
+            with open(plan["seccomp"], "rb") as f:
+                seccomp = f.read()
+        check(libc.unshare(NAMESPACES | CLONE_NEWCGROUP), "unshare")
+    except (SetupError, OSError) as exc:
+        report_failure(err_w, plan["hostname"], exc)
+        os._exit(SETUP_FAILED)
     os.write(ready_w, b"U")  # omnid now configures our network namespace
     os.close(ready_w)
     status_r, status_w = os.pipe()
@@ -214,10 +332,11 @@ def main() -> None:
     if init == 0:
         os.close(status_r)
         try:
-            run_init(plan, seccomp, go_r, status_w)
+            run_init(plan, seccomp, go_r, status_w, err_w)
         except BaseException as exc:  # report, never fall back into the launcher's code
-            os.write(2, f"omni sandbox {plan['hostname']}: {exc}\n".encode())
+            report_failure(err_w, plan["hostname"], exc)
             os._exit(SETUP_FAILED)
+    os.close(err_w)
     os.close(status_w)
     os.close(go_r)
     forward_signals(init)

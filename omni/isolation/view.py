@@ -1,16 +1,22 @@
 """What an instance may see: the mount plan of its filesystem view.
 
-Read-only system and Python environment, its own model directory read-only,
-its socket directory, a private size-limited /tmp, its own /proc with a
-meminfo that shows its memory limit, and a /dev with only the harmless nodes
-(plus the NVIDIA nodes of the GPUs it was given). Other models' directories
-that happen to lie under a visible path are covered with an empty tmpfs.
+Read-only system and Python environment (read-only down to every sub-mount),
+its own model directory read-only, its socket directory, a private
+size-limited /tmp, its own /proc with a meminfo and a stat that show its
+memory and CPUs and nothing of the host's load, a /sys of the parts it needs
+(CPU and NUMA topology; PCI devices and the driver's module for a GPU
+instance) with its own cgroup alone under /sys/fs/cgroup, and a /dev with only
+the harmless nodes (plus the NVIDIA nodes of the GPUs it was given). Other
+models' directories that happen to lie under a visible path are covered with
+an empty tmpfs.
 """
 
 from __future__ import annotations
 
+import glob
 import math
 import os
+import site
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +35,26 @@ ETC_ENTRIES = (
     "ssl",
 )
 DEVICES = ("null", "zero", "full", "random", "urandom")
+# /sys: what every instance may read (CPU topology for thread pools, NUMA nodes), and
+# what the CUDA driver and NVML read besides for a GPU instance.
+SYS_PARTS = ("devices/system/cpu", "devices/system/node")
+SYS_GPU_PARTS = ("bus/pci", "module/nvidia", "module/nvidia_uvm")  # + devices/pci*
+# /proc files that tell of the host's other processes, timers or kernel: read as empty.
+PROC_MASKED = (
+    "kcore",
+    "keys",
+    "timer_list",
+    "timer_stats",
+    "sched_debug",
+    "latency_stats",
+    "schedstat",
+    "loadavg",
+    "interrupts",
+    "softirqs",
+    "diskstats",
+    "sysrq-trigger",
+)
+PROC_MASKED_DIRS = ("acpi", "scsi", "asound")
 GPU_SHARED_DEVICES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
 MS_RDONLY, MS_NOEXEC = 0x1, 0x8
 
@@ -51,16 +77,24 @@ def _outermost(paths: list[Path]) -> list[Path]:
 
 
 def python_paths() -> list[Path]:
-    """The interpreter and every import path omnid uses, except the source checkout itself:
-    of a checkout only the `omni` package is shown, so its other files stay hidden."""
+    """Where the interpreter and the installed packages really are: the interpreter's
+    prefixes, its site directories, the `omni` package and the operator's PYTHONPATH.
+
+    Never sys.path itself: under `cd / && python -m ...` its first entry is the host's
+    root, and a script-started omnid puts its own directory there. Of a source
+    checkout only the `omni` package is shown, so its other files stay hidden.
+    """
     package = Path(__file__).resolve().parents[1]  # the `omni` package
     checkout = package.parent
-    candidates = [Path(sys.base_prefix), Path(sys.prefix), Path(sys.exec_prefix), package]
-    candidates += [Path(p) for p in sys.path if p]
+    candidates = [Path(sys.base_prefix), Path(sys.base_exec_prefix), Path(sys.prefix)]
+    candidates += [Path(sys.exec_prefix), package, *map(Path, site.getsitepackages())]
+    candidates += [Path(p) for p in os.environ.get("PYTHONPATH", "").split(":") if p]
     out: list[Path] = []
     for path in candidates:
+        if not path.is_absolute():
+            continue  # relative to omnid's working directory: not an installed location
         path = path.resolve()
-        if path == checkout or not path.is_dir():
+        if path in (Path("/"), checkout) or not path.is_dir():
             continue
         out.append(path)
     return _outermost(out)
@@ -81,10 +115,34 @@ def meminfo(limit_bytes: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def build_plan(spec: SandboxSpec, cfg: ViewConfig, workdir: Path) -> dict:
+def proc_stat(cpus: int) -> str:
+    """/proc/stat with the instance's CPUs and no counters: the host's would tell of the
+    whole machine's activity, its neighbours' load among it. The boot time stays
+    (process start times are counted from it)."""
+    host = Path("/proc/stat").read_text().splitlines()
+    btime = next((line for line in host if line.startswith("btime ")), "btime 0")
+    zeros = " 0" * 10
+    lines = [f"cpu {zeros}", *(f"cpu{i}{zeros}" for i in range(cpus))]
+    lines += ["intr 0", "ctxt 0", btime, "processes 0", "procs_running 1", "procs_blocked 0"]
+    return "\n".join(lines) + "\n"
+
+
+def sys_parts(gpu: bool) -> list[str]:
+    """The parts of /sys an instance sees (paths relative to /sys)."""
+    parts = list(SYS_PARTS)
+    if gpu:
+        parts += SYS_GPU_PARTS
+        parts += sorted(os.path.relpath(p, "/sys") for p in glob.glob("/sys/devices/pci*"))
+    return parts
+
+
+def build_plan(
+    spec: SandboxSpec, cfg: ViewConfig, workdir: Path, cgroup_mounts: list[dict] | None = None
+) -> dict:
     """The launcher's instructions: an ordered mount list plus identity and limits.
 
-    Files the view needs (passwd, meminfo, ...) are written into `workdir`.
+    Files the view needs (passwd, meminfo, ...) are written into `workdir`;
+    `cgroup_mounts` show the instance its own cgroup (CgroupManager.view_mounts).
     """
     mounts: list[dict] = []
     visible: list[Path] = []
@@ -135,9 +193,20 @@ def build_plan(spec: SandboxSpec, cfg: ViewConfig, workdir: Path) -> dict:
     mounts.append({"type": "proc", "dst": "/proc"})
     if spec.limits.memory_bytes:
         generated("meminfo", meminfo(spec.limits.memory_bytes), "/proc/meminfo")
-    bind(Path("/sys"))
+    cpus = max(1, math.ceil(spec.limits.cpu_cores or os.cpu_count() or 1))
+    generated("stat", proc_stat(cpus), "/proc/stat")
+    (workdir / "empty").write_text("")
+    for name in PROC_MASKED:
+        if os.path.isfile(f"/proc/{name}"):
+            bind(workdir / "empty", Path("/proc") / name)
+    for name in PROC_MASKED_DIRS:
+        if os.path.isdir(f"/proc/{name}"):
+            mounts.append(
+                {"type": "tmpfs", "dst": f"/proc/{name}", "flags": MS_RDONLY, "options": "size=4k"}
+            )
+    mounts.append({"type": "sysfs", "dst": "/sys", "parts": sys_parts(spec.gpus is not None)})
+    mounts.extend(cgroup_mounts or ())
     if spec.limits.cpu_cores:
-        cpus = max(1, math.ceil(spec.limits.cpu_cores))
         generated(
             "cpu-online", f"0-{cpus - 1}\n" if cpus > 1 else "0\n", "/sys/devices/system/cpu/online"
         )
@@ -183,3 +252,8 @@ def build_plan(spec: SandboxSpec, cfg: ViewConfig, workdir: Path) -> dict:
         "env": spec.env,
         "cwd": "/tmp",
     }
+
+
+if __name__ == "__main__":  # `python -m omni.isolation.view`: what instances are shown
+    for shown in python_paths():
+        print(shown)
