@@ -1,8 +1,8 @@
 """The isolating sandbox: cgroup + namespaces + filesystem view + dropped privileges.
 
 omnid-side half: creates the cgroup, writes the plan, starts the launcher
-inside the cgroup, brings loopback up in its network namespace, releases it,
-and on exit or stop kills whatever is left in the cgroup and cleans up.
+inside the cgroup, waits until the instance runs (or learns which setup step
+failed), and on exit or stop kills whatever is left in the cgroup and cleans up.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from omni.proc import die_with_parent
 
 from . import launch
 from .cgroups import CgroupManager
-from .netns import loopback_up
 from .sandbox import ExitStatus, SandboxSpec, open_log
 from .view import ViewConfig, build_plan
 
@@ -82,10 +81,8 @@ class IsolatedSandbox:
             plan["env"].setdefault("OMP_NUM_THREADS", str(max(1, int(spec.limits.cpu_cores))))
         self._cgroup = self._cgroups.create(spec.name, spec.limits)
         self._oom_before = self._cgroup.oom_kills()
-        ready_r, ready_w = os.pipe()
-        go_r, go_w = os.pipe()
         err_r, err_w = os.pipe()
-        plan["sync_fds"] = [ready_w, go_r, err_w]
+        plan["error_fd"] = err_w
         join_files = self._cgroup.join_files()
         pdeathsig = die_with_parent(signal.SIGKILL)
 
@@ -107,7 +104,7 @@ class IsolatedSandbox:
                 "-S",
                 str(LAUNCHER),
                 str(plan_path),
-                pass_fds=(ready_w, go_r, err_w),
+                pass_fds=(err_w,),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,
@@ -115,24 +112,21 @@ class IsolatedSandbox:
                 preexec_fn=preexec,
             )
         except BaseException:
-            for fd in (ready_r, go_w, err_r):
-                os.close(fd)
+            os.close(err_r)
             await self._teardown()  # the cgroup
             raise
         finally:
-            for fd in (ready_w, go_r, err_w):
-                os.close(fd)
+            os.close(err_w)
             if out is not None:
                 out.close()
         self.launcher_pid = self._proc.pid
         try:
-            await self._release(ready_r, go_w, err_r)
+            await self._wait_setup(err_r)
         except BaseException:
             await self._teardown()
             raise
         finally:
-            for fd in (ready_r, go_w, err_r):
-                os.close(fd)
+            os.close(err_r)
 
     @property
     def pid(self) -> int | None:
@@ -148,23 +142,10 @@ class IsolatedSandbox:
             pid = int(children[0])
         return pid
 
-    async def _release(self, ready_r: int, go_w: int, err_r: int) -> None:
-        """Wait for the launcher's namespaces, give them loopback, let it go on, and
-        wait for the instance's exec: the error pipe closes then, or carries the step
-        that failed."""
+    async def _wait_setup(self, err_r: int) -> None:
+        """Until the instance's exec closes the error pipe, or a report on it names the
+        setup step that failed."""
         name = self.spec.name
-        try:
-            byte = await asyncio.wait_for(asyncio.to_thread(os.read, ready_r, 1), SETUP_TIMEOUT_S)
-        except TimeoutError:
-            raise SandboxError(name, "launch", str(LAUNCHER), "no answer") from None
-        if byte == b"U":
-            try:
-                await asyncio.to_thread(loopback_up, self.launcher_pid)
-            except OSError as exc:
-                netns = f"/proc/{self.launcher_pid}/ns/net"
-                raise SandboxError(name, "loopback", netns, str(exc)) from None
-            with contextlib.suppress(BrokenPipeError):  # init has failed: the pipe says why
-                os.write(go_w, b"G")
         try:
             report = await asyncio.wait_for(asyncio.to_thread(_read_to_eof, err_r), SETUP_TIMEOUT_S)
         except TimeoutError:
@@ -172,8 +153,6 @@ class IsolatedSandbox:
         if report:
             step, path, reason = marshal.loads(report)
             raise SandboxError(name, step, path, reason)
-        if byte != b"U":
-            raise SandboxError(name, "launch", str(LAUNCHER), "exited before its namespaces")
 
     async def wait(self) -> ExitStatus:
         assert self._proc is not None, "not started"
