@@ -267,6 +267,11 @@ class Omnid:
                 )
             with contextlib.suppress(aiohttp.ClientError, OSError, KeyError, ValueError):
                 inst = {i["name"]: i for i in await self.instances()}
+                failed = [
+                    f"{n}: {inst[n]['failure']}" for n in names if inst.get(n, {}).get("failure")
+                ]
+                if failed:  # a crash loop omnid gave up on: its exit and last output
+                    raise RuntimeError("instances failed to start:\n" + "\n".join(failed))
                 if all(
                     inst.get(n, {}).get("state") == "ready"
                     and inst[n].get("residency", "resident") in ("resident", "swapped")

@@ -117,6 +117,10 @@ def instances(ctx: click.Context) -> None:
             "last_exit",
         ],
     )
+    if not ctx.obj["json"]:
+        for row in data["instances"]:
+            if row.get("failure"):
+                click.echo(f"{row['name']} failed: {row['failure']}")
 
 
 @main.command()

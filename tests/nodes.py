@@ -27,15 +27,18 @@ class Omnid:
         env: dict[str, str] | None = None,
         netns: str | None = None,
         host: str = "127.0.0.1",
+        python: str = sys.executable,
+        cwd: Path | None = None,
     ):
         """`netns`: run inside that network namespace (/var/run/netns), listening on
-        `host` there."""
+        `host` there. `python`, `cwd`: how omnid is started (the interpreter by another
+        path, `-m` from a source tree)."""
         (tmp / "omnid.toml").write_text(config)
         self.port = free_port()
         self.runtime_dir = runtime_dir or Path(tempfile.mkdtemp(prefix="omni-", dir="/tmp"))
         self.log_path = tmp / "omnid.log"
         self.host = host
-        argv = [sys.executable, "-m", "omni.runtime.omnid", "--config", str(tmp / "omnid.toml")]
+        argv = [python, "-m", "omni.runtime.omnid", "--config", str(tmp / "omnid.toml")]
         if netns is not None:
             argv = ["nsenter", f"--net=/var/run/netns/{netns}", *argv, "--host", host]
         argv += ["--no-defaults", "--port", str(self.port), "--runtime-dir", str(self.runtime_dir)]
@@ -43,6 +46,7 @@ class Omnid:
             [*argv, *extra],
             stdout=self.log_path.open("a"),  # a restarted omnid appends to the same log
             stderr=subprocess.STDOUT,
+            cwd=cwd,
             # its own data dir unless the config names a state dir (never /var/lib/omni)
             env={**os.environ, "OMNI_DATA_DIR": str(tmp / "data"), **(env or {})},
         )

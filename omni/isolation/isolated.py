@@ -61,6 +61,7 @@ class IsolatedSandbox:
         self.seccomp_bpf = seccomp_bpf
         self.workdir = workdir_root / spec.name
         self.launcher_pid: int | None = None
+        self.output: asyncio.StreamReader | None = None
         self._cgroups = cgroups
         self._cgroup = None
         self._proc: asyncio.subprocess.Process | None = None
@@ -107,7 +108,7 @@ class IsolatedSandbox:
                 pass_fds=(err_w,),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
-                stderr=out,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
                 preexec_fn=preexec,
             )
@@ -117,9 +118,10 @@ class IsolatedSandbox:
             raise
         finally:
             os.close(err_w)
-            if out is not None:
+            if out is not subprocess.PIPE:
                 out.close()
         self.launcher_pid = self._proc.pid
+        self.output = self._proc.stdout
         try:
             await self._wait_setup(err_r)
         except BaseException:

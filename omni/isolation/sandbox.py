@@ -38,7 +38,7 @@ class SandboxSpec:
     hide: tuple[Path, ...] = ()  # other models' files that must stay out of view
     gpus: tuple[int, ...] | None = None  # GPU indices whose device nodes it gets
     extra_ro: tuple[Path, ...] = ()  # more read-only paths it needs
-    log_path: Path | None = None  # its stdout and stderr; None: omnid's own
+    log_path: Path | None = None  # its stdout and stderr; None: a pipe (Sandbox.output)
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,7 @@ class ExitStatus:
 
 class Sandbox(Protocol):
     pid: int | None
+    output: asyncio.StreamReader | None  # its stdout and stderr, where no log_path is set
 
     async def start(self) -> None: ...
 
@@ -69,7 +70,8 @@ class Sandbox(Protocol):
 
 
 def open_log(path: Path | None):
-    return None if path is None else path.open("ab")
+    """Where a sandbox's output goes: the log file, or a pipe omnid reads."""
+    return subprocess.PIPE if path is None else path.open("ab")
 
 
 class ProcessSandbox:
@@ -78,6 +80,7 @@ class ProcessSandbox:
     def __init__(self, spec: SandboxSpec):
         self.spec = spec
         self.pid: int | None = None
+        self.output: asyncio.StreamReader | None = None
         self._proc: asyncio.subprocess.Process | None = None
 
     async def start(self) -> None:
@@ -89,14 +92,15 @@ class ProcessSandbox:
                 env=self.spec.env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
-                stderr=log,
+                stderr=subprocess.STDOUT,
                 start_new_session=True,
                 preexec_fn=die_with_parent(signal.SIGKILL),
             )
         finally:
-            if log is not None:
+            if log is not subprocess.PIPE:
                 log.close()
         self.pid = self._proc.pid
+        self.output = self._proc.stdout
 
     async def wait(self) -> ExitStatus:
         assert self._proc is not None, "not started"

@@ -2,7 +2,9 @@
 
 A crashed or hung instance is restarted with exponential backoff; the backoff
 resets once an instance has stayed up for a while, so a rare crash costs one
-short pause while a crash loop does not spin the CPU.
+short pause. An instance that fails CRASH_LOOP_FAILURES starts in a row without
+ever becoming ready is marked failed with its exit and last output lines, and
+left so until `omnictl restart` (requests for it get 503 with that reason at once).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import logging
 import os
 import sys
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +29,7 @@ from omni.cudashim import instance_env as shim_env
 from omni.isolation.sandbox import ExitStatus, Sandbox, SandboxSpec
 
 from .catalog import ModelEntry
+from .code import InstanceCode
 from .gpuyield import ENV as YIELD_ENV
 from .gpuyield import YieldFlag
 from .residency import GpuPool, Tenant
@@ -35,7 +39,10 @@ log = logging.getLogger(__name__)
 SandboxFactory = Callable[[SandboxSpec], Sandbox]
 
 
-ENV_PASSED = {"PATH", "LANG", "LC_ALL", "TZ", "PYTHONPATH", "LD_LIBRARY_PATH"}
+# PYTHONPATH is not passed: omnid sets the instance's own (InstanceCode).
+ENV_PASSED = {"PATH", "LANG", "LC_ALL", "TZ", "LD_LIBRARY_PATH"}
+CRASH_LOOP_FAILURES = 3  # starts in a row that never became ready: the instance has failed
+OUTPUT_LINES = 20  # of an instance's output, kept for the reason it failed
 ENV_PREFIXES_PASSED = ("OMNI_", "CUDA_", "NVIDIA_", "TRITON_", "TORCH_", "OMP_", "HF_")
 
 
@@ -62,6 +69,7 @@ class State(enum.StrEnum):
     STARTING = "starting"
     READY = "ready"
     BACKOFF = "backoff"  # died; waiting before the next start
+    FAILED = "failed"  # crash loop: not restarted until asked to
     STOPPING = "stopping"
     STOPPED = "stopped"
 
@@ -94,6 +102,7 @@ class Instance:
         sandbox_factory: SandboxFactory,
         backoff: Backoff | None = None,
         gpu: GpuPlacement | None = None,
+        code: InstanceCode | None = None,
     ):
         self.entry = entry
         self.socket_path = socket_dir / entry.name / "sock"
@@ -109,6 +118,11 @@ class Instance:
         self.in_flight = 0
         self.waiting = 0  # requests waiting for a permit
         self._factory = sandbox_factory
+        self.code = code or InstanceCode.of_this_process()
+        self.failure: str | None = None  # why it is FAILED: its exit and last output
+        self.output: deque[str] = deque(maxlen=OUTPUT_LINES)  # its last lines, this start
+        self._failed = asyncio.Event()
+        self._became_ready = False
         self._backoff = backoff or Backoff()
         self.state = State.STOPPED
         self.started_at: float | None = None  # when it last became ready
@@ -150,17 +164,26 @@ class Instance:
         self.socket_path.unlink(missing_ok=True)
 
     def restart(self, reason: str | None = None) -> None:
-        """Kill the process; supervision starts a fresh one at once."""
+        """Kill the process (or leave the failed state); supervision starts a fresh one."""
         self._backoff.failures = 0
         self._restart_reason = reason
         self._wake.set()
 
     async def wait_ready(self, timeout_s: float) -> bool:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._ready.wait(), timeout_s)
+        """Ready within `timeout_s`; False at once for a failed instance."""
+        if self.state == State.FAILED:
+            return False
+        waits = {asyncio.ensure_future(e.wait()) for e in (self._ready, self._failed)}
+        _done, pending = await asyncio.wait(
+            waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        for task in pending:
+            task.cancel()
         return self._ready.is_set()
 
     def retry_after_s(self) -> float:
+        if self.state == State.FAILED:
+            return 30.0  # nothing changes until an operator acts
         if self.state == State.BACKOFF and self.retry_at is not None:
             return max(1.0, self.retry_at - time.monotonic())
         return 1.0
@@ -175,6 +198,7 @@ class Instance:
             "uptime_s": round(uptime, 1),
             "restarts": self.restarts,
             "last_exit": self.last_exit,
+            "failure": self.failure,
             "gpu": self.entry.placement.gpu,
             "permits": self.entry.placement.permits,
             "in_flight": self.in_flight,
@@ -184,9 +208,7 @@ class Instance:
         }
 
     def _spec(self) -> SandboxSpec:
-        argv = [
-            sys.executable,
-            "-m",
+        argv = self.code.argv(
             "omni.runtime.worker",
             "--name",
             self.name,
@@ -194,8 +216,8 @@ class Instance:
             str(self.entry.path),
             "--socket",
             str(self.socket_path),
-        ]
-        env = instance_env()
+        )
+        env = {**instance_env(), **self.code.env()}
         if self.entry.limits.memory_bytes:
             env["OMNI_MEMORY_LIMIT_BYTES"] = str(self.entry.limits.memory_bytes)
         gpus, extra_ro = None, ()
@@ -231,15 +253,21 @@ class Instance:
         await self.gpu.pool.starting(self.tenant, block)
 
     async def _supervise(self) -> None:
+        failed_starts = 0  # in a row, none of which became ready
         while not self._stopping:
             self.state = State.STARTING
             self._wake.clear()
+            self._became_ready = False
+            self.output.clear()
+            relay: asyncio.Task | None = None
             t0 = time.monotonic()
             try:
                 if self.gpu is not None:
                     await self._claim_gpu()
                 self._sandbox = self._factory(self._spec())
                 await self._sandbox.start()
+                if self._sandbox.output is not None:
+                    relay = asyncio.create_task(self._relay_output(self._sandbox.output))
             except Exception as exc:  # could not even start: back off like a crash
                 log.exception("instance %s failed to start", self.name)
                 exit_status = ExitStatus(None, f"setup-failed: {exc}")
@@ -249,6 +277,10 @@ class Instance:
                 except Exception as exc:  # teardown failed: never stop supervising
                     log.exception("instance %s: stopping its sandbox failed", self.name)
                     exit_status = ExitStatus(None, f"teardown-failed: {exc}")
+            if relay is not None:  # the rest of its output, up to its exit
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(asyncio.shield(relay), 2)
+                relay.cancel()
             self._ready.clear()
             self._sandbox = None
             if self.gpu is not None and self.tenant is not None:
@@ -257,6 +289,11 @@ class Instance:
                 break
             self.restarts += 1
             self.last_exit = exit_status.describe()
+            failed_starts = 0 if self._became_ready else failed_starts + 1
+            if failed_starts >= CRASH_LOOP_FAILURES:
+                await self._fail(failed_starts)
+                failed_starts = 0
+                continue
             delay = self._backoff.next_delay(time.monotonic() - t0)
             log.warning("instance %s %s; restarting in %.1fs", self.name, self.last_exit, delay)
             self.state = State.BACKOFF
@@ -264,6 +301,33 @@ class Instance:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), delay)
         self.state = State.STOPPED
+
+    async def _fail(self, starts: int) -> None:
+        """Stop restarting a crash loop: say why, answer requests at once, and wait for
+        `restart()` (or `stop()`)."""
+        lines = [line for line in self.output if line.strip()][-5:]
+        said = f"; last output: {' / '.join(lines)}" if lines else ""
+        self.failure = f"{self.last_exit} on {starts} starts in a row{said}"
+        self.state = State.FAILED
+        self.retry_at = None
+        self._failed.set()
+        log.error("instance %s failed: %s", self.name, self.failure)
+        await self._wake.wait()
+        self.failure = None
+        self._failed.clear()
+
+    async def _relay_output(self, reader: asyncio.StreamReader) -> None:
+        """The instance's output to omnid's stderr (the journal), its last lines kept."""
+        while True:
+            try:
+                line = await reader.readline()
+            except ValueError:  # a line past the reader's limit: take what is there
+                line = await reader.read(1 << 16)
+            if not line:
+                return
+            self.output.append(line.decode(errors="replace").rstrip())
+            sys.stderr.buffer.write(line)
+            sys.stderr.buffer.flush()
 
     async def _run_until_exit(self) -> ExitStatus:
         """Wait for the process to exit, killing it on stop, restart or failed health."""
@@ -308,6 +372,7 @@ class Instance:
             except ApiError:  # the cold swap-out failed: the pool asked for a restart
                 return
         self.state = State.READY
+        self._became_ready = True
         self.started_at = time.time()
         self._ready.set()
         log.info("instance %s ready (pid %s)", self.name, self.pid)

@@ -57,6 +57,7 @@ from .catalog import (
     placement_from,
 )
 from .cluster import ClusterMember
+from .code import InstanceCode
 from .defaults import MINILM_PACKAGE, SMOLLM_PACKAGE, default_entries, package_dir
 from .instance import GpuPlacement, Instance, SandboxFactory
 from .metrics import CONTENT_TYPE, Metrics
@@ -386,6 +387,11 @@ def sandbox_factory(mode: str, runtime_dir: Path, node: Node) -> SandboxFactory:
     return make
 
 
+def failure(inst: Instance) -> dict:
+    """A failed instance's reason, for the model list."""
+    return {"error": inst.failure} if inst.failure is not None else {}
+
+
 def inference_app(node: Node) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=64 << 20)
 
@@ -397,6 +403,8 @@ def inference_app(node: Node) -> web.Application:
                 "created": node.started,
                 "owned_by": "omni",
                 "permits": node.instances[name].entry.placement.permits,
+                "state": str(node.instances[name].state),
+                **failure(node.instances[name]),
             }
             for name in sorted(node.instances)
         ]
@@ -445,6 +453,10 @@ def inference_app(node: Node) -> web.Application:
         if node.draining:
             raise unavailable("This node is draining; retry on another node.", 5)
         if not await inst.wait_ready(node.ready_wait_s):
+            if inst.failure is not None:
+                raise unavailable(
+                    f"Model '{req.model}' failed to start: {inst.failure}", inst.retry_after_s()
+                )
             raise unavailable(
                 f"Model '{req.model}' is {inst.state}; retry shortly.", inst.retry_after_s()
             )
@@ -659,6 +671,7 @@ async def run(args: argparse.Namespace) -> None:
     )
     entries = node.catalog.apply(entries) if node.catalog else entries
     node.sandbox_factory = sandbox_factory(args.sandbox, runtime_dir, node)
+    log.info("instances run %s", InstanceCode.of_this_process().describe())
     for entry in entries:
         try:
             node.add(entry)

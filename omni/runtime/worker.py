@@ -21,6 +21,7 @@ from omni.api.errors import error_middleware, json_response
 from omni.engine.checkpoint import Checkpoint
 from omni.logs import setup_logging
 
+from .code import PACKAGE_ENV, check_package
 from .gpuyield import YieldGate
 
 log = logging.getLogger("omni.worker")
@@ -124,6 +125,7 @@ def main() -> None:
     parser.add_argument("--model-dir", required=True, type=Path)
     parser.add_argument("--socket", required=True, type=Path)
     args = parser.parse_args()
+    check_package(os.environ.get(PACKAGE_ENV))
     setup_logging(f"instance[{args.name}]")
     threads = os.environ.get("OMNI_TORCH_THREADS")
     if threads:
