@@ -57,8 +57,8 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from bench.overcommit_bench import hf_config, percentile, tensor_shapes  # noqa: E402
+from bench.results_io import RESULTS, write_result  # noqa: E402
 from bench.results_io import device as device_info  # noqa: E402
-from bench.results_io import write_result  # noqa: E402
 from tests.checkpoints import save_word_level_tokenizer  # noqa: E402
 
 PARTS = ("check", "decode", "offline", "online", "coldstart")
@@ -806,6 +806,15 @@ def run_child(phase: str, args, workdir: Path, deadline: Deadline, **extra: str)
     return run_process(argv, result, f"phase {phase}", deadline)
 
 
+def real_weights_phase(workdir: Path, deadline: Deadline) -> dict:
+    """bench/real_weights.py in its own process: the embedded SmolLM2 on our GPU path
+    against HF transformers (greedy and logits), the correctness check on real weights."""
+    name = f"real-weights-{device_tag()}"
+    script = Path(__file__).resolve().parent / "real_weights.py"
+    argv = [sys.executable, str(script), "--name", name, "--data-dir", str(workdir / "data")]
+    return run_process(argv, RESULTS / f"{name}.json", "real weights", deadline)
+
+
 def run_process(argv: list[str], result: Path, label: str, deadline: Deadline) -> dict:
     """Run `argv` (told its spawn time in OMNI_BENCH_T0), killed at the deadline; the JSON
     it wrote to `result` by then, with its wall time and exit status."""
@@ -1064,6 +1073,17 @@ def assemble(args, phases: dict) -> dict:
             "hf_tokens": get(hf, "check", "tokens"),
             **(get(hf, "check", "compared") or {"verdict": "n/a (not compared)"}),
             "reference": get(ours, "check", "reference"),
+            "real_weights": {
+                k: phases.get("real_weights", {}).get(k)
+                for k in (
+                    "verdict",
+                    "rule",
+                    "fp32_greedy_identical",
+                    "bf16_greedy",
+                    "max_logit_err_vs_hf_fp32",
+                    "error",
+                )
+            },
             "vs_baseline_file": vs_baseline(get(ours, "check", "tokens"), args.small),
         },
         "decode": {
@@ -1223,6 +1243,12 @@ def print_table(res: dict, args) -> None:
     print(f"greedy vs HF, leading tokens equal: {matches or '-'}: {check['verdict']}")
     ref = check.get("reference") or {}
     print(f"greedy, optimized vs the plain path: {ref.get('identical')}: {ref.get('verdict')}")
+    real = check.get("real_weights") or {}
+    print(
+        f"real weights (SmolLM2-135M) vs HF: fp32 greedy identical "
+        f"{real.get('fp32_greedy_identical')}/8, bf16 greedy {real.get('bf16_greedy')}, "
+        f"logit errors {real.get('max_logit_err_vs_hf_fp32')}: {real.get('verdict')}"
+    )
     base = check.get("vs_baseline_file") or {}
     if base:
         print(
@@ -1299,6 +1325,11 @@ def orchestrate(args) -> int:
             "hf",
             sides and not args.no_hf,
             lambda: run_child("hf", args, workdir, deadline, ckpt=ckpt, peer=peer),
+        ),
+        (
+            "real_weights",
+            "check" in args.parts and not args.small,
+            lambda: real_weights_phase(workdir, deadline),
         ),
         (
             "coldstart",

@@ -42,7 +42,7 @@ def answers(node: Omnid, package: Path) -> None:
         assert r.status_code == 200, r.text
         assert f"with omni from {package}" in node.log_path.read_text()
     finally:
-        assert node.stop() == 0
+        assert node.stop() == 0, node.log()
 
 
 @pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="not run from a virtual environment")
