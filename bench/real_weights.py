@@ -24,7 +24,6 @@ bench/results/real-weights-<gpu>.json; engine_bench reports the same check (part
 from __future__ import annotations
 
 import argparse
-import queue
 import re
 import sys
 from pathlib import Path
@@ -58,26 +57,20 @@ def ours(model_dir: Path, dtype: torch.dtype, prompts: list[list[int]], max_toke
     """Greedy tokens from the serving path (all prompts submitted at once, so they batch),
     and every position's logits of prompt + answer from the GPU prefill."""
     from omni.engine.checkpoint import Checkpoint
-    from omni.engine.engine import Engine, GenerationRequest
+    from omni.engine.engine import Engine
     from omni.engine.llama import LlamaForCausalLM
     from omni.engine.model_runner import ModelRunner, SoloSequence
     from omni.engine.sampling import SamplingParams
     from omni.engine.tokenizer import TextTokenizer
+    from tests.engine.runs import run_requests
+    from tests.engine.runs import tokens as steps_tokens
 
     ckpt = Checkpoint.open(model_dir)
     model = LlamaForCausalLM.load(ckpt, "cuda", dtype)
     engine = Engine(model, TextTokenizer(ckpt))
     try:
         params = SamplingParams(max_tokens=max_tokens, temperature=0)
-        queues = [queue.Queue() for _ in prompts]
-        for prompt, q in zip(prompts, queues, strict=True):
-            engine.submit(GenerationRequest(prompt, params), q.put)
-        tokens = []
-        for q in queues:
-            steps = [q.get(timeout=300)]
-            while not steps[-1].finished:
-                steps.append(q.get(timeout=300))
-            tokens.append([t for s in steps for t in s.token_ids])
+        tokens = [steps_tokens(s) for s in run_requests(engine, prompts, params, timeout_s=300)]
     finally:
         engine.shutdown()
     logits = [
