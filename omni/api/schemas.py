@@ -57,7 +57,19 @@ class GenerationFields(Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=1)] = 1  # one choice per request for now
-    user: str | None = None
+    user: str | None = None  # accepted, not used
+    # token id (as a string, as OpenAI sends it) -> bias added to its logit
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] = 0  # extensions, as in vLLM
+    ignore_eos: bool = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, value):
+        if value and not all(key.isdigit() for key in value):
+            raise ValueError("keys must be token ids")
+        return value
 
     @property
     def stop_list(self) -> list[str]:

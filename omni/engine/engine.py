@@ -284,7 +284,8 @@ class Engine:
             self.tokenizer.stream_decoder(),
             StopMatcher(params.stop),
             make_generator(params.seed),
-            set() if params.ignore_eos else self.tokenizer.eos_ids,
+            (set() if params.ignore_eos else set(self.tokenizer.eos_ids))
+            | set(params.stop_token_ids),
         )
         self._active[seq.seq_id] = state
         self.scheduler.add(seq)
@@ -346,7 +347,7 @@ class Engine:
         if state is None:
             return True  # finished meanwhile: its row is dropped
         params = state.request.params
-        return params.greedy and not params.penalized and params.logprobs is None
+        return params.greedy and not params.shaped and params.logprobs is None
 
     def _land(self) -> None:
         """Fill in and stream the tokens of the step in flight, if any."""
@@ -362,12 +363,13 @@ class Engine:
 
     def _sample(self, state: _Active, logits: torch.Tensor, greedy: int) -> int:
         params, seq = state.request.params, state.seq
-        if params.greedy and not params.penalized:
+        if params.greedy and not params.shaped:
             token = greedy
         else:
             prompt = seq.token_ids[: seq.num_prompt_tokens]
             output = seq.token_ids[seq.num_prompt_tokens :]
-            token = sample(logits, params, state.generator, prompt, output)
+            banned = state.eos if len(output) < params.min_tokens else frozenset()
+            token = sample(logits, params, state.generator, prompt, output, banned)
         if params.logprobs is not None:  # of the model's distribution, before sampling
             logprobs = torch.log_softmax(logits.float(), dim=-1)
             top = torch.topk(logprobs, params.logprobs) if params.logprobs else None

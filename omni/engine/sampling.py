@@ -1,4 +1,5 @@
-"""Token sampling: penalties, greedy, temperature, top-k, top-p, min-p, per-request seed."""
+"""Token sampling: penalties, logit bias, min tokens, greedy, temperature, top-k, top-p,
+min-p, per-request seed."""
 
 from __future__ import annotations
 
@@ -21,10 +22,19 @@ class SamplingParams:
     logprobs: int | None = None  # None: off; n: the chosen token's and the n most likely
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    stop_token_ids: list[int] = field(default_factory=list)  # finish on these, EOS or not
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to those tokens' logits
+    min_tokens: int = 0  # no EOS or stop token before this many have been generated
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def shaped(self) -> bool:
+        """Whether the logits change before the pick (bias, penalties, held-back stops):
+        then the plain argmax the engine computes on the device is not the answer."""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def penalized(self) -> bool:
@@ -65,17 +75,32 @@ def apply_penalties(
     return logits
 
 
+def apply_bias(logits: torch.Tensor, bias: dict[int, float], banned: set[int]) -> torch.Tensor:
+    """OpenAI's logit_bias (added to the raw logits; -100 all but bans a token), and the
+    tokens that may not come yet (min_tokens: EOS and the stop tokens) banned outright."""
+    logits = logits.float().clone()
+    if bias:
+        ids = torch.tensor(list(bias), device=logits.device)
+        logits[ids] += torch.tensor(list(bias.values()), device=logits.device)
+    if banned:
+        logits[torch.tensor(sorted(banned), device=logits.device)] = float("-inf")
+    return logits
+
+
 def sample(
     logits: torch.Tensor,
     params: SamplingParams,
     generator: torch.Generator,
     prompt: list[int] = (),
     output: list[int] = (),
+    banned: set[int] = frozenset(),
 ) -> int:
     """Pick the next token from one row of logits [vocab]; `prompt` and `output` are the
-    tokens so far, for the penalties."""
+    tokens so far, for the penalties; `banned` may not be picked (min_tokens)."""
     if params.penalized:
         logits = apply_penalties(logits, params, list(prompt), list(output))
+    if params.logit_bias or banned:
+        logits = apply_bias(logits, params.logit_bias, banned)
     if params.greedy:
         return int(torch.argmax(logits))
     logits = logits.float().cpu() / params.temperature

@@ -94,8 +94,24 @@ class TextGenRoutes:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
+        vocab = self.engine.model.cfg.vocab_size
+        bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+        for param, ids in (("logit_bias", bias), ("stop_token_ids", req.stop_token_ids or [])):
+            if any(t >= vocab for t in ids):
+                raise ApiError(400, f"Token ids must be in [0, {vocab}).", param=param)
+        if req.min_tokens > (limit or room):
+            raise ApiError(
+                400,
+                f"min_tokens ({req.min_tokens}) is more than max_tokens ({limit or room}).",
+                param="min_tokens",
+                code="invalid_value",
+            )
         return SamplingParams(
             max_tokens=limit or room,
+            logit_bias=bias,
+            min_tokens=req.min_tokens,
+            ignore_eos=req.ignore_eos,
+            stop_token_ids=list(req.stop_token_ids or []),
             temperature=req.temperature,
             top_p=req.top_p,
             top_k=max(req.top_k, 0),
