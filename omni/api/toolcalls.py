@@ -1,0 +1,165 @@
+"""Tool calls out of a model's text, one parser per model family, in one place.
+
+Each family writes its calls its own way:
+
+- hermes (Qwen2, Qwen2.5, Qwen3 and most fine-tunes): `<tool_call>{"name": ..,
+  "arguments": {..}}</tool_call>`, one block per call, after any text;
+- llama3 (Llama 3.1+ JSON tool calling): `{"name": .., "parameters": {..}}`, optionally
+  after `<|python_tag|>`, several separated by `;`;
+- mistral: `[TOOL_CALLS][{"name": .., "arguments": {..}}, ..]`, or the newer
+  `[TOOL_CALLS]name[ARGS]{..}` once per call.
+
+A parser never loses text: output it cannot read as calls stays the message's content.
+`parser_for` picks the family from the checkpoint's chat template (what the model was
+taught), then its model type; a model's catalog entry can name one instead.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # a JSON object, as OpenAI sends it
+    id: str = field(default_factory=lambda: f"call_{secrets.token_hex(12)}")
+
+    def to_json(self) -> dict:
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
+
+
+@dataclass(frozen=True)
+class Parsed:
+    content: str | None  # the text around the calls (None where there is none)
+    calls: list[ToolCall]
+
+
+def _call(obj, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> ToolCall | None:
+    """A call from a decoded JSON value: an object with a string name and object arguments."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        return None
+    args = next((obj[k] for k in args_keys if k in obj), {})
+    if isinstance(args, str):  # some models send the arguments already encoded
+        try:
+            args = json.loads(args)
+        except json.JSONDecodeError:
+            return None
+    if not isinstance(args, dict):
+        return None
+    return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
+
+
+def _content(text: str) -> str | None:
+    text = text.strip()
+    return text or None
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _json_values(text: str, sep: str) -> list | None:
+    """`text` as JSON values separated by `sep` (or whitespace); None unless all of it is."""
+    values, pos = [], 0
+    while True:
+        while pos < len(text) and (text[pos].isspace() or text[pos] == sep):
+            pos += 1
+        if pos == len(text):
+            return values
+        try:
+            value, pos = _DECODER.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return None
+        values.append(value)
+
+
+_HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
+
+
+def parse_hermes(text: str) -> Parsed:
+    if "<tool_call>" not in text:
+        return Parsed(_content(text), [])
+    calls = []
+    for match in _HERMES.finditer(text):
+        try:
+            call = _call(json.loads(match.group(1)))
+        except json.JSONDecodeError:
+            call = None
+        if call is None:
+            return Parsed(_content(text), [])  # one unreadable block: all of it is text
+        calls.append(call)
+    return Parsed(_content(text[: text.index("<tool_call>")]), calls)
+
+
+def parse_llama3(text: str) -> Parsed:
+    """JSON calls from the first '{' (or after <|python_tag|>) to the end of the text."""
+    start = text.find("<|python_tag|>")
+    body_at = start + len("<|python_tag|>") if start >= 0 else text.find("{")
+    if body_at < 0:
+        return Parsed(_content(text), [])
+    values = _json_values(text[body_at:], ";")
+    calls = [_call(v) for v in values] if values else []
+    if not calls or None in calls:
+        return Parsed(_content(text.replace("<|python_tag|>", "")), [])
+    return Parsed(_content(text[: start if start >= 0 else body_at]), calls)
+
+
+_MISTRAL_NAMED = re.compile(r"\[TOOL_CALLS\]\s*([A-Za-z0-9_.-]+)\s*\[ARGS\]")
+
+
+def parse_mistral(text: str) -> Parsed:
+    at = text.find("[TOOL_CALLS]")
+    if at < 0:
+        return Parsed(_content(text), [])
+    before, body = text[:at], text[at:]
+    calls: list[ToolCall | None] = []
+    if _MISTRAL_NAMED.match(body):  # [TOOL_CALLS]name[ARGS]{...}, once per call
+        for match in _MISTRAL_NAMED.finditer(body):
+            try:
+                args, _ = _DECODER.raw_decode(body, match.end())
+            except json.JSONDecodeError:
+                args = None
+            calls.append(_call({"name": match.group(1), "arguments": args}))
+    else:  # [TOOL_CALLS][{...}, ...]
+        values = _json_values(body[len("[TOOL_CALLS]") :], ",")
+        if values and len(values) == 1 and isinstance(values[0], list):
+            values = values[0]
+        calls = [_call(v) for v in values] if values else []
+    if not calls or None in calls:
+        return Parsed(_content(text), [])
+    return Parsed(_content(before), calls)
+
+
+PARSERS: dict[str, Callable[[str], Parsed]] = {
+    "hermes": parse_hermes,
+    "llama3": parse_llama3,
+    "mistral": parse_mistral,
+}
+_BY_TEMPLATE = (  # markers of a template that renders tools, then Llama 3's header tokens
+    ("<tool_call>", "hermes"),
+    ("[TOOL_CALLS]", "mistral"),
+    ("<|python_tag|>", "llama3"),
+    ("<|start_header_id|>", "llama3"),
+)
+_BY_MODEL_TYPE = {"qwen2": "hermes", "qwen3": "hermes", "mistral": "mistral"}
+DEFAULT = "hermes"  # the most common format among fine-tunes without a tool template
+
+
+def parser_for(model_type: str, chat_template: str = "", override: str | None = None) -> str:
+    """The family whose format this model writes calls in."""
+    if override is not None:
+        if override not in PARSERS:
+            raise ValueError(f"unknown tool parser {override!r} (one of {', '.join(PARSERS)})")
+        return override
+    for marker, family in _BY_TEMPLATE:
+        if marker in chat_template:
+            return family
+    return _BY_MODEL_TYPE.get(model_type, DEFAULT)
