@@ -45,6 +45,11 @@ class TextTokenizer:
         return self._tok.get_vocab_size()
 
     @property
+    def raw(self) -> Tokenizer:
+        """The `tokenizers` object itself (for libraries that read the vocabulary)."""
+        return self._tok
+
+    @property
     def has_chat_template(self) -> bool:
         return self._template is not None
 
