@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .block_manager import BlockManager
+from .grammar import Constraint, Grammars, GrammarSpec
 from .kernels import builds
 from .llama import LlamaForCausalLM
 from .model_runner import ModelRunner, Previous
@@ -89,6 +90,7 @@ class _Active:
     stops: StopMatcher
     generator: torch.Generator
     eos: set[int]
+    constraint: Constraint | None = None  # its grammar, for structured output
     logprob: tuple[int, float, list[tuple[int, float]]] | None = None  # of the newest token
 
     def output(self, text: str, tokens: list[int], reason: str | None = None) -> StepOutput:
@@ -122,6 +124,8 @@ class Engine:
         self.model = model
         self.before_step = before_step  # e.g. yield the GPU to a hotter instance
         self.tokenizer = tokenizer
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()
         self.max_context = model.cfg.max_position
         self.runner = ModelRunner(model, block_size, num_blocks)
         on_gpu = self.runner.device.type == "cuda"
@@ -184,6 +188,19 @@ class Engine:
             "idle_work": len(self._idle_work),
             "kernel_builds": builds.BUILDS.count,  # Triton builds so far, warm-up included
         }
+
+    @property
+    def grammars(self) -> Grammars:
+        """Structured output's grammars, built at the first request that needs them."""
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer, self.model.cfg.vocab_size)
+            return self._grammars
+
+    def check_grammar(self, spec: GrammarSpec) -> None:
+        """Compile `spec` now (cached for the request's own use); GrammarError if it
+        cannot be. Called before submitting, off the engine's thread."""
+        self.grammars.compile(spec)
 
     def submit(self, request: GenerationRequest, emit: Emit) -> None:
         self._inbox.put((request, emit))
@@ -286,6 +303,7 @@ class Engine:
             make_generator(params.seed),
             (set() if params.ignore_eos else set(self.tokenizer.eos_ids))
             | set(params.stop_token_ids),
+            self.grammars.constraint(params.grammar) if params.grammar else None,
         )
         self._active[seq.seq_id] = state
         self.scheduler.add(seq)
@@ -369,7 +387,11 @@ class Engine:
             prompt = seq.token_ids[: seq.num_prompt_tokens]
             output = seq.token_ids[seq.num_prompt_tokens :]
             banned = state.eos if len(output) < params.min_tokens else frozenset()
+            if state.constraint is not None:
+                logits = state.constraint.mask(logits.float().clone())
             token = sample(logits, params, state.generator, prompt, output, banned)
+            if state.constraint is not None:
+                state.constraint.accept(token)
         if params.logprobs is not None:  # of the model's distribution, before sampling
             logprobs = torch.log_softmax(logits.float(), dim=-1)
             top = torch.topk(logprobs, params.logprobs) if params.logprobs else None

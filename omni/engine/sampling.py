@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .grammar import GrammarSpec
+
 
 @dataclass
 class SamplingParams:
@@ -25,6 +27,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # finish on these, EOS or not
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to those tokens' logits
     min_tokens: int = 0  # no EOS or stop token before this many have been generated
+    grammar: GrammarSpec | None = None  # structured output: only what it allows
 
     @property
     def greedy(self) -> bool:
@@ -34,7 +37,12 @@ class SamplingParams:
     def shaped(self) -> bool:
         """Whether the logits change before the pick (bias, penalties, held-back stops):
         then the plain argmax the engine computes on the device is not the answer."""
-        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
+        return (
+            self.penalized
+            or bool(self.logit_bias)
+            or self.min_tokens > 0
+            or self.grammar is not None
+        )
 
     @property
     def penalized(self) -> bool:

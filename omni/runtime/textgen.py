@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -17,6 +18,7 @@ from omni.api.schemas import (
     parse_request,
 )
 from omni.engine.engine import Engine, GenerationRequest, StepOutput
+from omni.engine.grammar import GrammarError, GrammarSpec
 from omni.engine.sampling import SamplingParams
 from omni.engine.tokenizer import ChatTemplateError
 
@@ -124,10 +126,32 @@ class TextGenRoutes:
             stop=req.stop_list,
         )
 
+    async def _grammar(self, req: GenerationFields) -> GrammarSpec | None:
+        """The grammar a response_format asks for, compiled (a 400 if it cannot be)."""
+        fmt = getattr(req, "response_format", None)
+        if fmt is None or fmt.type == "text":
+            return None
+        if fmt.type == "json_object":
+            spec = GrammarSpec("json_object")
+        else:
+            spec = GrammarSpec.json_schema(fmt.json_schema.json_schema or {})
+        try:
+            await asyncio.to_thread(self.engine.check_grammar, spec)
+        except GrammarError as exc:
+            raise ApiError(
+                400,
+                f"Invalid JSON schema: {exc}",
+                param="response_format.json_schema.schema",
+                code="invalid_value",
+            ) from None
+        return spec
+
     async def _respond(
         self, request: web.Request, req: GenerationFields, prompt: list[int], chat: bool
     ) -> web.StreamResponse:
-        gen = GenerationRequest(prompt, self._sampling(req, prompt), principal(request))
+        params = self._sampling(req, prompt)
+        params.grammar = await self._grammar(req)
+        gen = GenerationRequest(prompt, params, principal(request))
         fmt = _Formatter(self.model_name, chat, self.engine.tokenizer.decode)
         outputs = self.engine.stream(gen)
         if req.stream:
