@@ -387,9 +387,10 @@ class Engine:
             prompt = seq.token_ids[: seq.num_prompt_tokens]
             output = seq.token_ids[seq.num_prompt_tokens :]
             banned = state.eos if len(output) < params.min_tokens else frozenset()
+            allowed = logits  # logprobs below stay the model's own, unmasked
             if state.constraint is not None:
-                logits = state.constraint.mask(logits.float().clone())
-            token = sample(logits, params, state.generator, prompt, output, banned)
+                allowed = state.constraint.mask(logits.float().clone())
+            token = sample(allowed, params, state.generator, prompt, output, banned)
             if state.constraint is not None:
                 state.constraint.accept(token)
         if params.logprobs is not None:  # of the model's distribution, before sampling

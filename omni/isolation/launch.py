@@ -33,7 +33,9 @@ import sys
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWCGROUP = 0x20000000, 0x40000000, 0x02000000
-NAMESPACES = CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWPID
+NAMESPACES = (
+    CLONE_NEWNS | CLONE_NEWUTS | CLONE_NEWIPC | CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWCGROUP
+)
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8  # = the MOUNT_ATTR_ bits
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
 MNT_DETACH = 0x2
@@ -339,7 +341,7 @@ def main() -> None:
         if plan.get("seccomp"):  # read now: the file is out of sight after pivot_root
             with open(plan["seccomp"], "rb") as f:
                 seccomp = f.read()
-        check(libc.unshare(NAMESPACES | CLONE_NEWCGROUP), "unshare")
+        check(libc.unshare(NAMESPACES), "unshare")
         loopback_up()
     except (SetupError, OSError) as exc:
         report_failure(err_w, plan["hostname"], exc)

@@ -76,9 +76,10 @@ def _outermost(paths: list[Path]) -> list[Path]:
     return sorted({p for p in paths if not _under(p, [q for q in paths if q != p])})
 
 
-def python_paths() -> list[Path]:
+def python_paths(pythonpath: str | None = None) -> list[Path]:
     """Where the interpreter and the installed packages really are: the interpreter's
-    prefixes, its site directories, the `omni` package and the operator's PYTHONPATH.
+    prefixes, its site directories, the `omni` package and the instance's PYTHONPATH
+    (`pythonpath`, as its environment sets it; omnid's own where None).
 
     Never sys.path itself: under `cd / && python -m ...` its first entry is the host's
     root, and a script-started omnid puts its own directory there. Of a source
@@ -88,7 +89,9 @@ def python_paths() -> list[Path]:
     checkout = package.parent
     candidates = [Path(sys.base_prefix), Path(sys.base_exec_prefix), Path(sys.prefix)]
     candidates += [Path(sys.exec_prefix), package, *map(Path, site.getsitepackages())]
-    candidates += [Path(p) for p in os.environ.get("PYTHONPATH", "").split(":") if p]
+    if pythonpath is None:
+        pythonpath = os.environ.get("PYTHONPATH", "")
+    candidates += [Path(p) for p in pythonpath.split(os.pathsep) if p]
     out: list[Path] = []
     for path in candidates:
         if not path.is_absolute():
@@ -173,7 +176,7 @@ def build_plan(
     generated("group", f"root:x:0:\nomni:x:{cfg.gid}:\n", "/etc/group")
     generated("hosts", f"127.0.0.1 localhost {spec.name}\n::1 localhost\n", "/etc/hosts")
 
-    for path in [*python_paths(), *spec.extra_ro]:
+    for path in [*python_paths(spec.env.get("PYTHONPATH", "")), *spec.extra_ro]:
         if not _under(path, visible):
             bind(path)
     bind(spec.model_dir)

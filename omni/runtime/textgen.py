@@ -60,10 +60,13 @@ class TextGenRoutes:
             prompt = self.engine.tokenizer.encode(req.prompt[0])
         else:
             prompt = list(req.prompt)
-            vocab = self.engine.model.cfg.vocab_size
-            if any(not 0 <= t < vocab for t in prompt):
-                raise ApiError(400, f"Token ids must be in [0, {vocab}).", param="prompt")
+            self._check_token_ids(prompt, "prompt")
         return await self._respond(request, req, prompt, chat=False)
+
+    def _check_token_ids(self, ids, param: str) -> None:
+        vocab = self.engine.model.cfg.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ApiError(400, f"Token ids must be in [0, {vocab}).", param=param)
 
     def _sampling(self, req: GenerationFields, prompt: list[int]) -> SamplingParams:
         context = min(self.engine.max_context, self.engine.kv_capacity_tokens)
@@ -96,11 +99,9 @@ class TextGenRoutes:
                 param="max_tokens",
                 code="context_length_exceeded",
             )
-        vocab = self.engine.model.cfg.vocab_size
         bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
-        for param, ids in (("logit_bias", bias), ("stop_token_ids", req.stop_token_ids or [])):
-            if any(t >= vocab for t in ids):
-                raise ApiError(400, f"Token ids must be in [0, {vocab}).", param=param)
+        self._check_token_ids(bias, "logit_bias")
+        self._check_token_ids(req.stop_token_ids or [], "stop_token_ids")
         if req.min_tokens > (limit or room):
             raise ApiError(
                 400,
