@@ -11,23 +11,11 @@ import queue
 
 import pytest
 
-from omni.engine.checkpoint import Checkpoint
 from omni.engine.engine import Engine, GenerationRequest
-from omni.engine.llama import LlamaForCausalLM
 from omni.engine.sampling import SamplingParams
 from omni.engine.sequence import PLACEHOLDER
-from omni.engine.tokenizer import TextTokenizer
 
 from .runs import run_requests, tokens
-
-
-@pytest.fixture(scope="module")
-def engine(text_model_dir):
-    ckpt = Checkpoint.open(text_model_dir)
-    eng = Engine(LlamaForCausalLM.load(ckpt), TextTokenizer(ckpt), max_batch_tokens=64)
-    yield eng
-    eng.shutdown()
-
 
 MIX = [
     SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),

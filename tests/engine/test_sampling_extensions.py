@@ -7,21 +7,9 @@ from collections import Counter
 
 import pytest
 
-from omni.engine.checkpoint import Checkpoint
-from omni.engine.engine import Engine
-from omni.engine.llama import LlamaForCausalLM
 from omni.engine.sampling import SamplingParams
-from omni.engine.tokenizer import TextTokenizer
 
 from .runs import run_requests, tokens
-
-
-@pytest.fixture(scope="module")
-def engine(text_model_dir):
-    ckpt = Checkpoint.open(text_model_dir)
-    eng = Engine(LlamaForCausalLM.load(ckpt), TextTokenizer(ckpt), max_batch_tokens=128)
-    yield eng
-    eng.shutdown()
 
 
 @pytest.fixture(scope="module")
