@@ -129,6 +129,27 @@ class BlockManager:
             self.blocks[block].ref_count = 1
             owner.block_table.append(block)
 
+    def fork(self, parent: BlockOwner, child: BlockOwner) -> list[tuple[int, int]] | None:
+        """Give `child` the KV of its tokens, which `parent` has computed: the full blocks
+        are shared (held once more; nobody writes a full block), a partial last block is
+        copied, since each writes its own next token into it. Returns the (source,
+        destination) blocks to copy; None (and nothing held) if no block is free."""
+        n_full, partial = divmod(len(child.token_ids), self.block_size)
+        if partial and not self.num_free:
+            return None
+        for block in parent.block_table[:n_full]:
+            self.blocks[block].ref_count += 1
+            child.block_table.append(block)
+        copies = []
+        if partial:
+            block = self._take()
+            self.blocks[block].ref_count = 1
+            child.block_table.append(block)
+            copies.append((parent.block_table[n_full], block))
+        child.num_cached_tokens = parent.num_cached_tokens
+        child.num_registered = min(parent.num_registered, n_full)
+        return copies
+
     def register_full_blocks(self, owner: BlockOwner, n_computed: int) -> None:
         """Make the blocks whose KV is now fully computed reusable by the same principal."""
         n_full = n_computed // self.block_size

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .block_manager import BlockManager
-from .grammar import Constraint, Grammars, GrammarSpec
+from .grammar import Constraint, GrammarError, Grammars, GrammarSpec
 from .kernels import builds
 from .llama import LlamaForCausalLM
 from .model_runner import ModelRunner, Previous
@@ -52,6 +52,7 @@ class StepOutput:
     # per token: (id, logprob, [(alternative id, logprob), ...]) when the request asked
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     error: str | None = None
+    index: int = 0  # which of the request's n sequences
 
 
 @dataclass
@@ -91,6 +92,8 @@ class _Active:
     generator: torch.Generator
     eos: set[int]
     constraint: Constraint | None = None  # its grammar, for structured output
+    index: int = 0  # of the request's n sequences
+    forks: int = 0  # sequences still to start from this one's prompt (n - 1, then 0)
     logprob: tuple[int, float, list[tuple[int, float]]] | None = None  # of the newest token
 
     def output(self, text: str, tokens: list[int], reason: str | None = None) -> StepOutput:
@@ -105,6 +108,7 @@ class _Active:
             seq.num_generated,
             seq.num_cached_tokens,
             [self.logprob] if wanted else None,
+            index=self.index,
         )
 
 
@@ -210,7 +214,8 @@ class Engine:
         self._thread.join(timeout=5)
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[StepOutput]:
-        """Yield the request's outputs; leaving early (client gone) cancels it."""
+        """Yield the request's outputs (of all its n sequences) until each has finished,
+        or one failed; leaving early (client gone) cancels it."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue[StepOutput] = asyncio.Queue()
 
@@ -219,11 +224,13 @@ class Engine:
                 loop.call_soon_threadsafe(outputs.put_nowait, out)
 
         self.submit(request, emit)
+        running = request.params.n
         try:
             while True:
                 out = await outputs.get()
                 yield out
-                if out.finished:
+                running -= out.finished
+                if running == 0 or out.finish_reason == "error":
                     return
         finally:
             request.cancelled.set()
@@ -294,19 +301,29 @@ class Engine:
                 )
             )
             return
+        state = self._start(request, emit, seq, 0)
+        state.forks = params.n - 1  # forked once the prompt is computed, sharing its KV
+        self.scheduler.add(seq)
+
+    def _start(self, request: GenerationRequest, emit: Emit, seq: Sequence, index: int):
+        """The engine's state for one of the request's sequences; the i-th of n draws from
+        seed + i (the first is what n=1 with that seed gives)."""
+        params = request.params
+        seed = None if params.seed is None else params.seed + index
         state = _Active(
             request,
             emit,
             seq,
             self.tokenizer.stream_decoder(),
             StopMatcher(params.stop),
-            make_generator(params.seed),
+            make_generator(seed),
             (set() if params.ignore_eos else set(self.tokenizer.eos_ids))
             | set(params.stop_token_ids),
             self.grammars.constraint(params.grammar) if params.grammar else None,
+            index,
         )
         self._active[seq.seq_id] = state
-        self.scheduler.add(seq)
+        return state
 
     def _drop_cancelled(self) -> None:
         for state in list(self._active.values()):
@@ -331,22 +348,68 @@ class Engine:
             batch, previous=Previous(previous.on_device, rows) if previous else None
         )
         sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
-        step = self._launch_greedy(logits, sampling)
-        self._land()  # the last step's tokens, while the GPU runs this one
+        if any(self._constraint(s) for s in sampling):
+            # A grammar's mask for this step needs the last step's token accepted first;
+            # the host does both while the GPU runs this step's model.
+            self._land()
+            self._mask_grammars(logits, sampling)
+            step = self._launch_greedy(logits, sampling)
+        else:
+            step = self._launch_greedy(logits, sampling)
+            self._land()  # the last step's tokens, while the GPU runs this one
         if all(self._on_device(s) for s in sampling):
             self.scheduler.update(batch, {s.seq_id: PLACEHOLDER for s in sampling})
             self._in_flight = step
             return
         tokens = step.tokens()
-        new_tokens = {}
+        new_tokens, forking = {}, []
         for row, seq in enumerate(sampling):
             state = self._active.get(seq.seq_id)
             if state is None:
                 continue  # finished by the last step's tokens
             new_tokens[seq.seq_id] = self._sample(state, logits[row], tokens[row])
+            if state.forks:
+                forking.append((state, row))
         self.scheduler.update(batch, new_tokens)
+        children = [
+            (child, self._sample(child, logits[row], tokens[row]))
+            for state, row in forking
+            for child in self._fork(state)
+        ]
         for seq_id, token in new_tokens.items():
             self._deliver(self._active[seq_id], token)
+        for child, token in children:
+            child.seq.token_ids.append(token)
+            self._deliver(child, token)
+
+    def _fork(self, parent: _Active) -> list[_Active]:
+        """The request's other sequences, started on the parent's computed prompt: its
+        full KV blocks shared, the partial last one copied (each writes its own token
+        there next)."""
+        n, parent.forks = parent.forks, 0
+        prompt = parent.seq.token_ids[: parent.seq.num_prompt_tokens]
+        children = []
+        for index in range(1, n + 1):
+            seq = Sequence(list(prompt), parent.seq.principal, max_tokens=parent.seq.max_tokens)
+            copies = self.scheduler.fork(parent.seq, seq)
+            self.runner.copy_blocks(copies)
+            children.append(self._start(parent.request, parent.emit, seq, index))
+        return children
+
+    def _constraint(self, seq: Sequence) -> Constraint | None:
+        state = self._active.get(seq.seq_id)
+        return state.constraint if state is not None else None
+
+    def _mask_grammars(self, logits: torch.Tensor, sampling: list[Sequence]) -> None:
+        """Apply the grammars of the rows picked by argmax on the device, in one batch."""
+        rows, constraints = [], []
+        for row, seq in enumerate(sampling):
+            state = self._active.get(seq.seq_id)
+            if state is not None and state.constraint is not None and self._device_pick(state):
+                rows.append(row)
+                constraints.append(state.constraint)
+        if rows:
+            self.grammars.mask_rows(logits, rows, constraints)
 
     def _launch_greedy(self, logits: torch.Tensor, sampling: list[Sequence]) -> _InFlight:
         """Every row's argmax, on its way to the host without waiting for the GPU."""
@@ -359,13 +422,18 @@ class Engine:
         ready.record()
         return _InFlight(sampling, on_device, on_host, ready)
 
+    @staticmethod
+    def _device_pick(state: _Active) -> bool:
+        """Whether the (grammar-masked) argmax on the device is this sequence's token."""
+        params = state.request.params
+        return params.greedy and not params.shaped and params.logprobs is None
+
     def _on_device(self, seq: Sequence) -> bool:
         """Whether the argmax is all this sequence's sampling needs (no host work)."""
         state = self._active.get(seq.seq_id)
         if state is None:
             return True  # finished meanwhile: its row is dropped
-        params = state.request.params
-        return params.greedy and not params.shaped and params.logprobs is None
+        return self._device_pick(state) and not state.forks
 
     def _land(self) -> None:
         """Fill in and stream the tokens of the step in flight, if any."""
@@ -381,18 +449,22 @@ class Engine:
 
     def _sample(self, state: _Active, logits: torch.Tensor, greedy: int) -> int:
         params, seq = state.request.params, state.seq
-        if params.greedy and not params.shaped:
+        # the device's argmax: of the plain logits, or of the grammar-masked ones (a row
+        # that also wants logprobs is not masked on the device: they are the model's own)
+        if self._device_pick(state) or (
+            params.greedy and not params.shaped and state.constraint is None
+        ):
             token = greedy
         else:
             prompt = seq.token_ids[: seq.num_prompt_tokens]
             output = seq.token_ids[seq.num_prompt_tokens :]
-            banned = state.eos if len(output) < params.min_tokens else frozenset()
+            # min_tokens holds back the end; under a grammar, the grammar decides it
+            early = len(output) < params.min_tokens and state.constraint is None
+            banned = state.eos if early else frozenset()
             allowed = logits  # logprobs below stay the model's own, unmasked
             if state.constraint is not None:
                 allowed = state.constraint.mask(logits.float().clone())
             token = sample(allowed, params, state.generator, prompt, output, banned)
-            if state.constraint is not None:
-                state.constraint.accept(token)
         if params.logprobs is not None:  # of the model's distribution, before sampling
             logprobs = torch.log_softmax(logits.float(), dim=-1)
             top = torch.topk(logprobs, params.logprobs) if params.logprobs else None
@@ -405,8 +477,18 @@ class Engine:
         return token
 
     def _deliver(self, state: _Active, token: int) -> None:
-        """Stream the new token's text; finish on EOS, a stop string or max_tokens."""
-        if token in state.eos:
+        """Stream the new token's text; finish on EOS, the grammar's end, a stop string or
+        max_tokens."""
+        constraint = state.constraint
+        if constraint is not None:
+            try:
+                constraint.accept(token)
+            except GrammarError as exc:
+                out = state.output("", [], "error")
+                out.error = f"structured output: {exc}"
+                self._finish(state, out)
+                return
+        if token in state.eos or (constraint is not None and constraint.done):
             self._finish(state, state.output(state.stops.flush(), [token], "stop"))
             return
         text, hit_stop = state.stops.feed(state.decoder.push(token))

@@ -26,12 +26,17 @@ class GrammarError(ValueError):
 
 @dataclass(frozen=True)
 class GrammarSpec:
-    kind: str  # "json_object" | "json_schema"
-    source: str = ""  # the schema, as canonical JSON text (the cache key)
+    kind: str  # "json_object" | "json_schema" | "structural_tag"
+    source: str = ""  # the schema or tag, as canonical JSON text (the cache key)
 
     @classmethod
     def json_schema(cls, schema: dict) -> GrammarSpec:
         return cls("json_schema", json.dumps(schema, sort_keys=True))
+
+    @classmethod
+    def structural_tag(cls, tag: dict) -> GrammarSpec:
+        """xgrammar's structural tag: fixed text around JSON (a model's tool-call format)."""
+        return cls("structural_tag", json.dumps(tag, sort_keys=True))
 
 
 class Grammars:
@@ -48,6 +53,8 @@ class Grammars:
         )
         self.vocab_size = vocab_size
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
+        self._batch = xgrammar.BatchGrammarMatcher(max_threads=2)
+        self._bitmask: torch.Tensor | None = None  # the batch's, on the host: grown as needed
 
     def compile(self, spec: GrammarSpec):
         # Compact JSON: with free whitespace a sampled sequence can pad forever between
@@ -57,12 +64,35 @@ class Grammars:
                 return self._compiler.compile_json_schema('{"type": "object"}', **COMPACT)
             if spec.kind == "json_schema":
                 return self._compiler.compile_json_schema(spec.source, **COMPACT)
+            if spec.kind == "structural_tag":
+                return self._compiler.compile_structural_tag(spec.source)
         except (RuntimeError, ValueError) as exc:  # xgrammar's errors for a bad schema
             raise GrammarError(str(exc).strip().splitlines()[-1]) from None
         raise GrammarError(f"unknown grammar kind {spec.kind!r}")
 
     def constraint(self, spec: GrammarSpec) -> Constraint:
         return Constraint(self, self._xgr.GrammarMatcher(self.compile(spec)))
+
+    def mask_rows(self, logits: torch.Tensor, rows: list[int], constraints: list[Constraint]):
+        """Mask each of `rows` of the batch's `logits` [rows, vocab] (on its device, in
+        place) to what its constraint allows: the bitmasks are filled on the host (threads
+        for a batch), copied in one transfer and applied by xgrammar's kernel."""
+        if self._bitmask is None or self._bitmask.shape[0] < logits.shape[0]:
+            size = max(logits.shape[0], 2 * len(self._bitmask if self._bitmask is not None else ()))
+            self._bitmask = self._xgr.allocate_token_bitmask(size, self.vocab_size)
+            if logits.device.type == "cuda":  # pinned: the copy does not wait on the host
+                self._bitmask = self._bitmask.pin_memory()
+        bitmask = self._bitmask[: logits.shape[0]]
+        matchers = [c._matcher for c in constraints]
+        if len(matchers) == 1:
+            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
+        else:
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        # The buffer is reused next step, after the engine has waited for this one.
+        on_device = bitmask.to(logits.device, non_blocking=True)
+        self._xgr.apply_token_bitmask_inplace(
+            logits, on_device, vocab_size=self.vocab_size, indices=rows
+        )
 
 
 class Constraint:

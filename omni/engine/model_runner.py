@@ -87,6 +87,14 @@ class ModelRunner:
         limit = int(os.environ.get("OMNI_MEMORY_LIMIT_BYTES", "0"))
         return min(CPU_CACHE_BYTES, limit // 4) if limit else CPU_CACHE_BYTES
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy KV blocks (source, destination) in every layer: a forked sequence's own
+        copy of a shared partial block, made before the step that writes into it."""
+        if pairs:
+            src, dst = (torch.tensor(side, device=self.device) for side in zip(*pairs, strict=True))
+            for cache in (self.k_cache, self.v_cache):
+                cache[:, dst] = cache[:, src]
+
     def warm_up_tasks(
         self, max_seqs: int, max_batch_tokens: int, graphs: bool = True
     ) -> list[Callable[[], None]]:

@@ -28,6 +28,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # added to those tokens' logits
     min_tokens: int = 0  # no EOS or stop token before this many have been generated
     grammar: GrammarSpec | None = None  # structured output: only what it allows
+    n: int = 1  # sequences from one prompt (its KV shared), each its own random stream
 
     @property
     def greedy(self) -> bool:
@@ -35,14 +36,10 @@ class SamplingParams:
 
     @property
     def shaped(self) -> bool:
-        """Whether the logits change before the pick (bias, penalties, held-back stops):
-        then the plain argmax the engine computes on the device is not the answer."""
-        return (
-            self.penalized
-            or bool(self.logit_bias)
-            or self.min_tokens > 0
-            or self.grammar is not None
-        )
+        """Whether the logits change on the host before the pick (bias, penalties,
+        held-back stops): then the argmax the engine computes on the device is not the
+        answer. (A grammar's mask is applied on the device, to the batch's logits.)"""
+        return self.penalized or bool(self.logit_bias) or self.min_tokens > 0
 
     @property
     def penalized(self) -> bool:

@@ -104,6 +104,21 @@ class Scheduler:
             budget -= n
         return batch if batch.seqs else None
 
+    def fork(self, parent: Sequence, child: Sequence) -> list[tuple[int, int]]:
+        """Run `child`, a copy of `parent`'s prompt, on the KV `parent` computed for it
+        (see BlockManager.fork); returns the blocks to copy. Without a free block the
+        child waits, first in line, to be computed from its tokens (the prompt's full
+        blocks are prefix-cache hits then)."""
+        copies = self.blocks.fork(parent, child)
+        if copies is None:
+            child.status = Status.WAITING
+            self.waiting.appendleft(child)
+            return []
+        child.num_computed = len(child.token_ids)
+        child.status = Status.RUNNING
+        self.running.append(child)
+        return copies
+
     def _preempt(self, seq: Sequence) -> None:
         """Free `seq`'s blocks; it will be recomputed from its tokens, before newer work."""
         self.running.remove(seq)

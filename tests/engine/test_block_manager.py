@@ -143,3 +143,29 @@ def test_a_sequence_allocated_again_registers_its_new_blocks_from_its_kept_chain
     assert seq.block_hashes == chain  # kept, not recomputed
     twin = BlockOwner(token_ids=list(range(12)))
     assert bm.allocate(twin) == 8  # two blocks; the one with the last token is computed
+
+
+@pytest.mark.parametrize(("n_tokens", "shared", "copied"), [(10, 2, 1), (8, 2, 0), (3, 0, 1)])
+def test_fork_shares_full_blocks_and_copies_the_partial_one(n_tokens, shared, copied):
+    bm = BlockManager(8, BS)
+    parent = computed(bm, owner(range(n_tokens)))
+    free = bm.num_free
+    child = owner(range(n_tokens))
+    copies = bm.fork(parent, child)
+    assert child.block_table[:shared] == parent.block_table[:shared]
+    assert len(copies) == copied and bm.num_free == free - copied
+    if copied:  # its own block, filled from the parent's partial one
+        assert copies == [(parent.block_table[-1], child.block_table[-1])]
+        assert child.block_table[-1] not in parent.block_table
+    bm.free(parent)  # the shared blocks stay held by the child
+    assert all(bm.blocks[b].ref_count == 1 for b in child.block_table)
+    bm.free(child)
+    assert bm.num_free == 8
+
+
+def test_fork_without_a_free_block_holds_nothing():
+    bm = BlockManager(3, BS)
+    parent = computed(bm, owner(range(10)))
+    child = owner(range(10))
+    assert bm.fork(parent, child) is None
+    assert child.block_table == [] and all(bm.blocks[b].ref_count == 1 for b in parent.block_table)
