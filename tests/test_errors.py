@@ -128,14 +128,14 @@ CASES = [
     ),
     pytest.param(
         "/v1/chat/completions",
-        {**CHAT, "n": 2},
+        {**CHAT, "n": 129},
         400,
         error(
-            "Invalid value for 'n': Input should be less than or equal to 1.",
+            "Invalid value for 'n': Input should be less than or equal to 128.",
             param="n",
             code="invalid_value",
         ),
-        id="n-above-one",
+        id="n-above-128",
     ),
     pytest.param(
         "/v1/chat/completions",

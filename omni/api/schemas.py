@@ -32,10 +32,48 @@ class TextPart(Strict):
     text: str
 
 
+class FunctionCall(Strict):
+    name: str
+    arguments: str  # a JSON object, encoded
+
+
+class MessageToolCall(Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+    index: int | None = None  # kept by the openai client's stream helper; not used
+
+
 class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's past calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    # an assistant message sent back as the openai client received it: not used
+    refusal: str | None = None
+    annotations: list | None = None
+    audio: dict | None = None
+    function_call: dict | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields_in_place(self):
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a 'tool' message needs a tool_call_id")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only an 'assistant' message has tool_calls")
+        return self
+
+    def to_template(self) -> dict:
+        """The message as a chat template reads it."""
+        out: dict = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.name:
+            out["name"] = self.name
+        return out
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -63,7 +101,7 @@ class GenerationFields(Strict):
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1  # one choice per request for now
+    n: Annotated[int, Field(ge=1, le=128)] = 1  # choices, sharing the prompt's KV
     user: str | None = None  # accepted, not used
     # token id (as a string, as OpenAI sends it) -> bias added to its logit
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
@@ -113,9 +151,33 @@ class ResponseFormat(Strict):
         return self
 
 
+class FunctionDefinition(Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema for the arguments
+    strict: bool | None = None  # calls are exact only under tool_choice required/named
+
+
+class Tool(Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(Strict):
+    name: str
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(GenerationFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=128)] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
@@ -127,6 +189,10 @@ class ChatCompletionRequest(GenerationFields):
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def tool_choice_json(self) -> str | dict:
+        choice = self.tool_choice or "auto"
+        return choice if isinstance(choice, str) else choice.model_dump()
 
 
 class CompletionRequest(GenerationFields):

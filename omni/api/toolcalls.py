@@ -138,6 +138,22 @@ def parse_mistral(text: str) -> Parsed:
     return Parsed(_content(before), calls)
 
 
+def format_calls(family: str, calls: list[ToolCall]) -> str:
+    """Calls as `family` writes them: what its parser reads back (past calls in a prompt
+    whose template has no tool support, and the example shown to the model)."""
+
+    def call(c: ToolCall, args_key: str = "arguments") -> str:
+        return f'{{"name": {json.dumps(c.name)}, "{args_key}": {c.arguments}}}'
+
+    if family == "hermes":
+        return "\n".join(f"<tool_call>\n{call(c)}\n</tool_call>" for c in calls)
+    if family == "llama3":
+        return "; ".join(call(c, "parameters") for c in calls)
+    if family == "mistral":
+        return "[TOOL_CALLS][" + ", ".join(call(c) for c in calls) + "]"
+    raise ValueError(f"unknown tool parser {family!r}")
+
+
 PARSERS: dict[str, Callable[[str], Parsed]] = {
     "hermes": parse_hermes,
     "llama3": parse_llama3,

@@ -29,8 +29,10 @@ class TextTokenizer:
         self.eos_ids = _eos_ids(ckpt, self._tok, self.eos_token)
         self._template = None
         template = cfg.get("chat_template")
+        self.model_type: str = ckpt.config.get("model_type", "")
         if isinstance(template, list):  # named templates: take the default one
             template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template_source: str = template or ""
         if template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise
@@ -53,6 +55,11 @@ class TextTokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
+    @property
+    def template_renders_tools(self) -> bool:
+        """Whether the chat template writes `tools` and tool calls itself."""
+        return "tools" in self.chat_template_source
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         if add_special_tokens and self.add_bos and self.bos_token:
@@ -64,13 +71,16 @@ class TextTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
+    ) -> str:
         if self._template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         try:
             return self._template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
+                tools=tools,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
@@ -79,9 +89,10 @@ class TextTokenizer:
         except TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from None
 
-    def encode_chat(self, messages: list[dict]) -> list[int]:
+    def encode_chat(self, messages: list[dict], tools: list | None = None) -> list[int]:
         # The template already writes the special tokens it wants.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        text = self.apply_chat_template(messages, tools=tools)
+        return self.encode(text, add_special_tokens=False)
 
     def stream_decoder(self) -> StreamDecoder:
         return StreamDecoder(self)

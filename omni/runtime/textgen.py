@@ -17,6 +17,8 @@ from omni.api.schemas import (
     GenerationFields,
     parse_request,
 )
+from omni.api.toolcalls import ToolCall, parser_for
+from omni.api.tooluse import ToolUse
 from omni.engine.engine import Engine, GenerationRequest, StepOutput
 from omni.engine.grammar import GrammarError, GrammarSpec
 from omni.engine.sampling import SamplingParams
@@ -35,9 +37,11 @@ def principal(request: web.Request) -> str:
 
 
 class TextGenRoutes:
-    def __init__(self, engine: Engine, model_name: str):
+    def __init__(self, engine: Engine, model_name: str, tool_parser: str | None = None):
         self.engine = engine
         self.model_name = model_name
+        tok = engine.tokenizer
+        self.tool_family = parser_for(tok.model_type, tok.chat_template_source, tool_parser)
 
     def add_to(self, app: web.Application) -> None:
         app.router.add_post("/v1/chat/completions", self.chat)
@@ -45,12 +49,44 @@ class TextGenRoutes:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = parse_request(ChatCompletionRequest, await request.read())
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+        tools = self._tool_use(req)
+        tok = self.engine.tokenizer
+        history = [m.to_template() for m in req.messages]
         try:
-            prompt = self.engine.tokenizer.encode_chat(messages)
+            prompt = tok.encode_chat(*tools.template_inputs(history, tok.template_renders_tools))
         except ChatTemplateError as exc:
-            raise ApiError(400, str(exc), param="messages") from None
-        return await self._respond(request, req, prompt, chat=True)
+            if not any(m["role"] == "tool" for m in history) or tok.template_renders_tools:
+                raise ApiError(400, str(exc), param="messages") from None
+            try:  # a template that refuses the 'tool' role: results as user turns
+                prompt = tok.encode_chat(*tools.template_inputs(history, False, tool_role=False))
+            except ChatTemplateError as exc:
+                raise ApiError(400, str(exc), param="messages") from None
+        return await self._respond(request, req, prompt, chat=True, tools=tools)
+
+    def _tool_use(self, req: ChatCompletionRequest) -> ToolUse:
+        choice = req.tool_choice_json()
+        if choice not in ("none", "auto") and not req.tools:
+            raise ApiError(400, "tool_choice needs tools.", param="tool_choice")
+        names = {t.function.name for t in req.tools or []}
+        if isinstance(choice, dict) and choice["function"]["name"] not in names:
+            raise ApiError(
+                400,
+                f"tool_choice names {choice['function']['name']!r}, which is not in tools.",
+                param="tool_choice",
+            )
+        tools = ToolUse(
+            self.tool_family,
+            [t.model_dump(exclude_none=True) for t in req.tools or []],
+            choice,
+            req.parallel_tool_calls,
+        )
+        if tools.grammar_forced and req.response_format and req.response_format.type != "text":
+            raise ApiError(
+                400,
+                "A tool_choice that forces a call cannot go with a response_format.",
+                param="response_format",
+            )
+        return tools
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = parse_request(CompletionRequest, await request.read())
@@ -125,75 +161,122 @@ class TextGenRoutes:
             logprobs=req.logprob_count,
             seed=req.seed,
             stop=req.stop_list,
+            n=req.n,
         )
 
-    async def _grammar(self, req: GenerationFields) -> GrammarSpec | None:
-        """The grammar a response_format asks for, compiled (a 400 if it cannot be)."""
+    async def _grammar(self, req: GenerationFields, tools: ToolUse | None) -> GrammarSpec | None:
+        """The grammar a response_format or a forced tool call asks for, compiled (a 400
+        naming the field if it cannot be)."""
         fmt = getattr(req, "response_format", None)
-        if fmt is None or fmt.type == "text":
+        tag = tools.grammar() if tools is not None else None
+        if tag is not None:
+            spec, param = GrammarSpec.structural_tag(tag), "tools"
+        elif fmt is None or fmt.type == "text":
             return None
-        if fmt.type == "json_object":
-            spec = GrammarSpec("json_object")
+        elif fmt.type == "json_object":
+            spec, param = GrammarSpec("json_object"), "response_format"
         else:
             spec = GrammarSpec.json_schema(fmt.json_schema.json_schema or {})
+            param = "response_format.json_schema.schema"
         try:
             await asyncio.to_thread(self.engine.check_grammar, spec)
         except GrammarError as exc:
+            what = "tool parameters" if param == "tools" else "JSON schema"
             raise ApiError(
-                400,
-                f"Invalid JSON schema: {exc}",
-                param="response_format.json_schema.schema",
-                code="invalid_value",
+                400, f"Invalid {what}: {exc}", param=param, code="invalid_value"
             ) from None
         return spec
 
     async def _respond(
-        self, request: web.Request, req: GenerationFields, prompt: list[int], chat: bool
+        self,
+        request: web.Request,
+        req: GenerationFields,
+        prompt: list[int],
+        chat: bool,
+        tools: ToolUse | None = None,
     ) -> web.StreamResponse:
         params = self._sampling(req, prompt)
-        params.grammar = await self._grammar(req)
+        params.grammar = await self._grammar(req, tools)
         gen = GenerationRequest(prompt, params, principal(request))
         fmt = _Formatter(self.model_name, chat, self.engine.tokenizer.decode)
+        tools = tools if tools is not None and tools.active else None
         outputs = self.engine.stream(gen)
         if req.stream:
-            return await _stream(request, outputs, fmt, req.include_usage)
-        text, logprobs, last = [], [], None
+            return await _stream(request, outputs, fmt, req.include_usage, req.n, tools)
+        text: dict[int, list[str]] = {i: [] for i in range(req.n)}
+        logprobs: dict[int, list] = {i: [] for i in range(req.n)}
+        last: dict[int, StepOutput] = {}
         async for out in outputs:
-            text.append(out.text)
-            logprobs.extend(out.logprobs or [])
-            last = out
-        if last.finish_reason == "error":
-            raise RuntimeError(f"generation failed: {last.error}")
-        return json_response(fmt.whole("".join(text), last, logprobs))
+            if out.finish_reason == "error":
+                raise RuntimeError(f"generation failed: {out.error}")
+            text[out.index].append(out.text)
+            logprobs[out.index].extend(out.logprobs or [])
+            last[out.index] = out
+        choices = [
+            fmt.choice(i, "".join(text[i]), last[i].finish_reason, logprobs[i], tools)
+            for i in range(req.n)
+        ]
+        return json_response(fmt.whole(choices, list(last.values())))
 
 
 async def _stream(
-    request: web.Request, outputs: AsyncIterator[StepOutput], fmt: _Formatter, usage: bool
+    request: web.Request,
+    outputs: AsyncIterator[StepOutput],
+    fmt: _Formatter,
+    usage: bool,
+    n: int,
+    tools: ToolUse | None,
 ) -> web.StreamResponse:
     resp = web.StreamResponse(headers=SSE_HEADERS)
     await resp.prepare(request)
+    calls = {i: tools.stream() for i in range(n)} if tools is not None else {}
+    pending: dict[int, list] = {i: [] for i in range(n)}  # logprobs of text held back
+    last: dict[int, StepOutput] = {}
     try:
         if fmt.chat:
-            await _send(resp, fmt.chunk({"role": "assistant", "content": ""}, None))
-        pending = []  # logprobs of tokens whose text is still held back
+            for i in range(n):
+                await _send(resp, fmt.chunk(i, {"role": "assistant", "content": ""}, None))
         async for out in outputs:
             if out.finish_reason == "error":
                 await _send(resp, error_body(f"generation failed: {out.error}", 500))
                 break
-            pending.extend(out.logprobs or [])
-            if out.text:
-                await _send(resp, fmt.chunk(out.text, None, pending))
-                pending = []
+            i = out.index
+            pending[i].extend(out.logprobs or [])
+            text = calls[i].feed(out.text) if i in calls else out.text
+            if text:
+                await _send(resp, fmt.chunk(i, text, None, pending[i]))
+                pending[i] = []
             if out.finished:
-                await _send(resp, fmt.chunk(None, out.finish_reason, pending))
-                if usage:
-                    await _send(resp, fmt.usage_chunk(out))
+                last[i] = out
+                reason = out.finish_reason
+                if i in calls:
+                    rest, found = calls[i].finish()
+                    if rest:
+                        await _send(resp, fmt.chunk(i, rest, None, pending[i]))
+                        pending[i] = []
+                    for delta in _call_deltas(found):
+                        await _send(resp, fmt.chunk(i, delta, None))
+                    if found and reason == "stop":
+                        reason = "tool_calls"
+                await _send(resp, fmt.chunk(i, None, reason, pending[i]))
+        if usage and len(last) == n:
+            await _send(resp, fmt.usage_chunk(list(last.values())))
         await resp.write(b"data: [DONE]\n\n")
     except ConnectionResetError:
         pass  # client left: closing `outputs` cancels the generation
     finally:
         await outputs.aclose()
     return resp
+
+
+def _call_deltas(calls: list[ToolCall]) -> list[dict]:
+    """OpenAI's streamed form of each call: its id and name, then its arguments."""
+    deltas = []
+    for index, call in enumerate(calls):
+        head = {"index": index, "id": call.id, "type": "function"}
+        deltas.append({"tool_calls": [{**head, "function": {"name": call.name, "arguments": ""}}]})
+        deltas.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]})
+    return deltas
 
 
 async def _send(resp: web.StreamResponse, data: dict) -> None:
@@ -206,7 +289,7 @@ class _Formatter:
     def __init__(self, model: str, chat: bool, token_text: Callable[[list[int]], str]):
         self.model, self.chat = model, chat
         self._token_text = token_text
-        self._offset = 0  # completions' text_offset of the next token
+        self._offsets: dict[int, int] = {}  # per choice: completions' text_offset of its next token
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -214,15 +297,18 @@ class _Formatter:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     @staticmethod
-    def _usage(out: StepOutput) -> dict:
+    def _usage(lasts: list[StepOutput]) -> dict:
+        """The prompt once, the tokens of every choice."""
+        prompt = lasts[0].prompt_tokens
+        completion = sum(out.completion_tokens for out in lasts)
         return {
-            "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": out.cached_tokens},
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": lasts[0].cached_tokens},
         }
 
-    def _logprobs(self, entries: list) -> dict | None:
+    def _logprobs(self, index: int, entries: list) -> dict | None:
         """OpenAI's logprobs object: chat's `content` list, or the legacy completions form."""
         if not entries:
             return None
@@ -244,8 +330,8 @@ class _Formatter:
             }
         tokens, offsets = [text(tid) for tid, _, _ in entries], []
         for t in tokens:
-            offsets.append(self._offset)
-            self._offset += len(t)
+            offsets.append(self._offsets.get(index, 0))
+            self._offsets[index] = offsets[-1] + len(t)
         return {
             "tokens": tokens,
             "token_logprobs": [lp for _, lp, _ in entries],
@@ -253,30 +339,46 @@ class _Formatter:
             "text_offset": offsets,
         }
 
-    def whole(self, text: str, out: StepOutput, logprobs: list) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}}
-            body = self._envelope("chat.completion")
+    def choice(
+        self, index: int, text: str, reason: str, logprobs: list, tools: ToolUse | None
+    ) -> dict:
+        """One whole choice; with tools, the model's calls read out of its text."""
+        if not self.chat:
+            out = {"index": index, "text": text}
         else:
-            choice = {"index": 0, "text": text}
-            body = self._envelope("text_completion")
-        choice.update(finish_reason=out.finish_reason, logprobs=self._logprobs(logprobs))
-        return {**body, "choices": [choice], "usage": self._usage(out)}
+            message: dict = {"role": "assistant", "content": text}
+            if tools is not None:
+                parsed = tools.parse(text)
+                if parsed.calls:
+                    message["content"] = parsed.content
+                    message["tool_calls"] = [c.to_json() for c in parsed.calls]
+                    reason = "tool_calls" if reason == "stop" else reason
+            out = {"index": index, "message": message}
+        out.update(finish_reason=reason, logprobs=self._logprobs(index, logprobs))
+        return out
+
+    def whole(self, choices: list[dict], lasts: list[StepOutput]) -> dict:
+        body = self._envelope("chat.completion" if self.chat else "text_completion")
+        return {**body, "choices": choices, "usage": self._usage(lasts)}
 
     def chunk(
-        self, delta: str | dict | None, finish_reason: str | None, logprobs: list | None = None
+        self,
+        index: int,
+        delta: str | dict | None,
+        finish_reason: str | None,
+        logprobs: list | None = None,
     ) -> dict:
         if self.chat:
             if isinstance(delta, str):
                 delta = {"content": delta}
-            choice = {"index": 0, "delta": delta or {}, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta or {}, "finish_reason": finish_reason}
             body = self._envelope("chat.completion.chunk")
         else:
-            choice = {"index": 0, "text": delta or "", "finish_reason": finish_reason}
+            choice = {"index": index, "text": delta or "", "finish_reason": finish_reason}
             body = self._envelope("text_completion")
-        choice["logprobs"] = self._logprobs(logprobs or [])
+        choice["logprobs"] = self._logprobs(index, logprobs or [])
         return {**body, "choices": [choice]}
 
-    def usage_chunk(self, out: StepOutput) -> dict:
+    def usage_chunk(self, lasts: list[StepOutput]) -> dict:
         obj = "chat.completion.chunk" if self.chat else "text_completion"
-        return {**self._envelope(obj), "choices": [], "usage": self._usage(out)}
+        return {**self._envelope(obj), "choices": [], "usage": self._usage(lasts)}

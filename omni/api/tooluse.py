@@ -1,0 +1,234 @@
+"""Tools on chat completions: the prompt side (tools and past calls into the chat
+template), tool_choice as a grammar, and the model's output back into calls, whole or
+streamed.
+
+A template that renders tools itself (Qwen, Llama 3.1+, Mistral) gets them as HF's
+`apply_chat_template` passes them: `tools`, assistant `tool_calls` with their arguments
+decoded, and `tool` messages. One that does not (SmolLM2, most small chat models) gets
+the tools described in the system message, past calls written in the parser's format
+and tool results as `tool` turns (or user turns, where the template refuses that role),
+so that any chat model can take part in an agent loop.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from .toolcalls import PARSERS, Parsed, ToolCall, format_calls
+
+# How a template without tool support is told about them. The call format shown is the
+# parser family's own, written by format_calls.
+_TOOLS_PROMPT = """You can call functions to help with the user's request. Their signatures, \
+as JSON schemas, are inside <tools></tools>:
+<tools>
+{tools}
+</tools>
+To call a function, answer with only this, one per call, and nothing else:
+{example}
+Each function's result comes back in a <tool_response></tool_response> block."""
+
+# Where each parser starts reading a call (Llama 3's: at the first JSON object)
+_MARKERS = {
+    "hermes": ("<tool_call>",),
+    "mistral": ("[TOOL_CALLS]",),
+    "llama3": ("<|python_tag|>", "{"),
+}
+
+
+def _decoded_arguments(call: dict) -> dict:
+    """An OpenAI tool call with its arguments as an object, as HF templates expect."""
+    function = dict(call["function"])
+    try:
+        args = json.loads(function.get("arguments") or "{}")
+    except json.JSONDecodeError:
+        args = None
+    function["arguments"] = args if isinstance(args, dict) else function.get("arguments")
+    return {**call, "function": function}
+
+
+@dataclass(frozen=True)
+class ToolUse:
+    """One request's tools: what the model may call, and how it writes a call."""
+
+    family: str  # the parser's: hermes | llama3 | mistral
+    tools: list[dict]  # OpenAI function tools
+    choice: str | dict  # "auto" | "required" | {"type": "function", "function": {"name"}}
+    parallel: bool = True
+
+    @property
+    def active(self) -> bool:
+        """Whether the output is read for calls (tool_choice "none" turns tools off)."""
+        return bool(self.tools) and self.choice != "none"
+
+    @property
+    def grammar_forced(self) -> bool:
+        """Whether a grammar makes the output a call (tool_choice required or named)."""
+        return self.active and self.choice != "auto"
+
+    # ---------------------------------------------------------------- prompt
+
+    def template_inputs(
+        self, messages: list[dict], template_knows_tools: bool, tool_role: bool = True
+    ) -> tuple[list[dict], list[dict] | None]:
+        """The messages (and tools) to render with the model's chat template. Without
+        `tool_role` (a template that refuses roles it does not know), tool results are
+        written as user turns."""
+        tools = self.tools if self.active else None
+        if template_knows_tools:
+            out = [
+                {**m, "tool_calls": [_decoded_arguments(c) for c in m["tool_calls"]]}
+                if m.get("tool_calls")
+                else m
+                for m in messages
+            ]
+            return out, tools
+        out: list[dict] = []
+        for i, m in enumerate(messages):
+            if m.get("tool_calls"):
+                calls = [
+                    ToolCall(c["function"]["name"], c["function"]["arguments"], c["id"])
+                    for c in m["tool_calls"]
+                ]
+                written = format_calls(self.family, calls)
+                text = "\n".join(t for t in (m.get("content"), written) if t)
+                out.append({"role": "assistant", "content": text})
+            elif m["role"] == "tool" and tool_role:
+                out.append({"role": "tool", "content": m.get("content") or ""})
+            elif m["role"] == "tool":
+                response = f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"
+                if i and messages[i - 1]["role"] == "tool":  # consecutive results: one turn
+                    out[-1]["content"] += "\n" + response
+                else:
+                    out.append({"role": "user", "content": response})
+            else:
+                out.append(dict(m))
+        if tools:
+            described = _TOOLS_PROMPT.format(
+                tools="\n".join(json.dumps(t, ensure_ascii=False) for t in tools),
+                example=format_calls(self.family, [ToolCall("<name>", '{"<arg>": "<value>"}')]),
+            )
+            if out and out[0]["role"] in ("system", "developer"):
+                out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{described}"}
+            else:
+                out.insert(0, {"role": "system", "content": described})
+        return out, None
+
+    # ---------------------------------------------------------------- grammar
+
+    def grammar(self) -> dict | None:
+        """xgrammar's structural tag that makes tool_choice "required" or a named
+        function exact: the output is one call (or, in parallel, several) of the listed
+        functions in the family's format, arguments valid for their schema."""
+        if not self.grammar_forced:
+            return None
+        import xgrammar
+
+        if self.family == "mistral":
+            return _mistral_tag(self.tools, self.choice, self.parallel)
+        model = {"hermes": "qwen_3", "llama3": "llama"}[self.family]
+        tag = xgrammar.get_builtin_structural_tag(
+            model,
+            tools=self.tools,
+            tool_choice=self.choice,
+            reasoning="disabled",
+            parallel_tool_calls=self.parallel,
+            max_whitespace_cnt=1,  # JSON's free whitespace could pad a sampled call forever
+        )
+        return json.loads(tag.model_dump_json())
+
+    # ---------------------------------------------------------------- output
+
+    def parse(self, text: str) -> Parsed:
+        parsed = PARSERS[self.family](text)
+        if not self.parallel and len(parsed.calls) > 1:
+            parsed = Parsed(parsed.content, parsed.calls[:1])
+        return parsed
+
+    def stream(self) -> ToolCallStream:
+        return ToolCallStream(self)
+
+
+def _mistral_tag(tools: list[dict], choice: str | dict, parallel: bool) -> dict:
+    """`[TOOL_CALLS][{"name": .., "arguments": {..}}, ..]`, xgrammar has no builtin for it."""
+    if isinstance(choice, dict):
+        tools = [t for t in tools if t["function"]["name"] == choice["function"]["name"]]
+    tags = [
+        {
+            "type": "tag",
+            "begin": f'{{"name": "{t["function"]["name"]}", "arguments": ',
+            "content": {
+                "type": "json_schema",
+                "json_schema": t["function"].get("parameters") or {"type": "object"},
+                "max_whitespace_cnt": 1,
+            },
+            "end": "}",
+        }
+        for t in tools
+    ]
+    calls = {
+        "type": "tags_with_separator",
+        "tags": tags,
+        "separator": ", ",
+        "at_least_one": True,
+        "stop_after_first": not parallel or isinstance(choice, dict),
+    }
+    return {
+        "type": "structural_tag",
+        "format": {
+            "type": "sequence",
+            "elements": [
+                {"type": "const_string", "value": "[TOOL_CALLS]["},
+                calls,
+                {"type": "const_string", "value": "]"},
+            ],
+        },
+    }
+
+
+class ToolCallStream:
+    """Streams a choice's text as content until a call may begin; from there holds it
+    back, and at the end sends the calls (or, if it was no call after all, the text):
+    what arrives is what the whole response would have said."""
+
+    def __init__(self, use: ToolUse):
+        self._use = use
+        self._markers = _MARKERS[use.family]
+        self._sent = ""  # content already streamed
+        self._held = ""  # text not streamed yet
+        self._calling = False
+
+    def feed(self, text: str) -> str:
+        """The content that can go out now."""
+        self._held += text
+        if self._calling:
+            return ""
+        at, keep = self._call_start()
+        if at is not None:
+            self._calling = True
+            cut = at
+        else:
+            cut = len(self._held) - keep
+        out, self._held = self._held[:cut], self._held[cut:]
+        self._sent += out
+        return out
+
+    def _call_start(self) -> tuple[int | None, int]:
+        """Where in the held text a call may begin (as its parser reads it), or how much
+        of its end to hold back because a marker may be starting there."""
+        held = self._held
+        found = [at for marker in self._markers if (at := held.find(marker)) >= 0]
+        if found:
+            return min(found), 0
+        keep = max(
+            (k for m in self._markers for k in range(1, len(m)) if held.endswith(m[:k])),
+            default=0,
+        )
+        return None, keep
+
+    def finish(self) -> tuple[str, list[ToolCall]]:
+        """The rest: content still to send, and the calls."""
+        parsed = self._use.parse(self._sent + self._held)
+        if not parsed.calls:
+            return self._held, []
+        return "", parsed.calls

@@ -1,0 +1,110 @@
+"""The chat side of tools without a server: streamed output says what the whole output
+says, for every family and however the text is cut into deltas; tools and past calls
+reach the chat template (one that renders tools itself, and one that does not)."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+
+from omni.api.toolcalls import PARSERS
+from omni.api.tooluse import ToolUse
+from omni.engine.checkpoint import Checkpoint
+from omni.engine.tokenizer import TextTokenizer
+
+from .test_tool_parsers import CASES
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+CALL = {
+    "id": "call_1",
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+}
+HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [CALL]},
+    {"role": "tool", "content": '{"temperature_c": 18}', "tool_call_id": "call_1"},
+]
+
+
+def streamed(use: ToolUse, text: str, rng: random.Random) -> tuple[str, list]:
+    """`text` fed in random pieces: the content sent, and the calls at the end."""
+    stream, sent, at = use.stream(), "", 0
+    while at < len(text):
+        n = rng.randint(1, 6)
+        sent += stream.feed(text[at : at + n])
+        at += n
+    rest, calls = stream.finish()
+    return sent + rest, calls
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_a_stream_says_what_the_whole_output_says(family):
+    use = ToolUse(family, TOOLS, "auto")
+    rng = random.Random(0)
+    for text, _content, _calls in CASES[family]:
+        whole = PARSERS[family](text)
+        for _ in range(5):
+            content, calls = streamed(use, text, rng)
+            assert [(c.name, c.arguments) for c in calls] == [
+                (c.name, c.arguments) for c in whole.calls
+            ]
+            if calls:  # the text before the calls went out as content
+                assert content.strip() == (whole.content or "")
+            else:  # no call: every character went out, none twice
+                assert content == text
+
+
+@pytest.fixture(scope="module")
+def tokenizer(text_model_dir):
+    return TextTokenizer(Checkpoint.open(text_model_dir))
+
+
+def test_a_template_without_tools_is_told_of_them_in_the_system_message(tokenizer):
+    assert not tokenizer.template_renders_tools  # SmolLM2's
+    use = ToolUse("hermes", TOOLS, "auto")
+    messages, tools = use.template_inputs(HISTORY, False)
+    prompt = tokenizer.apply_chat_template(messages, tools=tools)
+    assert json.dumps(TOOLS[0]) in prompt and "<tool_call>" in prompt
+    # the past call, as the model would write it, and its result as a tool turn
+    assert '{"name": "get_weather", "arguments": {"city": "Paris"}}' in prompt
+    assert '<|im_start|>tool\n{"temperature_c": 18}<|im_end|>' in prompt
+    # tool_choice none: nothing about tools in the prompt
+    messages, _ = ToolUse("hermes", TOOLS, "none").template_inputs(HISTORY, False)
+    assert "<tools>" not in tokenizer.apply_chat_template(messages)
+
+
+NATIVE = (
+    "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools>{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<call>{{ c.function.name }} "
+    "{{ c.function.arguments | tojson }}</call>{% endfor %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_with_tools_gets_them_as_hf_passes_them(text_model_dir, tmp_path):
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(text_model_dir / name, tmp_path / name)
+    (tmp_path / "model.safetensors").symlink_to(text_model_dir / "model.safetensors")
+    cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": NATIVE}))
+    tok = TextTokenizer(Checkpoint.open(tmp_path))
+    assert tok.template_renders_tools
+    messages, tools = ToolUse("hermes", TOOLS, "auto").template_inputs(HISTORY, True)
+    prompt = tok.apply_chat_template(messages, tools=tools)
+    tools_part = prompt[: prompt.index("</tools>")]
+    assert tools_part.startswith("<tools>") and '"name": "get_weather"' in tools_part
+    assert '<call>get_weather {"city": "Paris"}</call>' in prompt  # an object, not a string
+    assert "<|im_start|>tool\n" in prompt

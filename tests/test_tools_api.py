@@ -1,0 +1,178 @@
+"""Tool calling through `omni serve` and the openai client: an agent loop, streamed and
+not (the client's own stream helper reassembles the calls), forced calls through the
+grammar, n choices, and the errors."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+TEXT = "smollm2-135m-instruct"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 30}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "minimum": -1000, "maximum": 1000},
+                "b": {"type": "integer", "minimum": -1000, "maximum": 1000},
+            },
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
+QUESTION = {"role": "user", "content": "What is the weather in Paris?"}
+RESULT = {"temperature_c": 18, "sky": "sunny"}
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(
+        base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120
+    )
+
+
+def complete(client, stream: bool, **kw):
+    """A whole completion: straight, or reassembled by the client from the stream."""
+    kw = {"model": TEXT, "temperature": 0, "max_tokens": 80, **kw}
+    if not stream:
+        return client.chat.completions.create(**kw)
+    with client.chat.completions.stream(**kw) as events:
+        return events.get_final_completion()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_agent_loop(client, stream):
+    """The model calls the tool, gets its result back, and answers from it."""
+    messages = [QUESTION]
+    first = complete(client, stream, messages=messages, tools=[WEATHER], tool_choice="required")
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.id
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, WEATHER["function"]["parameters"])
+    assert "paris" in args["city"].lower()
+
+    messages += [
+        choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps(RESULT)},
+    ]
+    answer = complete(client, stream, messages=messages, tools=[WEATHER])  # tool_choice auto
+    assert answer.choices[0].finish_reason == "stop"
+    assert answer.choices[0].message.content and not answer.choices[0].message.tool_calls
+    # the result reached the model: without tools on offer, it answers with it
+    final = complete(client, stream, messages=messages, tools=[WEATHER], tool_choice="none")
+    assert "18" in final.choices[0].message.content
+
+
+def test_streamed_calls_are_the_whole_response_calls(client):
+    kw = {"messages": [QUESTION], "tools": [WEATHER, ADD], "tool_choice": "required"}
+    whole = complete(client, False, **kw).choices[0].message.tool_calls
+    streamed = complete(client, True, **kw).choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in streamed] == [
+        (c.function.name, c.function.arguments) for c in whole
+    ]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_named_tool_choice_is_always_that_call_with_valid_arguments(client, temperature):
+    for seed in range(3):
+        resp = complete(
+            client,
+            False,
+            messages=[QUESTION],
+            tools=[WEATHER, ADD],
+            tool_choice={"type": "function", "function": {"name": "add"}},
+            temperature=temperature,
+            seed=seed,
+            max_tokens=60,
+        )
+        choice = resp.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "add"
+        jsonschema.validate(json.loads(call.function.arguments), ADD["function"]["parameters"])
+
+
+def test_parallel_tool_calls_false_gives_one_call(client):
+    resp = complete(
+        client,
+        False,
+        messages=[{"role": "user", "content": "Weather in Paris, Rome and Oslo?"}],
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        temperature=1.0,
+        seed=4,
+    )
+    assert len(resp.choices[0].message.tool_calls) == 1
+
+
+def test_n_choices_share_the_prompt_and_are_n_1_at_temperature_0(client):
+    kw = {"messages": [QUESTION], "max_tokens": 20}
+    one = complete(client, False, **kw)
+    three = complete(client, False, n=3, **kw)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert {c.message.content for c in three.choices} == {one.choices[0].message.content}
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+    chunks = client.chat.completions.create(
+        model=TEXT, n=3, temperature=1.0, seed=9, stream=True, **kw
+    )
+    streamed: dict[int, str] = {}
+    for chunk in chunks:
+        for c in chunk.choices:
+            streamed[c.index] = streamed.get(c.index, "") + (c.delta.content or "")
+    assert sorted(streamed) == [0, 1, 2] and len(set(streamed.values())) > 1
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            "tool_choice",
+        ),
+        (
+            {"tools": [{"type": "function", "function": {"name": "bad name!"}}]},
+            "tools[0].function.name",
+        ),
+        (
+            {
+                "tools": [
+                    {"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}
+                ],
+                "tool_choice": "required",
+            },
+            "tools",
+        ),
+        ({"messages": [QUESTION, {"role": "tool", "content": "{}"}]}, "messages[1]"),
+    ],
+)
+def test_bad_tool_requests_are_400s_naming_the_field(server, extra, param):
+    body = {"model": TEXT, "messages": [QUESTION], **extra}
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
