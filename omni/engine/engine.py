@@ -20,17 +20,18 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
 
 from .block_manager import BlockManager
-from .grammar import Constraint, GrammarError, Grammars, GrammarSpec
+from .grammar import Constraint, Grammars, GrammarSpec
 from .kernels import builds
 from .llama import LlamaForCausalLM
-from .model_runner import ModelRunner, Previous
+from .model_runner import ModelRunner, Prepared, Previous
 from .sampling import SamplingParams, make_generator, sample
-from .scheduler import Scheduler
+from .scheduler import Batch, Scheduler
 from .sequence import PLACEHOLDER, Sequence, Status
 from .stops import StopMatcher
 from .tokenizer import StreamDecoder, TextTokenizer
@@ -130,6 +131,8 @@ class Engine:
         self.tokenizer = tokenizer
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
+        # fills grammar masks while the engine's thread streams the last step's tokens
+        self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="omni-grammar")
         self.max_context = model.cfg.max_position
         self.runner = ModelRunner(model, block_size, num_blocks)
         on_gpu = self.runner.device.type == "cuda"
@@ -141,6 +144,7 @@ class Engine:
             max_seqs=max_seqs or (512 if on_gpu else 256),
         )
         self._in_flight: _InFlight | None = None
+        self._ahead: tuple[Batch, Prepared] | None = None  # the next step, scheduled early
         # requests, batches of idle-time work (lists), or None: shut down
         self._inbox: queue.Queue[tuple[GenerationRequest, Emit] | list | None] = queue.Queue()
         self._idle_work: collections.deque[Callable[[], None]] = collections.deque()
@@ -247,7 +251,7 @@ class Engine:
                 self._step()
             except Exception as exc:  # fail the requests in flight, keep serving
                 log.exception("engine step failed")
-                self._in_flight = None
+                self._in_flight = self._ahead = None
                 for state in list(self._active.values()):
                     self._finish(state, StepOutput("", [], True, "error", error=str(exc)))
 
@@ -336,7 +340,8 @@ class Engine:
         state.emit(out)
 
     def _step(self) -> None:
-        batch = self.scheduler.schedule()
+        batch, inputs = self._ahead or (self.scheduler.schedule(), None)
+        self._ahead = None
         if batch is None:
             self._land()
             return
@@ -345,15 +350,30 @@ class Engine:
         previous = self._in_flight
         rows = {s.seq_id: i for i, s in enumerate(previous.seqs)} if previous else {}
         logits = self.runner.run(
-            batch, previous=Previous(previous.on_device, rows) if previous else None
+            batch, previous=Previous(previous.on_device, rows) if previous else None, inputs=inputs
         )
         sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
         if any(self._constraint(s) for s in sampling):
-            # A grammar's mask for this step needs the last step's token accepted first;
-            # the host does both while the GPU runs this step's model.
-            self._land()
-            self._mask_grammars(logits, sampling)
+            # A grammar's mask for this step needs the last step's token accepted first.
+            # While the GPU runs this step's model, the host accepts it; the grammar
+            # thread fills the masks (xgrammar, without the GIL) as this thread streams
+            # the token and makes the next step ready.
+            landed = self._take_landed()
+            refused = self._accept(landed)
+            work = self._grammar_thread.submit(self._fill_masks, self._masked_rows(sampling))
+            self._deliver_all(landed)
+            pipelined = all(self._on_device(s) for s in sampling)
+            if pipelined:  # the next step, made ready now: it launches right after this one
+                self.scheduler.update(batch, {s.seq_id: PLACEHOLDER for s in sampling})
+                self._ahead = self._look_ahead(sampling)
+            masks = work.result()
+            self._end_grammars(landed, refused)
+            if masks is not None:
+                self.grammars.apply_masks(logits, *masks)
             step = self._launch_greedy(logits, sampling)
+            if pipelined:
+                self._in_flight = step
+                return
         else:
             step = self._launch_greedy(logits, sampling)
             self._land()  # the last step's tokens, while the GPU runs this one
@@ -376,11 +396,10 @@ class Engine:
             for state, row in forking
             for child in self._fork(state)
         ]
-        for seq_id, token in new_tokens.items():
-            self._deliver(self._active[seq_id], token)
         for child, token in children:
             child.seq.token_ids.append(token)
-            self._deliver(child, token)
+        landed = [(self._active[seq_id], token) for seq_id, token in new_tokens.items()]
+        self._deliver_accepted(landed + children)
 
     def _fork(self, parent: _Active) -> list[_Active]:
         """The request's other sequences, started on the parent's computed prompt: its
@@ -400,16 +419,53 @@ class Engine:
         state = self._active.get(seq.seq_id)
         return state.constraint if state is not None else None
 
-    def _mask_grammars(self, logits: torch.Tensor, sampling: list[Sequence]) -> None:
-        """Apply the grammars of the rows picked by argmax on the device, in one batch."""
+    def _look_ahead(self, sampling: list[Sequence]) -> tuple[Batch, Prepared] | None:
+        """Schedule and prepare the next step while this one's masks are filled: its
+        inputs take this step's tokens from the device when it launches."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return None
+        rows = {s.seq_id: i for i, s in enumerate(sampling)}
+        return batch, self.runner.prepare_inputs(batch, rows)
+
+    def _masked_rows(self, sampling: list[Sequence]) -> tuple[int, list[int], list[Constraint]]:
+        """The rows whose grammar is applied on the device (their pick is the argmax), of
+        how many."""
         rows, constraints = [], []
         for row, seq in enumerate(sampling):
             state = self._active.get(seq.seq_id)
-            if state is not None and state.constraint is not None and self._device_pick(state):
+            if state is None or state.constraint is None or state.constraint.done:
+                continue
+            if self._device_pick(state):
                 rows.append(row)
                 constraints.append(state.constraint)
-        if rows:
-            self.grammars.mask_rows(logits, rows, constraints)
+        return len(sampling), rows, constraints
+
+    def _fill_masks(self, masked: tuple[int, list[int], list[Constraint]]) -> tuple | None:
+        return self.grammars.fill_masks(*masked) if masked[1] else None
+
+    def _accept(self, landed: list[tuple[_Active, int]]) -> set[int]:
+        """Advance the grammars by their new tokens (in one batch); returns the sequences
+        whose token its grammar refused."""
+        pairs = [(state, token) for state, token in landed if state.constraint is not None]
+        if not pairs:
+            return set()
+        accepted = self.grammars.accept([s.constraint for s, _ in pairs], [t for _, t in pairs])
+        return {s.seq.seq_id for (s, _), ok in zip(pairs, accepted, strict=True) if not ok}
+
+    def _end_grammars(self, landed: list[tuple[_Active, int]], refused: set[int]) -> None:
+        """After delivery: fail the requests whose token their grammar refused; finish
+        those whose grammar is complete (its end token is EOS, which finished them
+        already, unless EOS is ignored)."""
+        for state, token in landed:
+            if state.constraint is None or state.seq.seq_id not in self._active:
+                continue
+            if state.seq.seq_id in refused:
+                out = state.output("", [], "error")
+                out.error = f"structured output: the grammar does not allow token {token} here"
+                self._finish(state, out)
+            elif state.constraint.done:
+                self._finish(state, state.output(state.stops.flush(), [], "stop"))
 
     def _launch_greedy(self, logits: torch.Tensor, sampling: list[Sequence]) -> _InFlight:
         """Every row's argmax, on its way to the host without waiting for the GPU."""
@@ -437,15 +493,33 @@ class Engine:
 
     def _land(self) -> None:
         """Fill in and stream the tokens of the step in flight, if any."""
+        self._deliver_accepted(self._take_landed())
+
+    def _deliver_accepted(self, landed: list[tuple[_Active, int]]) -> None:
+        """Advance the grammars by the new tokens, then stream those they accepted."""
+        refused = self._accept(landed)
+        self._deliver_all([(s, t) for s, t in landed if s.seq.seq_id not in refused])
+        self._end_grammars(landed, refused)
+
+    def _take_landed(self) -> list[tuple[_Active, int]]:
+        """The tokens of the step in flight (waiting for them), filled in for their
+        placeholders."""
         step, self._in_flight = self._in_flight, None
         if step is None:
-            return
+            return []
+        landed = []
         for seq, token in zip(step.seqs, step.tokens(), strict=True):
             state = self._active.get(seq.seq_id)
             if state is None or seq.status is Status.FINISHED:
                 continue
             seq.token_ids[-1] = token  # its placeholder: nothing was appended since
-            self._deliver(state, token)
+            landed.append((state, token))
+        return landed
+
+    def _deliver_all(self, landed: list[tuple[_Active, int]]) -> None:
+        for state, token in landed:
+            if state.seq.seq_id in self._active:
+                self._deliver(state, token)
 
     def _sample(self, state: _Active, logits: torch.Tensor, greedy: int) -> int:
         params, seq = state.request.params, state.seq
@@ -477,18 +551,8 @@ class Engine:
         return token
 
     def _deliver(self, state: _Active, token: int) -> None:
-        """Stream the new token's text; finish on EOS, the grammar's end, a stop string or
-        max_tokens."""
-        constraint = state.constraint
-        if constraint is not None:
-            try:
-                constraint.accept(token)
-            except GrammarError as exc:
-                out = state.output("", [], "error")
-                out.error = f"structured output: {exc}"
-                self._finish(state, out)
-                return
-        if token in state.eos or (constraint is not None and constraint.done):
+        """Stream the new token's text; finish on EOS, a stop string or max_tokens."""
+        if token in state.eos:
             self._finish(state, state.output(state.stops.flush(), [token], "stop"))
             return
         text, hit_stop = state.stops.feed(state.decoder.push(token))

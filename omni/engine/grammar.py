@@ -13,11 +13,14 @@ xgrammar does with a precompiled, cached per-token mask, in microseconds a step.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 
 import torch
 
 COMPACT = {"any_whitespace": False}
+# A batch's masks are filled on up to this many threads: 64 rows take ~10 ms on one core.
+THREADS = max(1, min(8, len(os.sched_getaffinity(0))))
 
 
 class GrammarError(ValueError):
@@ -53,7 +56,7 @@ class Grammars:
         )
         self.vocab_size = vocab_size
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
-        self._batch = xgrammar.BatchGrammarMatcher(max_threads=2)
+        self._batch = xgrammar.BatchGrammarMatcher(max_threads=THREADS)
         self._bitmask: torch.Tensor | None = None  # the batch's, on the host: grown as needed
 
     def compile(self, spec: GrammarSpec):
@@ -73,26 +76,40 @@ class Grammars:
     def constraint(self, spec: GrammarSpec) -> Constraint:
         return Constraint(self, self._xgr.GrammarMatcher(self.compile(spec)))
 
-    def mask_rows(self, logits: torch.Tensor, rows: list[int], constraints: list[Constraint]):
-        """Mask each of `rows` of the batch's `logits` [rows, vocab] (on its device, in
-        place) to what its constraint allows: the bitmasks are filled on the host (threads
-        for a batch), copied in one transfer and applied by xgrammar's kernel."""
-        if self._bitmask is None or self._bitmask.shape[0] < logits.shape[0]:
-            size = max(logits.shape[0], 2 * len(self._bitmask if self._bitmask is not None else ()))
+    def fill_masks(
+        self, n_rows: int, rows: list[int], constraints: list[Constraint]
+    ) -> tuple[torch.Tensor, list[int]]:
+        """The bitmasks of `rows` of an `n_rows` batch, filled on the host by xgrammar's
+        threads (without the GIL: the engine's thread streams meanwhile)."""
+        if self._bitmask is None or len(self._bitmask) < n_rows:
+            size = max(n_rows, 2 * len(self._bitmask if self._bitmask is not None else ()))
             self._bitmask = self._xgr.allocate_token_bitmask(size, self.vocab_size)
-            if logits.device.type == "cuda":  # pinned: the copy does not wait on the host
+            if torch.cuda.is_available():  # pinned: the copy to the GPU does not wait
                 self._bitmask = self._bitmask.pin_memory()
-        bitmask = self._bitmask[: logits.shape[0]]
+        bitmask = self._bitmask[:n_rows]
         matchers = [c._matcher for c in constraints]
         if len(matchers) == 1:
             matchers[0].fill_next_token_bitmask(bitmask, rows[0])
         else:
             self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
-        # The buffer is reused next step, after the engine has waited for this one.
+        return bitmask, rows
+
+    def apply_masks(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Mask `rows` of `logits` [n_rows, vocab] in place, on their device, with xgrammar's
+        kernel. (The host buffer is refilled next step, after the engine has waited for
+        this one.)"""
         on_device = bitmask.to(logits.device, non_blocking=True)
+        every_row = len(rows) == len(logits)
         self._xgr.apply_token_bitmask_inplace(
-            logits, on_device, vocab_size=self.vocab_size, indices=rows
+            logits, on_device, vocab_size=self.vocab_size, indices=None if every_row else rows
         )
+
+    def accept(self, constraints: list[Constraint], tokens: list[int]) -> list[bool]:
+        """Advance each constraint by its token (a batch on xgrammar's threads); False
+        where the grammar does not allow it."""
+        if len(constraints) == 1:
+            return [constraints[0]._matcher.accept_token(tokens[0])]
+        return self._batch.batch_accept_token([c._matcher for c in constraints], tokens)
 
 
 class Constraint:

@@ -40,6 +40,15 @@ class Previous:
 
 
 @dataclass
+class Prepared:
+    """A step's inputs on their way to the device, but for the placeholders' tokens."""
+
+    ids: torch.Tensor
+    step: StepInputs
+    placeholders: tuple[torch.Tensor, torch.Tensor] | None  # (token index, row of previous)
+
+
+@dataclass
 class StepInputs:
     positions: torch.Tensor  # [tokens]
     slot_mapping: torch.Tensor  # [tokens] int64
@@ -147,6 +156,12 @@ class ModelRunner:
         """The step's flat inputs, in two host-to-device copies from pinned memory (they do
         not wait for the GPU). A decoding sequence whose newest token is still a
         PLACEHOLDER takes it from `previous`, the last step's tokens on the device."""
+        inputs = self.prepare_inputs(batch, previous.rows if previous else {})
+        return self.with_placeholders(inputs, previous)
+
+    def prepare_inputs(self, batch: Batch, previous_rows: dict[int, int]) -> Prepared:
+        """prepare() up to the placeholders, which `previous_rows` locate (seq_id -> row of
+        the last step's tokens): those tokens need not exist yet (launched later)."""
         seqs, counts = batch.seqs, batch.num_tokens
         num_decodes = sum(not seq.is_prefilling for seq in seqs)
         if any(seq.is_prefilling for seq in seqs[:num_decodes]):
@@ -163,10 +178,10 @@ class ModelRunner:
             if n == 1:
                 token = seq.token_ids[start]
                 if token == PLACEHOLDER:
-                    if previous is None or seq.seq_id not in previous.rows:
+                    if seq.seq_id not in previous_rows:
                         raise ValueError(f"sequence {seq.seq_id}: newest token unknown")
                     fill_at.append(len(ids))
-                    fill_rows.append(previous.rows[seq.seq_id])
+                    fill_rows.append(previous_rows[seq.seq_id])
                 ids.append(token)
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
@@ -189,8 +204,6 @@ class ModelRunner:
         ints = [seq_lens, np.concatenate(([0], ends)), tables.ravel()]
         ids_d, positions_d, slots_d, sample_d, at_d, rows_d = self._to_device(longs, np.int64)
         seq_lens_d, cu_d, tables_d = self._to_device(ints, np.int32)
-        if fill_at:
-            ids_d[at_d] = previous.tokens[rows_d]
         step = StepInputs(
             positions=positions_d,
             slot_mapping=slots_d,
@@ -201,7 +214,18 @@ class ModelRunner:
             num_decodes=num_decodes,
             sample_at=sample_d,
         )
-        return ids_d, step
+        return Prepared(ids_d, step, (at_d, rows_d) if fill_at else None)
+
+    @staticmethod
+    def with_placeholders(
+        inputs: Prepared, previous: Previous | None
+    ) -> tuple[torch.Tensor, StepInputs]:
+        """The inputs with the placeholders taken from the last step's tokens on the
+        device (queued after the step that makes them)."""
+        if inputs.placeholders is not None:
+            at, rows = inputs.placeholders
+            inputs.ids[at] = previous.tokens[rows]
+        return inputs.ids, inputs.step
 
     def _to_device(self, parts: list, dtype: type) -> list[torch.Tensor]:
         """The parts, in one copy from pinned memory (it does not wait for the GPU)."""
@@ -212,11 +236,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(
-        self, batch: Batch, all_logits: bool = False, previous: Previous | None = None
+        self,
+        batch: Batch,
+        all_logits: bool = False,
+        previous: Previous | None = None,
+        inputs: Prepared | None = None,
     ) -> torch.Tensor:
         """Logits of each sampling sequence's last token (or of every token). Launches the
-        step and returns without waiting for the GPU."""
-        ids, step = self.prepare(batch, previous)
+        step and returns without waiting for the GPU. `inputs`: prepared ahead."""
+        if inputs is None:
+            ids, step = self.prepare(batch, previous)
+        else:
+            ids, step = self.with_placeholders(inputs, previous)
         if (
             self.graphs
             and step.decode_only
