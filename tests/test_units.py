@@ -124,6 +124,7 @@ def test_backoff_doubles_caps_and_resets_after_stable_uptime():
         ("[[models]]\nname = 'x'\npath = '/x'\nruntime = 'vllm'", r"models\[0\].runtime"),
         ("[[models]]\nname = 'x'\npath = '/x'\npermits = 0", r"models\[0\].permits"),
         ("[[models]]\nname = 'x'\npath = '/x'\ncold = true", r"models\[0\].cold: only with"),
+        ("[[models]]\nname = 'x'\npath = '/x'\ntool_parser = 'xml'", r"models\[0\].tool_parser"),
         ("default_models = 'yes'", "'default_models' must be true or false"),
         ("listen = 1", "'listen' must be 'host:port'"),
         ("listen = 'localhost'", "'listen' must be 'host:port'"),
@@ -148,6 +149,12 @@ def test_model_names_are_checked(text_model_dir):
     for bad in ("", "../escape", "a/b", "x" * 65, "-leading"):
         with pytest.raises(CatalogError, match="is invalid"):
             ModelEntry.from_path(bad, text_model_dir, "admin")
+
+
+def test_a_model_names_its_tool_parser(tmp_path):
+    path = tmp_path / "omnid.toml"
+    path.write_text("[[models]]\nname = 'a'\npath = '/x'\ntool_parser = 'llama3'\n")
+    assert load_config(path).models[0].tool_parser == "llama3"
 
 
 def test_duplicate_config_names_are_refused(tmp_path):

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from omni.api.toolcalls import PARSERS
 from omni.engine.checkpoint import Checkpoint
 from omni.isolation.sandbox import Limits
 
@@ -44,6 +45,7 @@ def parse_size(value) -> int:
     raise ValueError(f"{value!r} is not a size (e.g. 4GiB, 512MiB or a byte count)")
 
 
+TOOL_PARSER_ENV = "OMNI_TOOL_PARSER"  # the instance reads its tool_parser here
 RUNTIMES = {"omni"}  # the engine instances run; the catalog names it so others can follow
 
 
@@ -67,6 +69,7 @@ class ModelEntry:
     placement: Placement = Placement()
     runtime: str = "omni"
     version: str = ""  # the rollout version a scheduler placed (telemetry is tagged with it)
+    tool_parser: str | None = None  # how its tool calls are read; None: from the checkpoint
 
     @classmethod
     def from_path(
@@ -77,6 +80,7 @@ class ModelEntry:
         limits: Limits = DEFAULT_LIMITS,
         placement: Placement = Placement(),
         version: str = "",
+        tool_parser: str | None = None,
     ) -> ModelEntry:
         """Validate the name and the checkpoint now, so a bad entry never reaches an instance."""
         if not isinstance(name, str) or not NAME_RE.match(name):
@@ -84,7 +88,16 @@ class ModelEntry:
                 f"model name {name!r} is invalid: use 1-64 letters, digits, '.', '_' or '-'"
             )
         ckpt = Checkpoint.open(Path(path).resolve())  # CheckpointError names the file
-        return cls(name, ckpt.path, ckpt.kind, origin, limits, placement, version=version)
+        return cls(
+            name,
+            ckpt.path,
+            ckpt.kind,
+            origin,
+            limits,
+            placement,
+            version=version,
+            tool_parser=tool_parser,
+        )
 
     def to_json(self) -> dict:
         return {
@@ -101,6 +114,7 @@ class ModelEntry:
             "permits": self.placement.permits,
             "cold": self.placement.cold,
             "version": self.version,
+            "tool_parser": self.tool_parser,
         }
 
 
@@ -110,6 +124,7 @@ class ModelConfig:
     path: str
     limits: Limits = DEFAULT_LIMITS
     placement: Placement = Placement()
+    tool_parser: str | None = None
 
 
 # While a hot model serves, the colder instances of its GPU together take about one
@@ -156,6 +171,7 @@ MODEL_KEYS = {
     "quota",
     "permits",
     "cold",
+    "tool_parser",
 }
 GPU_KEYS = {"index", "budget"}
 
@@ -193,6 +209,14 @@ def limits_from(item: dict, where: str) -> Limits:
     if "pids" in item:
         pids = _positive_int(item, "pids", where, minimum=8)
     return Limits(memory_bytes=memory, cpu_cores=cpus, pids=pids)
+
+
+def tool_parser_from(item: dict, where: str) -> str | None:
+    """A model's tool-call format, named where its checkpoint does not tell it."""
+    value = item.get("tool_parser")
+    if value is not None and value not in PARSERS:
+        raise CatalogError(f"{where}.tool_parser: {value!r} is not one of {sorted(PARSERS)}")
+    return value
 
 
 def placement_from(item: dict, where: str, gpus: dict[int, int] | None) -> Placement:
@@ -292,6 +316,7 @@ def load_config(path: Path) -> NodeConfig:
                 item["path"],
                 limits_from(item, where),
                 placement_from(item, where, gpus),
+                tool_parser_from(item, where),
             )
         )
     return NodeConfig(

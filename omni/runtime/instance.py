@@ -28,7 +28,7 @@ from omni.cudashim import ControlBlock, Mode
 from omni.cudashim import instance_env as shim_env
 from omni.isolation.sandbox import ExitStatus, Sandbox, SandboxSpec
 
-from .catalog import ModelEntry
+from .catalog import TOOL_PARSER_ENV, ModelEntry
 from .code import InstanceCode
 from .gpuyield import ENV as YIELD_ENV
 from .gpuyield import YieldFlag
@@ -220,6 +220,8 @@ class Instance:
         env = {**instance_env(), **self.code.env()}
         if self.entry.limits.memory_bytes:
             env["OMNI_MEMORY_LIMIT_BYTES"] = str(self.entry.limits.memory_bytes)
+        if self.entry.tool_parser:
+            env[TOOL_PARSER_ENV] = self.entry.tool_parser
         gpus, extra_ro = None, ()
         if self.gpu is not None:
             index = self.gpu.pool.index

@@ -55,6 +55,7 @@ from .catalog import (
     limits_from,
     load_config,
     placement_from,
+    tool_parser_from,
 )
 from .cluster import ClusterMember
 from .code import InstanceCode
@@ -310,7 +311,18 @@ class CatalogStore:
         self._write(data)
 
 
-SPEC_KEYS = {"path", "gpu", "quota", "permits", "cold", "memory", "cpus", "pids", "version"}
+SPEC_KEYS = {
+    "path",
+    "gpu",
+    "quota",
+    "permits",
+    "cold",
+    "memory",
+    "cpus",
+    "pids",
+    "version",
+    "tool_parser",
+}
 
 
 def entry_from_spec(name, spec: dict, origin: str = "admin") -> ModelEntry:
@@ -326,7 +338,8 @@ def entry_from_spec(name, spec: dict, origin: str = "admin") -> ModelEntry:
         raise CatalogError("'version' must be a string of at most 64 characters")
     limits = limits_from(spec, "model")
     placement = placement_from(spec, "model", None)
-    return ModelEntry.from_path(name, path, origin, limits, placement, version)
+    tool_parser = tool_parser_from(spec, "model")
+    return ModelEntry.from_path(name, path, origin, limits, placement, version, tool_parser)
 
 
 def node_record(args: argparse.Namespace, config: NodeConfig) -> dict:
@@ -657,7 +670,14 @@ async def run(args: argparse.Namespace) -> None:
                 f"{args.config}: model name {model.name!r} is taken by a default model"
             )
         entries.append(
-            ModelEntry.from_path(model.name, model.path, "config", model.limits, model.placement)
+            ModelEntry.from_path(
+                model.name,
+                model.path,
+                "config",
+                model.limits,
+                model.placement,
+                tool_parser=model.tool_parser,
+            )
         )
 
     node = Node(

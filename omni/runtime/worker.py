@@ -21,6 +21,7 @@ from omni.api.errors import error_middleware, json_response
 from omni.engine.checkpoint import Checkpoint
 from omni.logs import setup_logging
 
+from .catalog import TOOL_PARSER_ENV
 from .code import PACKAGE_ENV, check_package
 from .gpuyield import YieldGate
 
@@ -48,7 +49,7 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
         engine.warm_up(when_idle=True)  # serve at once; compile between requests
         if not on_gpu and os.environ.get("OMNI_CUDA_CONTROL"):
             account_on_shim(engine.memory_bytes())
-        TextGenRoutes(engine, name).add_to(app)
+        TextGenRoutes(engine, name, os.environ.get(TOOL_PARSER_ENV)).add_to(app)
         extra_health = (lambda: {**engine.stats(), **gate.stats()}) if gate else engine.stats
         app.on_shutdown.append(lambda _app: asyncio.to_thread(engine.shutdown))
     else:
