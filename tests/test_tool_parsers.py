@@ -37,6 +37,12 @@ CASES = {
             None,
             [("get_time", {})],
         ),
+        (  # several calls, the last cut off by max_tokens: the complete ones stand
+            '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {"ci',
+            '<tool_call>\n{"name": "get_weather", "arguments": {"ci',
+            [("get_time", {})],
+        ),
         (  # malformed JSON: stays text
             '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>',
             '<tool_call>\n{"name": "get_weather", "arguments": {"city": }\n</tool_call>',

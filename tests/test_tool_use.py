@@ -108,3 +108,72 @@ def test_a_template_with_tools_gets_them_as_hf_passes_them(text_model_dir, tmp_p
     assert tools_part.startswith("<tools>") and '"name": "get_weather"' in tools_part
     assert '<call>get_weather {"city": "Paris"}</call>' in prompt  # an object, not a string
     assert "<|im_start|>tool\n" in prompt
+
+
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
+CITY = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("family", sorted(PARSERS))
+@pytest.mark.parametrize(
+    ("choice", "parallel"),
+    [
+        ("required", True),
+        ("required", False),
+        ({"type": "function", "function": {"name": "add"}}, True),
+    ],
+)
+def test_a_forced_call_is_exactly_calls_then_the_end(tokenizer, family, choice, parallel):
+    """Random logits under the family's call grammar (the end made likely once allowed):
+    whatever is picked, the text is only calls its parser reads (the named one, or one
+    when not parallel) with valid arguments, and the grammar ends."""
+    import jsonschema
+    import torch
+
+    from omni.engine.grammar import Grammars, GrammarSpec
+
+    use = ToolUse(family, [ADD, CITY], choice, parallel)
+    grammars = Grammars(tokenizer, tokenizer.vocab_size)
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (ADD, CITY)}
+    for seed in range(4):
+        constraint = grammars.constraint(GrammarSpec.structural_tag(use.grammar()))
+        gen = torch.Generator().manual_seed(seed)
+        out = []
+        while not constraint.done:
+            assert len(out) < 400, tokenizer.decode(out)
+            logits = torch.randn(grammars.vocab_size, generator=gen)
+            logits[sorted(tokenizer.eos_ids)] += 8  # the end, when allowed: calls stop coming
+            constraint.mask(logits)
+            token = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+            constraint.accept(token)
+            out.append(token)
+        text = tokenizer.decode(out)
+        parsed = PARSERS[family](text)
+        assert parsed.calls and parsed.content is None, text
+        if isinstance(choice, dict) or not parallel:
+            assert len(parsed.calls) == 1
+        for call in parsed.calls:
+            assert not isinstance(choice, dict) or call.name == "add"
+            jsonschema.validate(json.loads(call.arguments), schemas[call.name])

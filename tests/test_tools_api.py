@@ -10,6 +10,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 TEXT = "smollm2-135m-instruct"
 WEATHER = {
@@ -65,7 +66,16 @@ def complete(client, stream: bool, **kw):
 def test_agent_loop(client, stream):
     """The model calls the tool, gets its result back, and answers from it."""
     messages = [QUESTION]
-    first = complete(client, stream, messages=messages, tools=[WEATHER], tool_choice="required")
+    # one call: with parallel calls the grammar lets the model add calls, and this small
+    # one repeats its call until max_tokens
+    first = complete(
+        client,
+        stream,
+        messages=messages,
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+    )
     choice = first.choices[0]
     assert choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls
@@ -87,9 +97,19 @@ def test_agent_loop(client, stream):
 
 
 def test_streamed_calls_are_the_whole_response_calls(client):
-    kw = {"messages": [QUESTION], "tools": [WEATHER, ADD], "tool_choice": "required"}
+    kw = {
+        "messages": [{"role": "user", "content": "Weather in Paris, Rome and Oslo?"}],
+        "tools": [WEATHER, ADD],
+        "tool_choice": "required",
+        "max_tokens": 120,
+    }
     whole = complete(client, False, **kw).choices[0].message.tool_calls
-    streamed = complete(client, True, **kw).choices[0].message.tool_calls
+    chunks = client.chat.completions.create(model=TEXT, temperature=0, stream=True, **kw)
+    streamed = ChatCompletionStreamState()
+    for chunk in chunks:  # the client's own reassembly (its helper refuses a cut-off answer)
+        streamed.handle_chunk(chunk)
+    streamed = streamed.current_completion_snapshot.choices[0].message.tool_calls
+    assert len(whole) >= 2
     assert [(c.function.name, c.function.arguments) for c in streamed] == [
         (c.function.name, c.function.arguments) for c in whole
     ]
@@ -176,3 +196,19 @@ def test_bad_tool_requests_are_400s_naming_the_field(server, extra, param):
     r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.parametrize("question", ["Weather in Paris?", "What is 2 + 3?"])
+def test_a_forced_call_ends_after_the_call(client, question):
+    """Nothing may follow the call but the end: no text run on to max_tokens."""
+    resp = complete(
+        client,
+        False,
+        messages=[{"role": "user", "content": question}],
+        tools=[WEATHER, ADD],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        max_tokens=300,
+    )
+    assert resp.choices[0].finish_reason == "tool_calls"
+    assert resp.usage.completion_tokens < 300

@@ -87,16 +87,22 @@ _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 def parse_hermes(text: str) -> Parsed:
     if "<tool_call>" not in text:
         return Parsed(_content(text), [])
-    calls = []
+    calls, cut = [], None
     for match in _HERMES.finditer(text):
         try:
             call = _call(json.loads(match.group(1)))
         except json.JSONDecodeError:
             call = None
-        if call is None:
+        if call is None and match.end() == len(text) and not match.group(0).endswith(">"):
+            cut = match.group(0)  # the last call, cut off (max_tokens): the rest stands
+        elif call is None:
             return Parsed(_content(text), [])  # one unreadable block: all of it is text
-        calls.append(call)
-    return Parsed(_content(text[: text.index("<tool_call>")]), calls)
+        else:
+            calls.append(call)
+    if not calls:
+        return Parsed(_content(text), [])
+    before = text[: text.index("<tool_call>")]
+    return Parsed(_content(before + ("\n" + cut if cut else "")), calls)
 
 
 def parse_llama3(text: str) -> Parsed:

@@ -28,6 +28,16 @@ To call a function, answer with only this, one per call, and nothing else:
 {example}
 Each function's result comes back in a <tool_response></tool_response> block."""
 
+# A call as each family writes it (what format_calls writes and its parser reads):
+# (before the calls, a call's start up to its name, from the name to its arguments, its
+# end, between calls, after the calls). Ours, not xgrammar's builtin tags: those let free
+# text follow a forced call, which runs a small model on to max_tokens.
+_CALL_FORMATS = {
+    "hermes": ("", '<tool_call>\n{"name": "', '", "arguments": ', "}\n</tool_call>", "\n", ""),
+    "llama3": ("", '{"name": "', '", "parameters": ', "}", "; ", ""),
+    "mistral": ("[TOOL_CALLS][", '{"name": "', '", "arguments": ', "}", ", ", "]"),
+}
+
 # Where each parser starts reading a call (Llama 3's: at the first JSON object)
 _MARKERS = {
     "hermes": ("<tool_call>",),
@@ -117,25 +127,42 @@ class ToolUse:
     # ---------------------------------------------------------------- grammar
 
     def grammar(self) -> dict | None:
-        """xgrammar's structural tag that makes tool_choice "required" or a named
-        function exact: the output is one call (or, in parallel, several) of the listed
-        functions in the family's format, arguments valid for their schema."""
+        """xgrammar's structural tag that makes tool_choice "required" or a named function
+        exact: the output is one call (or, with parallel calls, several) of the listed
+        functions in the family's format, each one's arguments valid for its schema, and
+        nothing else; then the end."""
         if not self.grammar_forced:
             return None
-        import xgrammar
-
-        if self.family == "mistral":
-            return _mistral_tag(self.tools, self.choice, self.parallel)
-        model = {"hermes": "qwen_3", "llama3": "llama"}[self.family]
-        tag = xgrammar.get_builtin_structural_tag(
-            model,
-            tools=self.tools,
-            tool_choice=self.choice,
-            reasoning="disabled",
-            parallel_tool_calls=self.parallel,
-            max_whitespace_cnt=1,  # JSON's free whitespace could pad a sampled call forever
-        )
-        return json.loads(tag.model_dump_json())
+        tools = self.tools
+        if isinstance(self.choice, dict):
+            tools = [t for t in tools if t["function"]["name"] == self.choice["function"]["name"]]
+        prefix, begin, args_at, end, separator, suffix = _CALL_FORMATS[self.family]
+        tags = [
+            {
+                "type": "tag",
+                "begin": f"{begin}{t['function']['name']}{args_at}",
+                "content": {
+                    "type": "json_schema",
+                    "json_schema": t["function"].get("parameters") or {"type": "object"},
+                    "max_whitespace_cnt": 1,  # free whitespace could pad a sampled call forever
+                },
+                "end": end,
+            }
+            for t in tools
+        ]
+        calls = {
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": separator,
+            "at_least_one": True,
+            "stop_after_first": not self.parallel or isinstance(self.choice, dict),
+        }
+        parts = [{"type": "const_string", "value": prefix}] if prefix else []
+        parts += [calls] + ([{"type": "const_string", "value": suffix}] if suffix else [])
+        # a newline may close the turn: a model that writes one there is not thereby
+        # made to start another call
+        parts.append({"type": "optional", "content": {"type": "const_string", "value": "\n"}})
+        return {"type": "structural_tag", "format": {"type": "sequence", "elements": parts}}
 
     # ---------------------------------------------------------------- output
 
@@ -147,43 +174,6 @@ class ToolUse:
 
     def stream(self) -> ToolCallStream:
         return ToolCallStream(self)
-
-
-def _mistral_tag(tools: list[dict], choice: str | dict, parallel: bool) -> dict:
-    """`[TOOL_CALLS][{"name": .., "arguments": {..}}, ..]`, xgrammar has no builtin for it."""
-    if isinstance(choice, dict):
-        tools = [t for t in tools if t["function"]["name"] == choice["function"]["name"]]
-    tags = [
-        {
-            "type": "tag",
-            "begin": f'{{"name": "{t["function"]["name"]}", "arguments": ',
-            "content": {
-                "type": "json_schema",
-                "json_schema": t["function"].get("parameters") or {"type": "object"},
-                "max_whitespace_cnt": 1,
-            },
-            "end": "}",
-        }
-        for t in tools
-    ]
-    calls = {
-        "type": "tags_with_separator",
-        "tags": tags,
-        "separator": ", ",
-        "at_least_one": True,
-        "stop_after_first": not parallel or isinstance(choice, dict),
-    }
-    return {
-        "type": "structural_tag",
-        "format": {
-            "type": "sequence",
-            "elements": [
-                {"type": "const_string", "value": "[TOOL_CALLS]["},
-                calls,
-                {"type": "const_string", "value": "]"},
-            ],
-        },
-    }
 
 
 class ToolCallStream:
@@ -231,4 +221,5 @@ class ToolCallStream:
         parsed = self._use.parse(self._sent + self._held)
         if not parsed.calls:
             return self._held, []
-        return "", parsed.calls
+        content, sent = parsed.content or "", self._sent.strip()
+        return (content[len(sent) :] if content.startswith(sent) else ""), parsed.calls
