@@ -20,7 +20,6 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -131,8 +130,6 @@ class Engine:
         self.tokenizer = tokenizer
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
-        # fills grammar masks while the engine's thread streams the last step's tokens
-        self._grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="omni-grammar")
         self.max_context = model.cfg.max_position
         self.runner = ModelRunner(model, block_size, num_blocks)
         on_gpu = self.runner.device.type == "cuda"
@@ -144,7 +141,8 @@ class Engine:
             max_seqs=max_seqs or (512 if on_gpu else 256),
         )
         self._in_flight: _InFlight | None = None
-        self._ahead: tuple[Batch, Prepared] | None = None  # the next step, scheduled early
+        # a step launched by the last one, right after its pick (grammar steps)
+        self._launched: tuple[Batch, torch.Tensor] | None = None
         # requests, batches of idle-time work (lists), or None: shut down
         self._inbox: queue.Queue[tuple[GenerationRequest, Emit] | list | None] = queue.Queue()
         self._idle_work: collections.deque[Callable[[], None]] = collections.deque()
@@ -251,7 +249,7 @@ class Engine:
                 self._step()
             except Exception as exc:  # fail the requests in flight, keep serving
                 log.exception("engine step failed")
-                self._in_flight = self._ahead = None
+                self._in_flight = self._launched = None
                 for state in list(self._active.values()):
                     self._finish(state, StepOutput("", [], True, "error", error=str(exc)))
 
@@ -340,47 +338,47 @@ class Engine:
         state.emit(out)
 
     def _step(self) -> None:
-        batch, inputs = self._ahead or (self.scheduler.schedule(), None)
-        self._ahead = None
-        if batch is None:
-            self._land()
-            return
-        if self.before_step is not None:
-            self.before_step()
-        previous = self._in_flight
-        rows = {s.seq_id: i for i, s in enumerate(previous.seqs)} if previous else {}
-        logits = self.runner.run(
-            batch, previous=Previous(previous.on_device, rows) if previous else None, inputs=inputs
-        )
+        if self._launched is not None:  # launched by the last step, right after its pick
+            batch, logits = self._launched
+            self._launched = None
+        else:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                self._land()
+                return
+            logits = self._launch(batch)
         sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
         if any(self._constraint(s) for s in sampling):
-            # A grammar's mask for this step needs the last step's token accepted first.
-            # While the GPU runs this step's model, the host accepts it; the grammar
-            # thread fills the masks (xgrammar, without the GIL) as this thread streams
-            # the token and makes the next step ready.
+            # A grammar's mask needs the last step's token accepted first. While the GPU
+            # runs this step's model, accept it and fill the masks; mask and pick; then
+            # launch the next step at once (its inputs are this step's picks, on the
+            # device) and stream the tokens while it runs.
             landed = self._take_landed()
             refused = self._accept(landed)
-            work = self._grammar_thread.submit(self._fill_masks, self._masked_rows(sampling))
-            self._deliver_all(landed)
             pipelined = all(self._on_device(s) for s in sampling)
-            if pipelined:  # the next step, made ready now: it launches right after this one
+            if pipelined:  # the next step, ready before this one's pick
                 self.scheduler.update(batch, {s.seq_id: PLACEHOLDER for s in sampling})
-                self._ahead = self._look_ahead(sampling)
-            masks = work.result()
-            self._end_grammars(landed, refused)
-            if masks is not None:
-                self.grammars.apply_masks(logits, *masks)
+                after = self.scheduler.schedule()
+                rows = {s.seq_id: i for i, s in enumerate(sampling)}
+                inputs = self.runner.prepare_inputs(after, rows) if after is not None else None
+            self._mask_grammars(logits, sampling)
             step = self._launch_greedy(logits, sampling)
             if pipelined:
                 self._in_flight = step
+                if after is not None:
+                    self._launched = after, self._launch(after, inputs)
+                self._deliver_all([(s, t) for s, t in landed if s.seq.seq_id not in refused])
+                self._end_grammars(landed, refused)
                 return
+            self._deliver_all([(s, t) for s, t in landed if s.seq.seq_id not in refused])
+            self._end_grammars(landed, refused)
         else:
             step = self._launch_greedy(logits, sampling)
             self._land()  # the last step's tokens, while the GPU runs this one
-        if all(self._on_device(s) for s in sampling):
-            self.scheduler.update(batch, {s.seq_id: PLACEHOLDER for s in sampling})
-            self._in_flight = step
-            return
+            if all(self._on_device(s) for s in sampling):
+                self.scheduler.update(batch, {s.seq_id: PLACEHOLDER for s in sampling})
+                self._in_flight = step
+                return
         tokens = step.tokens()
         new_tokens, forking = {}, []
         for row, seq in enumerate(sampling):
@@ -401,6 +399,18 @@ class Engine:
         landed = [(self._active[seq_id], token) for seq_id, token in new_tokens.items()]
         self._deliver_accepted(landed + children)
 
+    def _launch(self, batch: Batch, inputs: Prepared | None = None) -> torch.Tensor:
+        """Run `batch`'s model step (not waiting for the GPU); a decoding sequence's newest
+        token, if still on the device, comes from the step in flight. `inputs`: prepared
+        ahead."""
+        if self.before_step is not None:
+            self.before_step()
+        previous = self._in_flight
+        rows = {s.seq_id: i for i, s in enumerate(previous.seqs)} if previous else {}
+        return self.runner.run(
+            batch, previous=Previous(previous.on_device, rows) if previous else None, inputs=inputs
+        )
+
     def _fork(self, parent: _Active) -> list[_Active]:
         """The request's other sequences, started on the parent's computed prompt: its
         full KV blocks shared, the partial last one copied (each writes its own token
@@ -419,18 +429,9 @@ class Engine:
         state = self._active.get(seq.seq_id)
         return state.constraint if state is not None else None
 
-    def _look_ahead(self, sampling: list[Sequence]) -> tuple[Batch, Prepared] | None:
-        """Schedule and prepare the next step while this one's masks are filled: its
-        inputs take this step's tokens from the device when it launches."""
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return None
-        rows = {s.seq_id: i for i, s in enumerate(sampling)}
-        return batch, self.runner.prepare_inputs(batch, rows)
-
-    def _masked_rows(self, sampling: list[Sequence]) -> tuple[int, list[int], list[Constraint]]:
-        """The rows whose grammar is applied on the device (their pick is the argmax), of
-        how many."""
+    def _mask_grammars(self, logits: torch.Tensor, sampling: list[Sequence]) -> None:
+        """Mask the rows whose grammar is applied on the device (their pick is the
+        argmax), in one batch: bitmasks filled by xgrammar's threads, one copy, its kernel."""
         rows, constraints = [], []
         for row, seq in enumerate(sampling):
             state = self._active.get(seq.seq_id)
@@ -439,10 +440,10 @@ class Engine:
             if self._device_pick(state):
                 rows.append(row)
                 constraints.append(state.constraint)
-        return len(sampling), rows, constraints
-
-    def _fill_masks(self, masked: tuple[int, list[int], list[Constraint]]) -> tuple | None:
-        return self.grammars.fill_masks(*masked) if masked[1] else None
+        if rows:
+            self.grammars.apply_masks(
+                logits, *self.grammars.fill_masks(len(sampling), rows, constraints)
+            )
 
     def _accept(self, landed: list[tuple[_Active, int]]) -> set[int]:
         """Advance the grammars by their new tokens (in one batch); returns the sequences

@@ -80,7 +80,8 @@ class Grammars:
         self, n_rows: int, rows: list[int], constraints: list[Constraint]
     ) -> tuple[torch.Tensor, list[int]]:
         """The bitmasks of `rows` of an `n_rows` batch, filled on the host by xgrammar's
-        threads (without the GIL: the engine's thread streams meanwhile)."""
+        threads. (The buffer is refilled next step, after the engine has waited for
+        this one's pick, so its copy to the GPU is done.)"""
         if self._bitmask is None or len(self._bitmask) < n_rows:
             size = max(n_rows, 2 * len(self._bitmask if self._bitmask is not None else ()))
             self._bitmask = self._xgr.allocate_token_bitmask(size, self.vocab_size)
@@ -95,9 +96,8 @@ class Grammars:
         return bitmask, rows
 
     def apply_masks(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
-        """Mask `rows` of `logits` [n_rows, vocab] in place, on their device, with xgrammar's
-        kernel. (The host buffer is refilled next step, after the engine has waited for
-        this one.)"""
+        """Mask `rows` of `logits` [n_rows, vocab] in place, on their device, with
+        xgrammar's kernel."""
         on_device = bitmask.to(logits.device, non_blocking=True)
         every_row = len(rows) == len(logits)
         self._xgr.apply_token_bitmask_inplace(
