@@ -94,6 +94,7 @@ class _Active:
     constraint: Constraint | None = None  # its grammar, for structured output
     index: int = 0  # of the request's n sequences
     forks: int = 0  # sequences still to start from this one's prompt (n - 1, then 0)
+    delivered: int = 0  # tokens streamed (the sequence may hold one more, on the GPU)
     logprob: tuple[int, float, list[tuple[int, float]]] | None = None  # of the newest token
 
     def output(self, text: str, tokens: list[int], reason: str | None = None) -> StepOutput:
@@ -105,7 +106,7 @@ class _Active:
             reason is not None,
             reason,
             seq.num_prompt_tokens,
-            seq.num_generated,
+            self.delivered,
             seq.num_cached_tokens,
             [self.logprob] if wanted else None,
             index=self.index,
@@ -553,13 +554,14 @@ class Engine:
 
     def _deliver(self, state: _Active, token: int) -> None:
         """Stream the new token's text; finish on EOS, a stop string or max_tokens."""
+        state.delivered += 1
         if token in state.eos:
             self._finish(state, state.output(state.stops.flush(), [token], "stop"))
             return
         text, hit_stop = state.stops.feed(state.decoder.push(token))
         if hit_stop:
             self._finish(state, state.output(text, [token], "stop"))
-        elif state.seq.num_generated >= state.request.params.max_tokens:
+        elif state.delivered >= state.request.params.max_tokens:
             self._finish(state, state.output(text + state.stops.flush(), [token], "length"))
         else:
             state.emit(state.output(text, [token]))

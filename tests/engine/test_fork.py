@@ -93,3 +93,13 @@ def test_n_with_a_grammar_gives_n_valid_answers(engine, prompt):
     )
     for steps in forked.values():
         jsonschema.validate(json.loads("".join(s.text for s in steps)), SCHEMA)
+
+
+def test_a_grammar_request_streams_every_token_it_counts(engine, prompt):
+    """The grammar path launches the next step before streaming the last tokens: the
+    count that ends a request at max_tokens is of tokens streamed, not of those held."""
+    endless = {"type": "array", "items": {"type": "integer"}, "minItems": 1000}
+    params = SamplingParams(max_tokens=12, temperature=0, grammar=GrammarSpec.json_schema(endless))
+    for steps in run_requests(engine, [prompt] * 3, params):
+        assert len(tokens(steps)) == 12 == steps[-1].completion_tokens
+        assert steps[-1].finish_reason == "length"
