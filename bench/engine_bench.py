@@ -209,6 +209,16 @@ class Rec:
     reason: str | None = None
     error: str | None = None
 
+    def record(self, out) -> bool:
+        """Take one engine output (on the engine's thread); True when it is the last."""
+        if out.token_ids:
+            self.times.append(time.perf_counter())
+            self.tokens += len(out.token_ids)
+            self.ids.extend(out.token_ids)
+        if out.finished:
+            self.reason, self.error = out.finish_reason, out.error
+        return out.finished
+
 
 def random_prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
     return rng.integers(0, vocab, n).tolist()
@@ -363,15 +373,8 @@ class OursRunner:
         done: queue.Queue[int] = queue.Queue()
 
         def emitter(i: int) -> Callable:
-            rec = recs[i]
-
             def emit(out) -> None:  # on the engine's thread
-                if out.token_ids:
-                    rec.times.append(time.perf_counter())
-                    rec.tokens += len(out.token_ids)
-                    rec.ids.extend(out.token_ids)
-                if out.finished:
-                    rec.reason, rec.error = out.finish_reason, out.error
+                if recs[i].record(out):
                     done.put(i)
 
             return emit

@@ -239,12 +239,7 @@ def run_batch(engine, prompts: list[list[int]], params: list) -> list[Rec]:
 
     def emitter(rec: Rec):
         def emit(out) -> None:  # on the engine's thread
-            if out.token_ids:
-                rec.times.append(time.perf_counter())
-                rec.tokens += len(out.token_ids)
-                rec.ids.extend(out.token_ids)
-            if out.finished:
-                rec.reason, rec.error = out.finish_reason, out.error
+            if rec.record(out):
                 done.put(1)
 
         return emit

@@ -368,11 +368,9 @@ class Engine:
                 self._in_flight = step
                 if after is not None:
                     self._launched = after, self._launch(after, inputs)
-                self._deliver_all([(s, t) for s, t in landed if s.seq.seq_id not in refused])
-                self._end_grammars(landed, refused)
+            self._deliver_landed(landed, refused)
+            if pipelined:
                 return
-            self._deliver_all([(s, t) for s, t in landed if s.seq.seq_id not in refused])
-            self._end_grammars(landed, refused)
         else:
             step = self._launch_greedy(logits, sampling)
             self._land()  # the last step's tokens, while the GPU runs this one
@@ -499,7 +497,11 @@ class Engine:
 
     def _deliver_accepted(self, landed: list[tuple[_Active, int]]) -> None:
         """Advance the grammars by the new tokens, then stream those they accepted."""
-        refused = self._accept(landed)
+        self._deliver_landed(landed, self._accept(landed))
+
+    def _deliver_landed(self, landed: list[tuple[_Active, int]], refused: set[int]) -> None:
+        """Stream the tokens their grammars accepted; then fail the refused requests and
+        finish those whose grammar is complete."""
         self._deliver_all([(s, t) for s, t in landed if s.seq.seq_id not in refused])
         self._end_grammars(landed, refused)
 
