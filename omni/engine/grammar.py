@@ -12,15 +12,26 @@ xgrammar does with a precompiled, cached per-token mask, in microseconds a step.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 COMPACT = {"any_whitespace": False}
+# One string character, unescaped (xgrammar keeps escapes out of length-bounded strings
+# too, so the strings allowed are the same).
+_CHAR = r'[^"\\\x00-\x1f]'
+# Longest maxLength spelled out as a pattern (the pattern grows with it; longer bounds
+# stay with xgrammar's own counted repetition).
+MAX_SPELLED_LENGTH = 256
+_DATA_KEYS = ("enum", "const", "default", "examples")  # values, not schemas
+_NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 # A batch's masks are filled on up to this many threads: 64 rows take ~10 ms on one core.
 THREADS = max(1, min(8, len(os.sched_getaffinity(0))))
+ACCEPT_SLICE = 8  # the fewest rows worth a thread of their own when accepting
 
 
 class GrammarError(ValueError):
@@ -30,16 +41,64 @@ class GrammarError(ValueError):
 @dataclass(frozen=True)
 class GrammarSpec:
     kind: str  # "json_object" | "json_schema" | "structural_tag"
-    source: str = ""  # the schema or tag, as canonical JSON text (the cache key)
+    source: str = ""  # the schema or tag, as JSON text (the cache key)
 
     @classmethod
     def json_schema(cls, schema: dict) -> GrammarSpec:
-        return cls("json_schema", json.dumps(schema, sort_keys=True))
+        # keys in their order: a schema's property order is its output's order (a
+        # "reasoning" field put before "answer" is written first)
+        return cls("json_schema", json.dumps(schema))
 
     @classmethod
     def structural_tag(cls, tag: dict) -> GrammarSpec:
         """xgrammar's structural tag: fixed text around JSON (a model's tool-call format)."""
-        return cls("structural_tag", json.dumps(tag, sort_keys=True))
+        return cls("structural_tag", json.dumps(tag))
+
+
+def spelled_string_bounds(node):
+    """`node` (a JSON schema) with each string's maxLength (and minLength) spelled out as
+    a pattern of nested optional characters: the same strings. xgrammar checks a counted
+    repetition against every token at run time (~100 us a row, milliseconds near the
+    bound); nested optionals are rule positions its compiler precomputes masks for
+    (~10 us a row), at the same compile time."""
+    if isinstance(node, list):
+        return [spelled_string_bounds(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key in _NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: spelled_string_bounds(v) for name, v in value.items()}
+        else:
+            out[key] = value if key in _DATA_KEYS else spelled_string_bounds(value)
+    low, high = out.get("minLength", 0), out.get("maxLength")
+    plain = not any(k in out for k in ("pattern", "format", *_DATA_KEYS))
+    if (
+        out.get("type") == "string"
+        and plain
+        and isinstance(high, int)
+        and isinstance(low, int)
+        and 0 <= low <= high <= MAX_SPELLED_LENGTH
+    ):
+        optional = ""
+        for _ in range(high - low):
+            optional = f"(?:{_CHAR}{optional})?"
+        del out["maxLength"]
+        out.pop("minLength", None)
+        out["pattern"] = f"^{_CHAR * low}{optional}$"
+    return out
+
+
+def _spell_tag_schemas(node):
+    """A structural tag with `spelled_string_bounds` applied to each JSON schema in it."""
+    if isinstance(node, list):
+        return [_spell_tag_schemas(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: _spell_tag_schemas(v) for k, v in node.items()}
+    if out.get("type") == "json_schema" and isinstance(out.get("json_schema"), dict):
+        out["json_schema"] = spelled_string_bounds(node["json_schema"])
+    return out
 
 
 class Grammars:
@@ -58,6 +117,7 @@ class Grammars:
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
         self._batch = xgrammar.BatchGrammarMatcher(max_threads=THREADS)
         self._bitmask: torch.Tensor | None = None  # the batch's, on the host: grown as needed
+        self._pool: ThreadPoolExecutor | None = None  # for big batches' accepts
 
     def compile(self, spec: GrammarSpec):
         # Compact JSON: with free whitespace a sampled sequence can pad forever between
@@ -66,9 +126,11 @@ class Grammars:
             if spec.kind == "json_object":
                 return self._compiler.compile_json_schema('{"type": "object"}', **COMPACT)
             if spec.kind == "json_schema":
-                return self._compiler.compile_json_schema(spec.source, **COMPACT)
+                schema = spelled_string_bounds(json.loads(spec.source))
+                return self._compiler.compile_json_schema(json.dumps(schema), **COMPACT)
             if spec.kind == "structural_tag":
-                return self._compiler.compile_structural_tag(spec.source)
+                tag = _spell_tag_schemas(json.loads(spec.source))
+                return self._compiler.compile_structural_tag(json.dumps(tag))
         except (RuntimeError, ValueError) as exc:  # xgrammar's errors for a bad schema
             raise GrammarError(str(exc).strip().splitlines()[-1]) from None
         raise GrammarError(f"unknown grammar kind {spec.kind!r}")
@@ -105,11 +167,24 @@ class Grammars:
         )
 
     def accept(self, constraints: list[Constraint], tokens: list[int]) -> list[bool]:
-        """Advance each constraint by its token (a batch on xgrammar's threads); False
-        where the grammar does not allow it."""
-        if len(constraints) == 1:
-            return [constraints[0]._matcher.accept_token(tokens[0])]
-        return self._batch.batch_accept_token([c._matcher for c in constraints], tokens)
+        """Advance each constraint by its token; False where the grammar does not allow
+        it. A big batch is cut into slices accepted on our threads at once (xgrammar
+        accepts a batch one matcher after another, ~40 us each, without the GIL)."""
+        matchers = [c._matcher for c in constraints]
+        if len(matchers) == 1:
+            return [matchers[0].accept_token(tokens[0])]
+        slices = min(THREADS, len(matchers) // ACCEPT_SLICE)
+        if slices < 2:
+            return self._batch.batch_accept_token(matchers, tokens)
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="omni-grammar")
+        accept = self._xgr.BatchGrammarMatcher.batch_accept_token
+        bounds = [len(matchers) * i // slices for i in range(slices + 1)]
+        parts = [
+            self._pool.submit(accept, matchers[a:b], tokens[a:b])
+            for a, b in itertools.pairwise(bounds)
+        ]
+        return [ok for part in parts for ok in part.result()]
 
 
 class Constraint:
