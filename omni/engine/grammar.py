@@ -12,10 +12,8 @@ xgrammar does with a precompiled, cached per-token mask, in microseconds a step.
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -31,7 +29,6 @@ _DATA_KEYS = ("enum", "const", "default", "examples")  # values, not schemas
 _NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 # A batch's masks are filled on up to this many threads: 64 rows take ~10 ms on one core.
 THREADS = max(1, min(8, len(os.sched_getaffinity(0))))
-ACCEPT_SLICE = 8  # the fewest rows worth a thread of their own when accepting
 
 
 class GrammarError(ValueError):
@@ -117,7 +114,6 @@ class Grammars:
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
         self._batch = xgrammar.BatchGrammarMatcher(max_threads=THREADS)
         self._bitmask: torch.Tensor | None = None  # the batch's, on the host: grown as needed
-        self._pool: ThreadPoolExecutor | None = None  # for big batches' accepts
 
     def compile(self, spec: GrammarSpec):
         # Compact JSON: with free whitespace a sampled sequence can pad forever between
@@ -167,24 +163,12 @@ class Grammars:
         )
 
     def accept(self, constraints: list[Constraint], tokens: list[int]) -> list[bool]:
-        """Advance each constraint by its token; False where the grammar does not allow
-        it. A big batch is cut into slices accepted on our threads at once (xgrammar
-        accepts a batch one matcher after another, ~40 us each, without the GIL)."""
-        matchers = [c._matcher for c in constraints]
-        if len(matchers) == 1:
-            return [matchers[0].accept_token(tokens[0])]
-        slices = min(THREADS, len(matchers) // ACCEPT_SLICE)
-        if slices < 2:
-            return self._batch.batch_accept_token(matchers, tokens)
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="omni-grammar")
-        accept = self._xgr.BatchGrammarMatcher.batch_accept_token
-        bounds = [len(matchers) * i // slices for i in range(slices + 1)]
-        parts = [
-            self._pool.submit(accept, matchers[a:b], tokens[a:b])
-            for a, b in itertools.pairwise(bounds)
-        ]
-        return [ok for part in parts for ok in part.result()]
+        """Advance each constraint by its token (in one batch); False where the grammar
+        does not allow it. (Slicing a batch over threads was slower on the H100 host:
+        their GIL hand-offs cost more than the ~40 us accepts they spread.)"""
+        if len(constraints) == 1:
+            return [constraints[0]._matcher.accept_token(tokens[0])]
+        return self._batch.batch_accept_token([c._matcher for c in constraints], tokens)
 
 
 class Constraint:

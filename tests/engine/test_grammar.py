@@ -148,8 +148,8 @@ def test_data_and_long_bounds_are_left_alone():
 
 
 def test_a_big_batch_accepts_as_one_at_a_time(setup):
-    """Accepting 40 rows in slices on threads gives each row what accepting it alone
-    gives: refusals in their rows, and every matcher where its own tokens took it."""
+    """Accepting 40 rows in one batch gives each row what accepting it alone gives:
+    refusals in their rows, and every matcher where its own tokens took it."""
     tok, grammars, _ = setup
     spec = GrammarSpec.json_schema(SCHEMAS[0])
     good = tok.encode('{"name": "a cat"}')
