@@ -351,26 +351,29 @@ class Engine:
         sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
         if any(self._constraint(s) for s in sampling):
             # A grammar's mask needs the last step's token accepted first. While the GPU
-            # runs this step's model, accept it and fill the masks; mask and pick; then
-            # launch the next step at once (its inputs are this step's picks, on the
-            # device) and stream the tokens while it runs.
+            # runs this step's model, the grammar thread accepts the tokens that landed
+            # and fills the masks; meanwhile this one schedules the next step and streams
+            # the tokens (the device's mask lets no refused token through: one would end
+            # its request, after it was streamed). Then mask and pick, and launch the
+            # next step at once (its inputs are this step's picks, on the device).
             landed = self._take_landed()
-            refused = self._accept(landed)
+            masking = self._advance_grammars(landed, sampling)
             pipelined = all(self._on_device(s) for s in sampling)
             if pipelined:  # the next step, ready before this one's pick
                 self.scheduler.update(batch, {s.seq_id: PLACEHOLDER for s in sampling})
                 after = self.scheduler.schedule()
                 rows = {s.seq_id: i for i, s in enumerate(sampling)}
                 inputs = self.runner.prepare_inputs(after, rows) if after is not None else None
-            self._mask_grammars(logits, sampling)
+                self._deliver_all(landed)
+            refused = self._mask_grammars(logits, masking)
             step = self._launch_greedy(logits, sampling)
             if pipelined:
                 self._in_flight = step
                 if after is not None:
                     self._launched = after, self._launch(after, inputs)
-            self._deliver_landed(landed, refused)
-            if pipelined:
+                self._end_grammars(landed, refused)
                 return
+            self._deliver_landed(landed, refused)
         else:
             step = self._launch_greedy(logits, sampling)
             self._land()  # the last step's tokens, while the GPU runs this one
@@ -428,21 +431,36 @@ class Engine:
         state = self._active.get(seq.seq_id)
         return state.constraint if state is not None else None
 
-    def _mask_grammars(self, logits: torch.Tensor, sampling: list[Sequence]) -> None:
-        """Mask the rows whose grammar is applied on the device (their pick is the
-        argmax), in one batch: bitmasks filled by xgrammar's threads, one copy, its kernel."""
-        rows, constraints = [], []
+    def _advance_grammars(self, landed: list[tuple[_Active, int]], sampling: list[Sequence]):
+        """Start the grammar thread on the landed tokens and this step's masks: the rows
+        whose grammar is applied on the device (their pick is the argmax), less those
+        whose landed token ends their grammar."""
+        accepting = [(state, token) for state, token in landed if state.constraint is not None]
+        ending = {s.seq.seq_id for s, token in accepting if token in self.grammars.stop_ids}
+        rows, filling = [], []
         for row, seq in enumerate(sampling):
             state = self._active.get(seq.seq_id)
             if state is None or state.constraint is None or state.constraint.done:
                 continue
-            if self._device_pick(state):
+            if self._device_pick(state) and seq.seq_id not in ending:
                 rows.append(row)
-                constraints.append(state.constraint)
-        if rows:
-            self.grammars.apply_masks(
-                logits, *self.grammars.fill_masks(len(sampling), rows, constraints)
-            )
+                filling.append(state.constraint)
+        return accepting, self.grammars.advance_and_fill(
+            [s.constraint for s, _ in accepting],
+            [t for _, t in accepting],
+            len(sampling),
+            rows,
+            filling,
+        )
+
+    def _mask_grammars(self, logits: torch.Tensor, masking) -> set[int]:
+        """Wait for the grammar thread; mask its rows of `logits` on the device (one copy,
+        xgrammar's kernel). Returns the sequences whose landed token was refused."""
+        accepting, job = masking
+        accepted, bitmask, rows = job.result()
+        if bitmask is not None:
+            self.grammars.apply_masks(logits, bitmask, rows)
+        return {s.seq.seq_id for (s, _), ok in zip(accepting, accepted, strict=True) if not ok}
 
     def _accept(self, landed: list[tuple[_Active, int]]) -> set[int]:
         """Advance the grammars by their new tokens (in one batch); returns the sequences

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +31,7 @@ _DATA_KEYS = ("enum", "const", "default", "examples")  # values, not schemas
 _NAMED_SCHEMAS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 # A batch's masks are filled on up to this many threads: 64 rows take ~10 ms on one core.
 THREADS = max(1, min(8, len(os.sched_getaffinity(0))))
+SWITCH_INTERVAL_S = 0.0002
 
 
 class GrammarError(ValueError):
@@ -114,6 +117,13 @@ class Grammars:
         self._compiler = xgrammar.GrammarCompiler(info, max_threads=2)
         self._batch = xgrammar.BatchGrammarMatcher(max_threads=THREADS)
         self._bitmask: torch.Tensor | None = None  # the batch's, on the host: grown as needed
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="omni-grammar")
+        # the tokens that end a grammar (xgrammar's stop tokens): nothing to mask after
+        self.stop_ids = frozenset(tokenizer.eos_ids)
+        # The grammar thread needs the GIL for a moment before and after each call; at
+        # Python's default 5 ms switch interval it could wait most of a model step for
+        # it while the engine's thread streams. (An instance process runs one engine.)
+        sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
 
     def compile(self, spec: GrammarSpec):
         # Compact JSON: with free whitespace a sampled sequence can pad forever between
@@ -134,24 +144,46 @@ class Grammars:
     def constraint(self, spec: GrammarSpec) -> Constraint:
         return Constraint(self, self._xgr.GrammarMatcher(self.compile(spec)))
 
-    def fill_masks(
-        self, n_rows: int, rows: list[int], constraints: list[Constraint]
-    ) -> tuple[torch.Tensor, list[int]]:
-        """The bitmasks of `rows` of an `n_rows` batch, filled on the host by xgrammar's
-        threads. (The buffer is refilled next step, after the engine has waited for
-        this one's pick, so its copy to the GPU is done.)"""
+    def advance_and_fill(
+        self,
+        accepting: list[Constraint],
+        tokens: list[int],
+        n_rows: int,
+        rows: list[int],
+        filling: list[Constraint],
+    ) -> Future[tuple[list[bool], torch.Tensor | None, list[int]]]:
+        """On the grammar thread: advance `accepting` by `tokens`, then fill the bitmasks
+        of `rows` (of an `n_rows` batch) from `filling`; the engine streams meanwhile
+        (xgrammar runs both without the GIL). The future gives (accepted, per token;
+        the bitmask, on the host; `rows`). `filling` must leave out a grammar its token ends.
+        (The buffer is refilled next step, after the engine has waited for this one's
+        pick, so its copy to the GPU is done.)"""
+        bitmask = self._bitmask_rows(n_rows) if rows else None
+        return self._thread.submit(
+            self._advance_and_fill,
+            [c._matcher for c in accepting],
+            tokens,
+            bitmask,
+            rows,
+            [c._matcher for c in filling],
+        )
+
+    def _advance_and_fill(self, accepting, tokens, bitmask, rows, filling):
+        accepted = self._accept(accepting, tokens) if accepting else []
+        if rows:
+            if len(filling) == 1:
+                filling[0].fill_next_token_bitmask(bitmask, rows[0])
+            else:
+                self._batch.batch_fill_next_token_bitmask(filling, bitmask, rows)
+        return accepted, bitmask, rows
+
+    def _bitmask_rows(self, n_rows: int) -> torch.Tensor:
         if self._bitmask is None or len(self._bitmask) < n_rows:
             size = max(n_rows, 2 * len(self._bitmask if self._bitmask is not None else ()))
             self._bitmask = self._xgr.allocate_token_bitmask(size, self.vocab_size)
             if torch.cuda.is_available():  # pinned: the copy to the GPU does not wait
                 self._bitmask = self._bitmask.pin_memory()
-        bitmask = self._bitmask[:n_rows]
-        matchers = [c._matcher for c in constraints]
-        if len(matchers) == 1:
-            matchers[0].fill_next_token_bitmask(bitmask, rows[0])
-        else:
-            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
-        return bitmask, rows
+        return self._bitmask[:n_rows]
 
     def apply_masks(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         """Mask `rows` of `logits` [n_rows, vocab] in place, on their device, with
@@ -164,11 +196,13 @@ class Grammars:
 
     def accept(self, constraints: list[Constraint], tokens: list[int]) -> list[bool]:
         """Advance each constraint by its token (in one batch); False where the grammar
-        does not allow it. (Slicing a batch over threads was slower on the H100 host:
-        their GIL hand-offs cost more than the ~40 us accepts they spread.)"""
-        if len(constraints) == 1:
-            return [constraints[0]._matcher.accept_token(tokens[0])]
-        return self._batch.batch_accept_token([c._matcher for c in constraints], tokens)
+        does not allow it."""
+        return self._accept([c._matcher for c in constraints], tokens)
+
+    def _accept(self, matchers: list, tokens: list[int]) -> list[bool]:
+        if len(matchers) == 1:
+            return [matchers[0].accept_token(tokens[0])]
+        return self._batch.batch_accept_token(matchers, tokens)
 
 
 class Constraint:
