@@ -35,6 +35,7 @@ class DecodeGraphs:
         """Logits (fp32) of a decode step of n <= the largest bucket sequences."""
         n = ids.shape[0]
         b = self.bucket(n)
+        self.capture(b)  # before the inputs go in: its warm-up run writes no K/V
         width = step.block_tables.shape[1]
         self.ids[:n].copy_(ids)
         self.positions[:n].copy_(step.positions)
@@ -43,7 +44,6 @@ class DecodeGraphs:
         self.tables[:n, :width].copy_(step.block_tables)
         self.seq_lens[:n].copy_(step.seq_lens)
         self.seq_lens[n:b].fill_(1)
-        self.capture(b)
         self.graphs[b].replay()
         return self.outputs[b][:n]
 
@@ -64,6 +64,8 @@ class DecodeGraphs:
         if b in self.graphs:
             return
         step = self._static_step(b)
+        # the warm-up below runs for real: slots a past step left here are live K/V
+        self.slots[:b].fill_(-1)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm up: compiles the kernels for these shapes

@@ -163,7 +163,9 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device)
 
-    def forward(self, x: torch.Tensor, step, k_cache, v_cache, inv_freq) -> torch.Tensor:
+    def query(self, x: torch.Tensor, step, k_cache, v_cache, inv_freq) -> torch.Tensor:
+        """This layer's queries [tokens, heads, dim], rotated; the tokens' K/V go to the
+        cache on the way (slot -1: nowhere)."""
         cfg, n = self.cfg, x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_dim, self.kv_dim, self.kv_dim], dim=-1)
         q = q.view(n, cfg.num_heads, cfg.head_dim)  # views into the fused output
@@ -172,11 +174,18 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         kc, vc = k_cache[self.layer], v_cache[self.layer]
-        q = ops(x.device).rope_and_cache(
+        return ops(x.device).rope_and_cache(
             q, k, v, step.positions, inv_freq, kc, vc, step.slot_mapping
         )
-        out = paged_attention(q, kc, vc, step, cfg.head_dim**-0.5)
-        return self.o_proj(out.reshape(n, -1))
+
+    def attend(self, q: torch.Tensor, step, k_cache, v_cache) -> torch.Tensor:
+        """Attention over the paged cache: [tokens, heads, dim]."""
+        kc, vc = k_cache[self.layer], v_cache[self.layer]
+        return paged_attention(q, kc, vc, step, self.cfg.head_dim**-0.5)
+
+    def forward(self, x: torch.Tensor, step, k_cache, v_cache, inv_freq) -> torch.Tensor:
+        out = self.attend(self.query(x, step, k_cache, v_cache, inv_freq), step, k_cache, v_cache)
+        return self.o_proj(out.reshape(x.shape[0], -1))
 
 
 class MLP(nn.Module):
@@ -201,11 +210,21 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, residual, step, k_cache, v_cache, inv_freq):
         """(x, residual) in and out: each norm also adds the residual, in one kernel."""
+        q, residual = self.query(x, residual, step, k_cache, v_cache, inv_freq)
+        return self.finish(self.self_attn.attend(q, step, k_cache, v_cache), residual)
+
+    def query(self, x, residual, step, k_cache, v_cache, inv_freq):
+        """The layer up to attention: (its queries, the residual)."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, step, k_cache, v_cache, inv_freq)
+        return self.self_attn.query(h, step, k_cache, v_cache, inv_freq), residual
+
+    def finish(self, attended: torch.Tensor, residual: torch.Tensor):
+        """The layer from attention's output on: (x, residual). Token by token: no step
+        metadata, so CUDA graphs capture it for any batch (piecewise_graphs)."""
+        h = self.self_attn.o_proj(attended.reshape(attended.shape[0], -1))
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 

@@ -19,6 +19,8 @@ from .block_manager import BlockManager
 from .cuda_graphs import BUCKETS, DecodeGraphs
 from .kernels.rows import empty_rows
 from .llama import LlamaForCausalLM
+from .piecewise_graphs import BUCKETS as MIXED_BUCKETS
+from .piecewise_graphs import PiecewiseGraphs
 from .scheduler import Batch
 from .sequence import PLACEHOLDER, Sequence
 
@@ -80,12 +82,16 @@ class ModelRunner:
         shape = (cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.graphs = None  # decode steps on CUDA replay graphs (OMNI_CUDA_GRAPHS=0: off)
+        # decode steps replay one CUDA graph, other steps up to 1,024 tokens a graph per
+        # layer around eager attention (OMNI_CUDA_GRAPHS=0: neither)
+        self.graphs: DecodeGraphs | None = None
+        self.pieces: PiecewiseGraphs | None = None
         if self.device.type == "cuda" and os.environ.get("OMNI_CUDA_GRAPHS", "1") != "0":
             max_tokens = min(cfg.max_position, self.num_blocks * block_size)
             self.graphs = DecodeGraphs(
                 model, self.k_cache, self.v_cache, -(-max_tokens // block_size)
             )
+            self.pieces = PiecewiseGraphs(model, self.k_cache, self.v_cache)
 
     def _cache_bytes(self) -> int:
         if self.device.type == "cuda":
@@ -120,6 +126,8 @@ class ModelRunner:
                 tasks.append(partial(self._capture, b))
                 if b >= max_seqs:
                     break
+        if self.pieces and graphs:
+            tasks += [partial(self._capture_pieces, b) for b in MIXED_BUCKETS]
         return tasks
 
     def warm_up(self, max_seqs: int, max_batch_tokens: int, graphs: bool = True) -> None:
@@ -149,6 +157,10 @@ class ModelRunner:
     @torch.inference_mode()
     def _capture(self, bucket: int) -> None:
         self.graphs.capture(bucket)
+
+    @torch.inference_mode()
+    def _capture_pieces(self, bucket: int) -> None:
+        self.pieces.capture(bucket)
 
     def prepare(
         self, batch: Batch, previous: Previous | None = None
@@ -255,7 +267,10 @@ class ModelRunner:
             and self.graphs.bucket(len(batch.seqs))
         ):
             return self.graphs.run(ids, step)  # every decoding sequence samples
-        hidden = self.model.hidden_states(ids, step, self.k_cache, self.v_cache)
+        if self.pieces and not all_logits and self.pieces.captured(len(ids)):
+            hidden = self.pieces.run(ids, step)
+        else:
+            hidden = self.model.hidden_states(ids, step, self.k_cache, self.v_cache)
         if not all_logits:
             rows = empty_rows(len(step.sample_at), hidden.shape[1], hidden.dtype, hidden.device)
             hidden = torch.index_select(hidden, 0, step.sample_at, out=rows)  # feeds the lm head
