@@ -631,14 +631,47 @@ def workload(reqs: list[Req]) -> dict:
             (r.max_tokens - 1) * len(r.prompt) + r.max_tokens * (r.max_tokens - 1) // 2
             for r in reqs
         ),
+        "prompt_tokens": sum(len(r.prompt) for r in reqs),
+        # (query, key) pairs of the prompts' causal attention
+        "prompt_attention_pairs": sum(len(r.prompt) * (len(r.prompt) + 1) // 2 for r in reqs),
     }
 
 
-def offline_floor(work: dict | None, prep: dict, output_tokens: int | None) -> dict | None:
+# Dense bf16 tensor-core peaks (FLOP/s) from the data sheets, by device name (first match)
+DENSE_BF16_PEAK = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989.4e12),
+    ("H200", 989.4e12),
+    ("A100", 312e12),
+)
+
+
+def dense_bf16_peak(device: str | None) -> float | None:
+    return next((peak for name, peak in DENSE_BF16_PEAK if name in (device or "")), None)
+
+
+def prompt_flops(work: dict, cfg: dict) -> float:
+    """The prompts' matmul FLOPs: every layer's projections for each prompt token, and
+    causal attention's two products over each prompt's (query, key) pairs."""
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    head_dim = hidden // cfg["num_attention_heads"]
+    kv_dim = cfg["num_key_value_heads"] * head_dim
+    per_layer = hidden * (2 * hidden + 2 * kv_dim) + 3 * hidden * cfg["intermediate_size"]
+    linear = 2 * layers * per_layer * work["prompt_tokens"]
+    attention = 4 * layers * hidden * work["prompt_attention_pairs"]
+    return float(linear + attention)
+
+
+def offline_floor(
+    work: dict | None, prep: dict, output_tokens: int | None, wall_s: float | None = None
+) -> dict | None:
     """A lower bound on an offline run's wall time from bytes alone, at the measured copy
     bandwidth: the longest request's steps each read the weights once, and every decode step
     reads its K/V (bf16). It leaves out all compute (prompts included), so no engine, ours or
-    any other, can beat it at bf16 without speculative decoding."""
+    any other, can beat it at bf16 without speculative decoding. Beside it, the floor that
+    adds the prompts' FLOPs at the device's dense bf16 peak; with `wall_s`, ours as a
+    fraction of each."""
     bw = get(prep, "bandwidth", "bytes_per_s")
     weights = get(prep, "checkpoint", "weight_bytes", "read_per_decode_step")
     cfg = get(prep, "checkpoint", "config") or {}
@@ -648,12 +681,28 @@ def offline_floor(work: dict | None, prep: dict, output_tokens: int | None) -> d
     kv_per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * 2
     weights_s = work["max_output"] * weights / bw
     kv_s = work["decode_kv_token_reads"] * kv_per_token / bw
-    return {
+    floor = {
         "weights_s": round(weights_s, 3),
         "kv_s": round(kv_s, 3),
         "floor_s": round(weights_s + kv_s, 3),
         "ceiling_output_tok_s": round(output_tokens / (weights_s + kv_s), 1),
     }
+    peak = dense_bf16_peak(get(prep, "bandwidth", "device"))
+    if peak and "prompt_tokens" in work:
+        flops = prompt_flops(work, cfg)
+        floor |= {
+            "dense_bf16_peak_flop_s": peak,
+            "prompt_flops": flops,
+            "prompt_s_at_peak": round(flops / peak, 3),
+            "floor_with_prompts_s": round(weights_s + kv_s + flops / peak, 3),
+        }
+    if wall_s:
+        floor["ours_fraction_of_floor"] = round(floor["floor_s"] / wall_s, 4)
+        if "floor_with_prompts_s" in floor:
+            floor["ours_fraction_of_floor_with_prompts"] = round(
+                floor["floor_with_prompts_s"] / wall_s, 4
+            )
+    return floor
 
 
 def part_offline(runner, args, vocab: int, deadline: Deadline) -> dict:
@@ -1109,6 +1158,7 @@ def assemble(args, phases: dict) -> dict:
                     get(ours, "offline", name, "workload"),
                     prep,
                     get(ours, "offline", name, "output_tokens"),
+                    get(ours, "offline", name, "wall_s"),
                 )
                 for name in ("sharegpt", "fixed")
             },
@@ -1206,6 +1256,17 @@ def print_table(res: dict, args) -> None:
                 f"    no engine beats {floor['ceiling_output_tok_s']:.0f} out tok/s here (bytes "
                 f"alone: weights {floor['weights_s']:.2f} s + K/V {floor['kv_s']:.2f} s)"
             )
+            if "ours_fraction_of_floor" in floor:
+                with_prompts = floor.get("ours_fraction_of_floor_with_prompts")
+                print(
+                    f"    ours at {floor['ours_fraction_of_floor']:.1%} of that floor"
+                    + (
+                        f", {with_prompts:.1%} of the floor with the prompts at the dense "
+                        f"bf16 peak (+{floor['prompt_s_at_peak']:.2f} s)"
+                        if with_prompts
+                        else ""
+                    )
+                )
         if (jit := a.get("jit_builds")) and jit["count"]:
             print(
                 f"    ours built {jit['count']} Triton kernels during the run "
