@@ -61,11 +61,12 @@ def test_silu_and_mul(gen):
     torch.testing.assert_close(silu_and_mul(x), silu_and_mul_ref(x), **TOL)
 
 
+@pytest.mark.parametrize("heads", [SHAPE[:2], (12, 3)])  # (12, 3): part-filled groups
 @pytest.mark.parametrize("fused", [False, True])
-def test_rope_and_cache(gen, fused):
+def test_rope_and_cache(gen, fused, heads):
     """Separate q, k, v, or views into one fused qkv projection's rows (strided: the
     kernel reads them in place)."""
-    n_q, n_kv, dim, _ = SHAPE
+    (n_q, n_kv), dim = heads, SHAPE[2]
     tokens, n_blocks = 23, 8
     if fused:
         qkv = rand(tokens, (n_q + 2 * n_kv) * dim, gen=gen)

@@ -32,13 +32,17 @@ def rope_and_cache_ref(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapp
 
 
 @triton.jit
-def _rotate_half_into(src_ptr, dst_ptr, j, mask, cos, sin, HALF: tl.constexpr):
-    """dst[:HALF], dst[HALF:] = x1 cos - x2 sin, x2 cos + x1 sin (x = src)."""
-    x1 = tl.load(src_ptr + j, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src_ptr + HALF + j, mask=mask, other=0.0).to(tl.float32)
+def _rotate_half_into(src_ptr, dst_ptr, mask, cos, sin, HALF: tl.constexpr):
+    """dst[..., :HALF], dst[..., HALF:] = x1 cos - x2 sin, x2 cos + x1 sin (x = src; the
+    pointers address a [heads, HALF] block of first halves)."""
+    x1 = tl.load(src_ptr, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
     out_ty = dst_ptr.dtype.element_ty
-    tl.store(dst_ptr + j, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
-    tl.store(dst_ptr + HALF + j, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
+    tl.store(dst_ptr, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
+    tl.store(dst_ptr + HALF, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
+
+
+HEADS = 8  # heads a program rotates: one angle computation serves them all
 
 
 # A step's positions and slots are views into one packed host-to-device copy
@@ -62,31 +66,38 @@ def _rope_cache_kernel(
     v_row,
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
+    HEADS: tl.constexpr,
 ):
+    """Program (token, group): HEADS query heads, or HEADS key/value heads after the
+    query groups."""
     t = tl.program_id(0)
-    h = tl.program_id(1)
+    group = tl.program_id(1)
     j = tl.arange(0, BLOCK)
-    mask = j < HALF
     pos = tl.load(pos_ptr + t).to(tl.float32)
-    angle = pos * tl.load(inv_freq_ptr + j, mask=mask, other=0.0)
-    cos, sin = tl.cos(angle), tl.sin(angle)
+    angle = pos * tl.load(inv_freq_ptr + j, mask=j < HALF, other=0.0)
+    cos, sin = tl.cos(angle)[None, :], tl.sin(angle)[None, :]
     dim = 2 * HALF
-    if h < n_q_heads:
-        src = t * q_row + h * dim
-        dst = (t * n_q_heads + h) * dim
-        _rotate_half_into(q_ptr + src, q_out_ptr + dst, j, mask, cos, sin, HALF)
+    q_groups = tl.cdiv(n_q_heads, HEADS)
+    if group < q_groups:
+        h = group * HEADS + tl.arange(0, HEADS)
+        mask = (h < n_q_heads)[:, None] & (j < HALF)[None, :]
+        src = q_ptr + t * q_row + h[:, None] * dim + j[None, :]
+        dst = q_out_ptr + (t * n_q_heads + h[:, None]) * dim + j[None, :]
+        _rotate_half_into(src, dst, mask, cos, sin, HALF)
     else:
-        kh = h - n_q_heads
         slot = tl.load(slot_ptr + t)
         if slot >= 0:
-            dst = (slot * n_kv_heads + kh) * dim
-            k_src = t * k_row + kh * dim
-            _rotate_half_into(k_ptr + k_src, k_cache_ptr + dst, j, mask, cos, sin, HALF)
-            v_src = t * v_row + kh * dim
-            v1 = tl.load(v_ptr + v_src + j, mask=mask, other=0.0)
-            v2 = tl.load(v_ptr + v_src + HALF + j, mask=mask, other=0.0)
-            tl.store(v_cache_ptr + dst + j, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(v_cache_ptr + dst + HALF + j, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            h = (group - q_groups) * HEADS + tl.arange(0, HEADS)
+            mask = (h < n_kv_heads)[:, None] & (j < HALF)[None, :]
+            cached = (slot * n_kv_heads + h[:, None]) * dim + j[None, :]
+            k_src = k_ptr + t * k_row + h[:, None] * dim + j[None, :]
+            _rotate_half_into(k_src, k_cache_ptr + cached, mask, cos, sin, HALF)
+            v_src = v_ptr + t * v_row + h[:, None] * dim + j[None, :]
+            v_ty = v_cache_ptr.dtype.element_ty
+            v1 = tl.load(v_src, mask=mask, other=0.0)
+            v2 = tl.load(v_src + HALF, mask=mask, other=0.0)
+            tl.store(v_cache_ptr + cached, v1.to(v_ty), mask=mask)
+            tl.store(v_cache_ptr + cached + HALF, v2.to(v_ty), mask=mask)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -103,7 +114,8 @@ def rope_and_cache(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping)
     q, k, v = _rows(q), _rows(k), _rows(v)
     q_out = torch.empty(n_tokens, n_q, dim, dtype=q.dtype, device=q.device)
     half = dim // 2
-    _rope_cache_kernel[(n_tokens, n_q + n_kv)](
+    groups = triton.cdiv(n_q, HEADS) + triton.cdiv(n_kv, HEADS)
+    _rope_cache_kernel[(n_tokens, groups)](
         q,
         k,
         v,
@@ -120,5 +132,6 @@ def rope_and_cache(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping)
         v.stride(0),
         HALF=half,
         BLOCK=triton.next_power_of_2(half),
+        HEADS=HEADS,
     )
     return q_out
