@@ -152,9 +152,10 @@ class Engine:
         self._thread.start()
 
     def warm_up(self, graphs: bool = False, when_idle: bool = False) -> None:
-        """Compile (or load from Triton's disk cache) the kernels any step needs, before
-        the first request; with `graphs`, capture every decode graph too (otherwise each
-        is captured the first time its batch size comes up, keeping start-up short).
+        """Compile (or load from Triton's disk cache) the kernels any step needs, and
+        capture the piecewise graphs of steps that are not decode-only, before the first
+        request; with `graphs`, capture every decode graph too (otherwise each is
+        captured the first time its batch size comes up, keeping start-up short).
 
         `when_idle`: return at once and let the engine thread do it in pieces while no
         request is running, so a server can take requests straight after loading (the

@@ -116,7 +116,9 @@ class ModelRunner:
         """The warm-up in pieces of a fraction of a second each, for an engine to run
         between requests: one per step-size class whose kernels it compiles (or loads
         from Triton's disk cache) and, with `graphs`, one per decode graph a step of at
-        most `max_seqs` sequences can need. The CPU path has nothing to compile."""
+        most `max_seqs` sequences can need (without, each is captured at its first step);
+        one per bucket of the piecewise graphs in any case. The CPU path has nothing to
+        compile."""
         if self.device.type != "cuda":
             return []
         sizes = sorted({n for n in WARM_STEP_TOKENS if n < max_batch_tokens} | {max_batch_tokens})
@@ -126,7 +128,7 @@ class ModelRunner:
                 tasks.append(partial(self._capture, b))
                 if b >= max_seqs:
                     break
-        if self.pieces and graphs:
+        if self.pieces:  # always: a step never captures these itself (piecewise_graphs)
             tasks += [partial(self._capture_pieces, b) for b in MIXED_BUCKETS]
         return tasks
 
