@@ -10,10 +10,7 @@ import torch
 
 from omni.engine.kernels import (
     builds,
-    interleave_glu,
     linear,
-    linear_glu,
-    linear_glu_ref,
     linear_ref,
     paged_attention_ref,
     paged_decode,
@@ -118,33 +115,6 @@ def test_linear_rows_do_not_depend_on_the_batch(gen, n):
         for start in {0, total - size} if size <= total else ():
             rows = slice(start, start + size)
             assert torch.equal(linear(x[rows], w), full[rows]), rows
-
-
-@pytest.mark.parametrize("m", [5, 77, 300] if GPU else [5, 70])  # pointer and TMA kernels
-def test_linear_glu_is_linear_then_silu_and_mul(gen, m):
-    """The gate/up matmul with SiLU-and-mul in its epilogue, on the interleaved weight: the
-    reference's values, and on the GPU the unfused kernels' very bits (gate and up rounded
-    as the plain matmul stores them, then that activation kernel's arithmetic)."""
-    inter, k = (14336, 4096) if GPU else (48, 96)
-    x, w = rand(m, k, gen=gen), rand(2 * inter, k, gen=gen, scale=k**-0.5)
-    fused = linear_glu(x, interleave_glu(w))
-    torch.testing.assert_close(fused, silu_and_mul_ref(linear_ref(x, w)), **TOL)
-    torch.testing.assert_close(
-        linear_glu_ref(x, interleave_glu(w)), silu_and_mul_ref(linear_ref(x, w)), **TOL
-    )
-    if GPU:
-        assert torch.equal(fused, silu_and_mul(linear(x, w)))
-
-
-@pytest.mark.gpu
-def test_linear_glu_rows_do_not_depend_on_the_batch(gen):
-    k, inter, total = 4096, 14336, 2300
-    x, w = rand(total, k, gen=gen), interleave_glu(rand(2 * inter, k, gen=gen, scale=k**-0.5))
-    full = linear_glu(x, w)
-    for size in (1, 7, 64, 65, 200, 700, 1099, 2000):
-        for start in {0, total - size}:
-            rows = slice(start, start + size)
-            assert torch.equal(linear_glu(x[rows], w), full[rows]), rows
 
 
 def test_weight_descriptor_is_made_once_per_tile_and_follows_a_reload():

@@ -14,15 +14,12 @@ import torch
 
 from .activation import silu_and_mul, silu_and_mul_ref
 from .attention import paged_attention_ref, paged_decode, paged_prefill
-from .matmul import interleave_glu, linear, linear_glu, linear_glu_ref, linear_ref
+from .matmul import linear, linear_ref
 from .norm import rms_norm, rms_norm_ref
 from .rope import rope_and_cache, rope_and_cache_ref
 
 __all__ = [
-    "interleave_glu",
     "linear",
-    "linear_glu",
-    "linear_glu_ref",
     "linear_ref",
     "ops",
     "paged_attention_ref",
@@ -44,14 +41,12 @@ _KERNELS = SimpleNamespace(
     silu_and_mul=silu_and_mul,
     rope_and_cache=rope_and_cache,
     linear=linear if BATCH_INVARIANT else linear_ref,
-    linear_glu=linear_glu if BATCH_INVARIANT else linear_glu_ref,
 )
 _REFERENCES = SimpleNamespace(
     rms_norm=rms_norm_ref,
     silu_and_mul=silu_and_mul_ref,
     rope_and_cache=rope_and_cache_ref,
     linear=linear_ref,
-    linear_glu=linear_glu_ref,
 )
 
 

@@ -23,35 +23,13 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .hardware import capability, sm_count
-from .rows import TMA_MIN_ROWS, empty_rows, tile_rows
+from .rows import TMA_MIN_ROWS, tile_rows
 
 WIDE = 16384  # output columns from which a layer counts as wide (gate/up, lm head)
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
     return torch.nn.functional.linear(x, weight, bias)
-
-
-# A gated MLP's fused gate/up weight, for the SiLU-and-mul epilogue: its rows in groups of
-# GLU_GROUP gate rows then the same GLU_GROUP up rows, so every column tile (16 wide or
-# more) holds whole pairs (interleave_glu).
-GLU_GROUP = 8
-_GLU_GROUP = tl.constexpr(GLU_GROUP)  # the same, for the kernels
-
-
-def interleave_glu(weight: torch.Tensor) -> torch.Tensor:
-    """[gate; up] rows ([2I, K], I a multiple of GLU_GROUP) regrouped for `linear_glu`."""
-    rows, k = weight.shape
-    groups = rows // (2 * GLU_GROUP)
-    return weight.view(2, groups, GLU_GROUP, k).transpose(0, 1).reshape(rows, k).contiguous()
-
-
-def linear_glu_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T) for an interleaved weight, through the unfused ops."""
-    y = linear_ref(x, weight)
-    pairs = y.view(*y.shape[:-1], -1, 2, GLU_GROUP)
-    gate, up = pairs[..., 0, :].flatten(-2), pairs[..., 1, :].flatten(-2)
-    return (torch.nn.functional.silu(gate.float()) * up.float()).to(x.dtype)
 
 
 SHARED_MEMORY = 200 * 1024  # of an H100 SM's 227 KiB, for the pipelined x and w tiles
@@ -139,17 +117,6 @@ def tma_usable(*tensors: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _silu_and_mul_pairs(acc, out_ty: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A gate/up tile of an interleaved weight -> silu(gate) * up [BLOCK_M, BLOCK_N / 2].
-    Rounded to the output type first and then the activation kernel's arithmetic: the bits
-    of the unfused gate/up matmul followed by silu_and_mul."""
-    v = acc.to(out_ty).to(tl.float32)
-    v = tl.reshape(v, (BLOCK_M, BLOCK_N // (2 * _GLU_GROUP), 2, _GLU_GROUP))
-    gate, up = tl.split(tl.permute(v, (0, 1, 3, 2)))
-    return tl.reshape(gate * tl.sigmoid(gate) * up, (BLOCK_M, BLOCK_N // 2)).to(out_ty)
-
-
-@triton.jit
 def _linear_kernel(
     x_ptr,
     w_ptr,
@@ -163,7 +130,6 @@ def _linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    GLU: tl.constexpr = False,
 ):
     # Neighbouring programs share row tiles, so the weight tiles they read stay in L2.
     pid = tl.program_id(0)
@@ -189,20 +155,12 @@ def _linear_kernel(
         w_ptrs += BLOCK_K
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    if GLU:  # silu(gate) * up: half as many columns out
-        offs_o = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-        tl.store(
-            out_ptr + offs_m[:, None] * (N // 2) + offs_o[None, :],
-            _silu_and_mul_pairs(acc, out_ptr.dtype.element_ty, BLOCK_M, BLOCK_N),
-            mask=(offs_m[:, None] < M) & (offs_o[None, :] < N // 2),
-        )
-    else:
-        out_ptrs = out_ptr + offs_m[:, None] * N + offs_n[None, :]
-        tl.store(
-            out_ptrs,
-            acc.to(out_ptr.dtype.element_ty),
-            mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
-        )
+    out_ptrs = out_ptr + offs_m[:, None] * N + offs_n[None, :]
+    tl.store(
+        out_ptrs,
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
+    )
 
 
 # M and the program count follow the step's size: neither may be a constexpr or specialized
@@ -225,7 +183,6 @@ def _linear_tma_kernel(
     GROUP_M: tl.constexpr,
     PERSISTENT: tl.constexpr,
     STAGES: tl.constexpr,
-    GLU: tl.constexpr = False,
 ):
     """The same sums as `_linear_kernel`, with tiles brought in by the TMA engine: no
     address arithmetic or masks in the loop, so the SM's warps only feed the tensor cores.
@@ -246,12 +203,7 @@ def _linear_tma_kernel(
         if HAS_BIAS:
             offs_n = off_n + tl.arange(0, BLOCK_N)
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-        if GLU:  # silu(gate) * up: half as many columns out
-            out_desc.store(
-                [off_m, off_n // 2], _silu_and_mul_pairs(acc, out_desc.dtype, BLOCK_M, BLOCK_N)
-            )
-        else:
-            out_desc.store([off_m, off_n], acc.to(out_desc.dtype))  # clipped to M x N
+        out_desc.store([off_m, off_n], acc.to(out_desc.dtype))  # clipped to M x N
 
 
 def weight_descriptor(weight: torch.Tensor, block_n: int, block_k: int) -> TensorDescriptor:
@@ -270,23 +222,16 @@ def weight_descriptor(weight: torch.Tensor, block_n: int, block_k: int) -> Tenso
 
 
 def launch_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    out: torch.Tensor,
-    cfg: dict,
-    glu: bool = False,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, cfg: dict
 ) -> None:
-    """out = x @ weight.T (+ bias) with these tiles: TMA ones (with "persistent") or not.
-    `glu`: the weight is an interleaved gate/up pair (interleave_glu), and out gets
-    silu(gate) * up."""
+    """out = x @ weight.T (+ bias) with these tiles: TMA ones (with "persistent") or not."""
     (m, k), n = x.shape, weight.shape[0]
     cfg = dict(cfg)
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     bias_arg = bias if bias is not None else weight
     if "persistent" not in cfg:
         _linear_kernel[(tiles,)](
-            x, weight, bias_arg, out, m, n, k, HAS_BIAS=bias is not None, GROUP_M=8, GLU=glu, **cfg
+            x, weight, bias_arg, out, m, n, k, HAS_BIAS=bias is not None, GROUP_M=8, **cfg
         )
         return
     persistent = cfg.pop("persistent")
@@ -297,7 +242,7 @@ def launch_linear(
     _linear_tma_kernel[(programs,)](
         TensorDescriptor.from_tensor(tile_rows(x, bm), [bm, bk]),  # see rows.py
         weight_descriptor(weight, bn, bk),
-        TensorDescriptor.from_tensor(out, [bm, bn // 2 if glu else bn]),
+        TensorDescriptor.from_tensor(out, [bm, bn]),
         bias_arg,
         m,
         n,
@@ -307,7 +252,6 @@ def launch_linear(
         GROUP_M=8,
         PERSISTENT=persistent,
         STAGES=cfg["num_stages"],
-        GLU=glu,
         **cfg,
     )
 
@@ -323,18 +267,3 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         tma = TMA_ENABLED and m >= TMA_MIN_ROWS and tma_usable(x2, weight, out)
         launch_linear(x2, weight, bias, out, tile_config(m, n, x.element_size(), tma))
     return out.view(*shape[:-1], n)
-
-
-def linear_glu(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """silu(x @ gate.T) * (x @ up.T), the gated MLP's first half in one kernel: the gate/up
-    matmul's epilogue applies the activation, so its [M, 2I] output is never written
-    nor read again. `weight`: interleave_glu's [2I, K]. The tiles are the plain gate/up
-    matmul's, the sums the same, the bits those of linear + silu_and_mul."""
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1]).contiguous()
-    m, n = x2.shape[0], weight.shape[0]
-    out = empty_rows(m, n // 2, x.dtype, x.device)  # feeds the down projection (rows.py)
-    if m:
-        tma = TMA_ENABLED and m >= TMA_MIN_ROWS and tma_usable(x2, weight, out)
-        launch_linear(x2, weight, None, out, tile_config(m, n, x.element_size(), tma), glu=True)
-    return out.view(*shape[:-1], n // 2)
