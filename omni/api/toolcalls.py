@@ -171,7 +171,13 @@ _BY_TEMPLATE = (  # markers of a template that renders tools, then Llama 3's hea
     ("<|python_tag|>", "llama3"),
     ("<|start_header_id|>", "llama3"),
 )
-_BY_MODEL_TYPE = {"qwen2": "hermes", "qwen3": "hermes", "mistral": "mistral"}
+_BY_MODEL_TYPE = {
+    "qwen2": "hermes",
+    "qwen3": "hermes",
+    "qwen3_moe": "hermes",
+    "mistral": "mistral",
+    "mixtral": "mistral",
+}
 DEFAULT = "hermes"  # the most common format among fine-tunes without a tool template
 
 

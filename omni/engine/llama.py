@@ -18,8 +18,9 @@ from .checkpoint import Checkpoint, CheckpointError
 from .kernels import ops, paged_attention_ref, paged_decode, paged_prefill
 from .kernels.prewarm import prewarm_triton
 from .kernels.rows import empty_rows
+from .moe import MoEConfig, SparseMoE, moe_config, stack_experts
 
-SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3"}
+SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"}
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,8 @@ class LlamaConfig:
     attention_bias: bool = False  # Qwen2 has q/k/v biases
     qk_norm: bool = False  # Qwen3 normalises q and k per head
     rope_scaling: dict | None = None
+    model_type: str = "llama"
+    moe: MoEConfig | None = None  # routed experts in place of the dense MLP (moe.py)
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint) -> LlamaConfig:
@@ -67,8 +70,10 @@ class LlamaConfig:
                 max_position=int(c.get("max_position_embeddings", 4096)),
                 tie_embeddings=bool(c.get("tie_word_embeddings", False)),
                 attention_bias=bool(c.get("attention_bias", model_type == "qwen2")),
-                qk_norm=model_type == "qwen3",
+                qk_norm=model_type in ("qwen3", "qwen3_moe"),
                 rope_scaling=rope or None,
+                model_type=model_type,
+                moe=moe_config(model_type, c),
             )
         except KeyError as exc:
             raise CheckpointError(f"{ckpt.path / 'config.json'}: missing key {exc}") from None
@@ -206,7 +211,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
         self.self_attn = Attention(cfg, layer, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
-        self.mlp = MLP(cfg, device)
+        if cfg.moe is not None and layer not in cfg.moe.dense_layers:
+            self.mlp: nn.Module = SparseMoE(cfg.moe, cfg.hidden_size, device)
+        else:
+            self.mlp = MLP(cfg, device)
 
     def forward(self, x, residual, step, k_cache, v_cache, inv_freq):
         """(x, residual) in and out: each norm also adds the residual, in one kernel."""
@@ -283,6 +291,8 @@ class LlamaForCausalLM(nn.Module):
         the fused projections); CheckpointError names what is missing or misshapen."""
         model = cls(cfg, device="meta")
         fuse_projections(state, cfg, source)
+        if cfg.moe is not None:
+            stack_experts(state, cfg.model_type, cfg.moe, cfg.num_layers, source)
         if cfg.tie_embeddings:
             state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
         expected = set(model.state_dict())

@@ -86,7 +86,14 @@ class ModelRunner:
         # layer around eager attention (OMNI_CUDA_GRAPHS=0: neither)
         self.graphs: DecodeGraphs | None = None
         self.pieces: PiecewiseGraphs | None = None
-        if self.device.type == "cuda" and os.environ.get("OMNI_CUDA_GRAPHS", "1") != "0":
+        # (not for experts yet: their reference groups tokens on the host, which a graph
+        # cannot hold; the Triton fused-MoE kernel is to come)
+        graphable = model.cfg.moe is None
+        if (
+            self.device.type == "cuda"
+            and graphable
+            and os.environ.get("OMNI_CUDA_GRAPHS", "1") != "0"
+        ):
             max_tokens = min(cfg.max_position, self.num_blocks * block_size)
             self.graphs = DecodeGraphs(
                 model, self.k_cache, self.v_cache, -(-max_tokens // block_size)

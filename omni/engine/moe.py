@@ -1,0 +1,131 @@
+"""Mixture-of-experts MLP (Mixtral, Qwen3-MoE): a router picks each token's top-k experts.
+
+The block replaces a decoder layer's dense MLP; attention, norms, the KV cache, batching
+and sampling stay the Llama family's (llama.py). Experts are stacked at load: one
+[experts, 2 x intermediate, hidden] gate/up tensor and one [experts, hidden,
+intermediate] down tensor, the layout a grouped matmul reads.
+
+The experts' sums are `ops.fused_moe` (kernels/moe.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .checkpoint import CheckpointError
+from .kernels import ops
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    experts: int
+    per_token: int  # top-k
+    intermediate: int  # each expert's
+    renormalize: bool  # the top-k weights rescaled to sum to 1
+    dense_layers: frozenset[int] = frozenset()  # layers that keep a dense MLP
+
+
+# per family: the router's and each expert's gate, up and down names in the checkpoint
+CHECKPOINT_NAMES = {
+    "mixtral": (
+        "block_sparse_moe.gate",
+        "block_sparse_moe.experts.{e}.w1",
+        "block_sparse_moe.experts.{e}.w3",
+        "block_sparse_moe.experts.{e}.w2",
+    ),
+    "qwen3_moe": (
+        "mlp.gate",
+        "mlp.experts.{e}.gate_proj",
+        "mlp.experts.{e}.up_proj",
+        "mlp.experts.{e}.down_proj",
+    ),
+}
+
+
+def moe_config(model_type: str, c: dict) -> MoEConfig | None:
+    """The MoE part of an HF config.json, or None for a dense model."""
+    if model_type == "mixtral":
+        return MoEConfig(
+            experts=int(c["num_local_experts"]),
+            per_token=int(c["num_experts_per_tok"]),
+            intermediate=int(c["intermediate_size"]),
+            renormalize=True,
+        )
+    if model_type == "qwen3_moe":
+        layers, step = int(c["num_hidden_layers"]), int(c.get("decoder_sparse_step") or 1)
+        dense = set(c.get("mlp_only_layers") or ()) | {
+            i for i in range(layers) if (i + 1) % step != 0
+        }
+        return MoEConfig(  # transformers 5 writes num_local_experts, the Hub's num_experts
+            experts=int(c["num_experts"] if "num_experts" in c else c["num_local_experts"]),
+            per_token=int(c["num_experts_per_tok"]),
+            intermediate=int(c["moe_intermediate_size"]),
+            renormalize=bool(c.get("norm_topk_prob", False)),
+            dense_layers=frozenset(dense),
+        )
+    return None
+
+
+def route(router_logits: torch.Tensor, k: int, renormalize: bool):
+    """(weights [tokens, k] in the logits' dtype, expert ids [tokens, k]): softmax over
+    all experts in fp32, the top k, optionally rescaled to sum to 1 (as HF does)."""
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+class Experts(nn.Module):
+    def __init__(self, moe: MoEConfig, hidden: int, device=None):
+        super().__init__()
+        e, inter = moe.experts, moe.intermediate
+        self.gate_up = nn.Parameter(torch.empty(e, 2 * inter, hidden, device=device))
+        self.down = nn.Parameter(torch.empty(e, hidden, inter, device=device))
+
+
+class SparseMoE(nn.Module):
+    """A decoder layer's MLP as routed experts."""
+
+    def __init__(self, moe: MoEConfig, hidden: int, device=None):
+        super().__init__()
+        from .llama import Linear  # the ops switch's linear layer
+
+        self.moe = moe
+        self.gate = Linear(hidden, moe.experts, bias=False, device=device)  # the router
+        self.experts = Experts(moe, hidden, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.moe.per_token, self.moe.renormalize)
+        experts = self.experts
+        return ops(x.device).fused_moe(x, experts.gate_up, experts.down, weights, ids)
+
+
+def stack_experts(state: dict, model_type: str, moe: MoEConfig, layers: int, path) -> None:
+    """Rename each MoE layer's router and stack its experts' tensors (in place), one layer
+    at a time; CheckpointError names a missing one."""
+    router, gate, up, down = CHECKPOINT_NAMES[model_type]
+
+    def take(name: str) -> torch.Tensor:
+        try:
+            return state.pop(name + ".weight")
+        except KeyError:
+            raise CheckpointError(f"{path}: missing tensors ['{name}.weight']") from None
+
+    for i in range(layers):
+        if i in moe.dense_layers:
+            continue
+        prefix = f"model.layers.{i}."
+        state[prefix + "mlp.gate.weight"] = take(prefix + router)
+        pairs = [
+            torch.cat([take(prefix + gate.format(e=e)), take(prefix + up.format(e=e))])
+            for e in range(moe.experts)
+        ]
+        state[prefix + "mlp.experts.gate_up"] = torch.stack(pairs)
+        del pairs
+        downs = [take(prefix + down.format(e=e)) for e in range(moe.experts)]
+        state[prefix + "mlp.experts.down"] = torch.stack(downs)

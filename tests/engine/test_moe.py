@@ -1,0 +1,79 @@
+"""The mixture-of-experts pieces on their own: routing, the experts' reference sums
+against a naive per-expert loop (as HF computes them), and the checkpoint's layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from omni.engine.checkpoint import CheckpointError
+from omni.engine.kernels import fused_moe_ref
+from omni.engine.moe import MoEConfig, moe_config, route, stack_experts
+
+
+def naive_moe(x, gate_up, down, weights, ids):
+    """Expert by expert, as transformers' Mixtral does: each expert's tokens, their
+    outputs times the routing weight, added into the result."""
+    out = torch.zeros_like(x)
+    for expert in range(gate_up.shape[0]):
+        token, slot = torch.where(ids == expert)
+        if not len(token):
+            continue
+        gate, up = (x[token] @ gate_up[expert].T).chunk(2, dim=-1)
+        y = (F.silu(gate) * up) @ down[expert].T
+        out.index_add_(0, token, y * weights[token, slot, None])
+    return out
+
+
+@pytest.mark.parametrize(("tokens", "experts", "k"), [(37, 8, 2), (5, 6, 3), (1, 4, 1)])
+def test_fused_moe_ref_sums_what_a_per_expert_loop_sums(tokens, experts, k):
+    gen = torch.Generator().manual_seed(tokens * 100 + experts)
+    hidden, inter = 48, 40
+    x = torch.randn(tokens, hidden, generator=gen)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden**-0.5
+    down = torch.randn(experts, hidden, inter, generator=gen) * inter**-0.5
+    logits = torch.randn(tokens, experts, generator=gen)
+    weights, ids = route(logits, k, renormalize=True)
+    want = naive_moe(x, gate_up, down, weights, ids)
+    torch.testing.assert_close(fused_moe_ref(x, gate_up, down, weights, ids), want)
+
+
+def test_routing_keeps_the_top_k_and_renormalizes_on_request():
+    logits = torch.tensor([[2.0, 0.5, 1.0, -1.0], [0.0, 0.0, 3.0, 1.0]])
+    probs = torch.softmax(logits, dim=-1)
+    weights, ids = route(logits, 2, renormalize=False)
+    assert ids.tolist() == [[0, 2], [2, 3]]
+    torch.testing.assert_close(weights, probs.gather(1, ids))
+    weights, _ = route(logits, 2, renormalize=True)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(2))
+
+
+def test_qwen3_moe_layers_that_stay_dense():
+    c = {
+        "num_hidden_layers": 6,
+        "decoder_sparse_step": 2,  # every second layer routed: 1, 3, 5
+        "mlp_only_layers": [3],
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+    }
+    moe = moe_config("qwen3_moe", c)
+    assert moe.dense_layers == {0, 2, 3, 4}
+    assert not moe.renormalize  # norm_topk_prob absent: HF's default, off
+    assert moe_config("llama", c) is None
+
+
+def test_stacking_names_a_missing_expert():
+    moe = MoEConfig(experts=2, per_token=1, intermediate=4, renormalize=True)
+    state = {"model.layers.0.block_sparse_moe.gate.weight": torch.zeros(2, 8)}
+    for e in range(2):
+        for name, shape in (("w1", (4, 8)), ("w3", (4, 8)), ("w2", (8, 4))):
+            state[f"model.layers.0.block_sparse_moe.experts.{e}.{name}.weight"] = torch.zeros(shape)
+    full = dict(state)
+    stack_experts(full, "mixtral", moe, 1, "ckpt")
+    assert full["model.layers.0.mlp.experts.gate_up"].shape == (2, 8, 8)
+    assert full["model.layers.0.mlp.experts.down"].shape == (2, 8, 4)
+    del state["model.layers.0.block_sparse_moe.experts.1.w3.weight"]
+    with pytest.raises(CheckpointError, match=r"experts\.1\.w3\.weight"):
+        stack_experts(state, "mixtral", moe, 1, "ckpt")
