@@ -9,6 +9,7 @@ from torch.nn import functional as F
 
 from omni.engine.checkpoint import CheckpointError
 from omni.engine.kernels import fused_moe_ref
+from omni.engine.kernels.moe import align_by_expert, fused_moe
 from omni.engine.moe import MoEConfig, moe_config, route, stack_experts
 
 
@@ -77,3 +78,56 @@ def test_stacking_names_a_missing_expert():
     del state["model.layers.0.block_sparse_moe.experts.1.w3.weight"]
     with pytest.raises(CheckpointError, match=r"experts\.1\.w3\.weight"):
         stack_experts(state, "mixtral", moe, 1, "ckpt")
+
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"
+DTYPE = torch.bfloat16 if GPU else torch.float32
+
+
+def moe_inputs(gen, tokens, experts, k, hidden, inter):
+    x = torch.randn(tokens, hidden, generator=gen, device=DEVICE).to(DTYPE)
+    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen, device=DEVICE)
+               * hidden**-0.5).to(DTYPE)  # fmt: skip
+    down = (torch.randn(experts, hidden, inter, generator=gen, device=DEVICE)
+            * inter**-0.5).to(DTYPE)  # fmt: skip
+    logits = torch.randn(tokens, experts, generator=gen, device=DEVICE).to(DTYPE)
+    weights, ids = route(logits, k, renormalize=True)
+    return x, gate_up, down, weights, ids
+
+
+def test_align_by_expert_puts_every_slot_in_one_block_of_its_expert():
+    ids = torch.tensor([[3, 0], [0, 2], [3, 1], [0, 3], [2, 0]], device=DEVICE)
+    rows, block_expert = align_by_expert(ids, experts=5, block_m=4)
+    slots = ids.numel()
+    blocks = rows.view(-1, 4)
+    seen = []
+    for block, expert in zip(blocks.tolist(), block_expert.tolist(), strict=True):
+        real = [r for r in block if r < slots]
+        if expert == 5:  # past the last group: nothing in it
+            assert not real
+            continue
+        assert all(ids.reshape(-1)[r] == expert for r in real)
+        seen += real
+    assert sorted(seen) == list(range(slots))
+
+
+@pytest.mark.parametrize(("tokens", "experts", "k"), [(37, 8, 2), (3, 6, 3)])
+def test_fused_moe_kernel_against_the_reference(tokens, experts, k):
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens + experts)
+    hidden, inter = (512, 384) if GPU else (64, 48)
+    args = moe_inputs(gen, tokens, experts, k, hidden, inter)
+    tol = {"atol": 3e-2, "rtol": 3e-2} if GPU else {"atol": 1e-4, "rtol": 1e-4}
+    torch.testing.assert_close(fused_moe(*args), fused_moe_ref(*args), **tol)
+
+
+@pytest.mark.gpu
+def test_fused_moe_rows_do_not_depend_on_the_batch():
+    """Bit for bit: a token's output alone, among a few and among many (its experts'
+    blocks then hold other tokens)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    x, gate_up, down, weights, ids = moe_inputs(gen, 300, 8, 2, 1024, 512)
+    full = fused_moe(x, gate_up, down, weights, ids)
+    for rows in (slice(0, 1), slice(5, 12), slice(100, 300)):
+        part = fused_moe(x[rows], gate_up, down, weights[rows], ids[rows])
+        assert torch.equal(part, full[rows]), rows
