@@ -50,7 +50,9 @@ def align_by_expert(ids: torch.Tensor, experts: int, block_m: int):
     slots = ids.numel()
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=experts)
+    # (not bincount: its output size follows the largest id, a wait for the GPU)
+    counts = torch.zeros(experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     start = torch.cumsum(counts, 0) - counts
