@@ -41,18 +41,18 @@ class GrammarError(ValueError):
 @dataclass(frozen=True)
 class GrammarSpec:
     kind: str  # "json_object" | "json_schema" | "structural_tag"
-    source: str = ""  # the schema or tag, as JSON text (the cache key)
+    source: str = ""  # the schema or tag as xgrammar compiles it, JSON text (the cache key)
 
     @classmethod
     def json_schema(cls, schema: dict) -> GrammarSpec:
         # keys in their order: a schema's property order is its output's order (a
         # "reasoning" field put before "answer" is written first)
-        return cls("json_schema", json.dumps(schema))
+        return cls("json_schema", json.dumps(spelled_string_bounds(schema)))
 
     @classmethod
     def structural_tag(cls, tag: dict) -> GrammarSpec:
         """xgrammar's structural tag: fixed text around JSON (a model's tool-call format)."""
-        return cls("structural_tag", json.dumps(tag))
+        return cls("structural_tag", json.dumps(_spell_tag_schemas(tag)))
 
 
 def spelled_string_bounds(node):
@@ -132,11 +132,9 @@ class Grammars:
             if spec.kind == "json_object":
                 return self._compiler.compile_json_schema('{"type": "object"}', **COMPACT)
             if spec.kind == "json_schema":
-                schema = spelled_string_bounds(json.loads(spec.source))
-                return self._compiler.compile_json_schema(json.dumps(schema), **COMPACT)
+                return self._compiler.compile_json_schema(spec.source, **COMPACT)
             if spec.kind == "structural_tag":
-                tag = _spell_tag_schemas(json.loads(spec.source))
-                return self._compiler.compile_structural_tag(json.dumps(tag))
+                return self._compiler.compile_structural_tag(spec.source)
         except (RuntimeError, ValueError) as exc:  # xgrammar's errors for a bad schema
             raise GrammarError(str(exc).strip().splitlines()[-1]) from None
         raise GrammarError(f"unknown grammar kind {spec.kind!r}")
