@@ -9,15 +9,27 @@ preempted: its blocks are freed and it is recomputed later from its tokens.
 While the batch is full, waiting requests are admitted in groups (an eighth of
 the batch) rather than one per freed slot: each admission makes a mixed step,
 which runs eagerly, while pure decode steps replay CUDA graphs.
+
+Under a backlog, work is spread over the steps the run takes anyway. The waiting
+queue hands out the requests with the most tokens left first (see wait_queue), so
+the longest ones start at once, and the steps their decodes take are the floor of
+the run. Prompts that are not on that critical path are then fed in at the pace that
+finishes all the work in those steps, with some slack, instead of in the biggest
+chunks the budget allows: a step of a few hundred tokens costs little more than a
+step of one (both read all the weights), while a step of 8,192 costs 30 of them.
+A light load (less than `min_paced_tokens` a step) is not paced at all: nothing is
+gained there, and a prompt's first token would wait.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass
 
 from .block_manager import BlockManager
 from .sequence import PLACEHOLDER, Sequence, Status
+from .wait_queue import WaitQueue, tokens_left
+
+PACE_SLACK = 1.5  # the work left is spread over the critical path's steps / this
 
 
 @dataclass
@@ -36,12 +48,20 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_batch_tokens: int = 2048, max_seqs: int = 256):
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_batch_tokens: int = 2048,
+        max_seqs: int = 256,
+        min_paced_tokens: int = 128,
+        max_wait_s: float = 2.0,
+    ):
         self.blocks = blocks
         self.max_batch_tokens = max_batch_tokens
         self.max_seqs = max_seqs
+        self.min_paced_tokens = min_paced_tokens
         self.admit_group = max(1, max_seqs // 8)
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitQueue(max_wait_s)
         self.running: list[Sequence] = []  # in admission order: newest last
         self.preemptions = 0
 
@@ -53,10 +73,32 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = Status.WAITING
-        self.waiting.append(seq)
+        self.waiting.push(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def step_tokens(self) -> int:
+        """This step's token budget: the whole of it while a request on the critical
+        path waits or prefills (nothing decodes yet, or it has as many tokens left to
+        generate as the longest decoding sequence), else the work left spread over the
+        steps that sequence still takes (paced, see the module's docstring)."""
+        horizon = prefilling = work = 0  # most tokens left: decoding / prefilling
+        for seq in self.running:
+            left = tokens_left(seq)
+            work += seq.num_uncomputed + left
+            if seq.is_prefilling:
+                prefilling = max(prefilling, left)
+            else:
+                horizon = max(horizon, left)
+        head = self.waiting.peek()
+        waiting = tokens_left(head) if head is not None else 0
+        if not horizon or max(prefilling, waiting) >= horizon:
+            return self.max_batch_tokens
+        paced = int(PACE_SLACK * (work + self.waiting.work) / horizon)
+        if paced < self.min_paced_tokens:
+            return self.max_batch_tokens  # a light load
+        return min(self.max_batch_tokens, paced)
 
     def schedule(self) -> Batch | None:
         budget = self.max_batch_tokens
@@ -76,6 +118,7 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.num_tokens.append(1)
                 budget -= 1
+        budget = min(budget, max(0, self.step_tokens() - len(batch.seqs)))
         # 2. prefill chunks of admitted sequences, oldest first
         for seq in self.running:
             if seq.is_prefilling and budget > 0:
@@ -90,11 +133,11 @@ class Scheduler:
         if decode_only and room < min(self.admit_group, len(self.waiting)):
             room = 0
         while self.waiting and budget > 0 and room > 0:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             if seq.token_ids[-1] == PLACEHOLDER or not self.blocks.can_allocate(seq):
                 break  # (preempted with its newest token still on the GPU: next step)
             room -= 1
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.num_computed = self.blocks.allocate(seq)  # prefix-cache hits are computed
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -112,7 +155,7 @@ class Scheduler:
         copies = self.blocks.fork(parent, child)
         if copies is None:
             child.status = Status.WAITING
-            self.waiting.appendleft(child)
+            self.waiting.push_front(child)
             return []
         child.num_computed = len(child.token_ids)
         child.status = Status.RUNNING
@@ -127,7 +170,7 @@ class Scheduler:
         seq.preemptions += 1
         self.preemptions += 1
         seq.status = Status.WAITING
-        self.waiting.appendleft(seq)
+        self.waiting.push_front(seq)
 
     def update(self, batch: Batch, new_tokens: dict[int, int]) -> None:
         """After a step: advance each sequence; append the tokens it sampled (PLACEHOLDER
