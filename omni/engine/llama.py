@@ -112,38 +112,45 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, new_residual)
 
 
-def paged_attention(q, k_cache, v_cache, step, scale: float) -> torch.Tensor:
-    """Decoding sequences through the decode kernel, the rest through the prefill one.
+def paged_attention(q, k_cache, v_cache, step, scale: float, out=None) -> torch.Tensor:
+    """Decoding sequences through the decode kernel, the rest through the prefill one,
+    each writing its rows of one output (`out`, contiguous, or a new tensor).
 
     Which kernel a token meets depends on its own sequence only (never on its batch
     neighbours), so a request computes the same numbers alone or among others.
     """
     if q.device.type != "cuda":
-        return paged_attention_ref(
+        attended = paged_attention_ref(
             q, k_cache, v_cache, step.block_tables, step.seq_lens, step.cu_seqlens_q, scale
         )
+        return attended if out is None else out.copy_(attended)
     nd = step.num_decodes
-    if step.decode_only:
-        return paged_decode(q, k_cache, v_cache, step.block_tables, step.seq_lens, scale)
-    prefill = paged_prefill(
-        q[nd:],
-        k_cache,
-        v_cache,
-        step.block_tables[nd:],
-        step.seq_lens[nd:],
-        step.cu_seqlens_q[nd:] - nd if nd else step.cu_seqlens_q,
-        scale,
-        step.max_q_len,
-    )
-    if not nd:
-        return prefill
-    decode = paged_decode(
-        q[:nd], k_cache, v_cache, step.block_tables[:nd], step.seq_lens[:nd], scale
-    )
-    n, n_q, dim = q.shape
-    return torch.cat(
-        [decode, prefill], out=empty_rows(n, n_q * dim, q.dtype, q.device).view(n, n_q, dim)
-    )
+    if out is None:
+        n, n_q, dim = q.shape
+        out = empty_rows(n, n_q * dim, q.dtype, q.device).view(n, n_q, dim)  # feeds o
+    if nd:
+        paged_decode(
+            q[:nd],
+            k_cache,
+            v_cache,
+            step.block_tables[:nd],
+            step.seq_lens[:nd],
+            scale,
+            out=out[:nd],
+        )
+    if not step.decode_only:
+        paged_prefill(
+            q[nd:],
+            k_cache,
+            v_cache,
+            step.block_tables[nd:],
+            step.seq_lens[nd:],
+            step.cu_seqlens_q[nd:] - nd if nd else step.cu_seqlens_q,
+            scale,
+            step.max_q_len,
+            out=out[nd:],
+        )
+    return out
 
 
 class Linear(nn.Linear):
@@ -183,10 +190,10 @@ class Attention(nn.Module):
             q, k, v, step.positions, inv_freq, kc, vc, step.slot_mapping
         )
 
-    def attend(self, q: torch.Tensor, step, k_cache, v_cache) -> torch.Tensor:
-        """Attention over the paged cache: [tokens, heads, dim]."""
+    def attend(self, q: torch.Tensor, step, k_cache, v_cache, out=None) -> torch.Tensor:
+        """Attention over the paged cache: [tokens, heads, dim] (into `out`, if given)."""
         kc, vc = k_cache[self.layer], v_cache[self.layer]
-        return paged_attention(q, kc, vc, step, self.cfg.head_dim**-0.5)
+        return paged_attention(q, kc, vc, step, self.cfg.head_dim**-0.5, out)
 
     def forward(self, x: torch.Tensor, step, k_cache, v_cache, inv_freq) -> torch.Tensor:
         out = self.attend(self.query(x, step, k_cache, v_cache, inv_freq), step, k_cache, v_cache)

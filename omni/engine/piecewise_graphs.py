@@ -66,8 +66,9 @@ class PiecewiseGraphs:
         pieces = self.graphs[b]
         for layer, piece in zip(self.model.model.layers, pieces, strict=False):
             piece.replay()  # up to this layer's queries
-            attended = layer.self_attn.attend(self.queries[:n], step, self.k_cache, self.v_cache)
-            self.attended[:n].copy_(attended)
+            layer.self_attn.attend(
+                self.queries[:n], step, self.k_cache, self.v_cache, out=self.attended[:n]
+            )
         pieces[-1].replay()  # the last layer's end and the final norm
         return self.hidden[:n]
 

@@ -232,3 +232,22 @@ def test_paged_decode(gen):
     width = -(-seq_lens[2] // BLOCK)
     alone = paged_decode(q[2:3], kc, vc, table[2:3, :width], lens[2:3], scale)
     assert torch.equal(alone, outs[0][2:3])
+
+
+def test_decode_and_prefill_write_their_rows_of_one_output(gen):
+    """A mixed step's attention: the decode kernel writes the first rows and the prefill
+    kernel the rest of one given tensor (no concatenation, no copy), the same bits as
+    each kernel's own output."""
+    seq_lens, q_lens = [30, 51, 40, 17], [1, 1, 40, 5]
+    q, kc, vc, table, lens, cu = paged_batch(gen, seq_lens, q_lens)
+    scale, nd, block_m = q.shape[-1] ** -0.5, 2, 64 if GPU else 16
+    decode = paged_decode(q[:nd], kc, vc, table[:nd], lens[:nd], scale)
+    prefill = paged_prefill(
+        q[nd:], kc, vc, table[nd:], lens[nd:], cu[nd:] - nd, scale, 40, block_m=block_m
+    )
+    out = torch.full_like(q, float("nan"))
+    paged_decode(q[:nd], kc, vc, table[:nd], lens[:nd], scale, out=out[:nd])
+    paged_prefill(
+        q[nd:], kc, vc, table[nd:], lens[nd:], cu[nd:] - nd, scale, 40, block_m, out=out[nd:]
+    )
+    assert torch.equal(out, torch.cat([decode, prefill]))

@@ -125,10 +125,13 @@ def paged_prefill(
     scale,
     max_q_len: int,
     block_m: int = 64,
+    out: torch.Tensor | None = None,
 ):
+    """`out`: where to write ([tokens, q_heads, dim], contiguous), else a new tensor."""
     _, n_q, dim = q.shape
     n_kv, block_size = k_cache.shape[2], k_cache.shape[1]
-    out = empty_rows(q.shape[0], n_q * dim, q.dtype, q.device).view(q.shape)  # feeds o
+    if out is None:
+        out = empty_rows(q.shape[0], n_q * dim, q.dtype, q.device).view(q.shape)  # feeds o
     grid = (seq_lens.shape[0], n_q, triton.cdiv(max_q_len, block_m))
     _prefill_kernel[grid](
         q.contiguous(),
@@ -290,9 +293,19 @@ def decode_programs(pairs: int, device: torch.device) -> int:
     return min(MAX_SPLITS, 1 << (want.bit_length() - 1))
 
 
-def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, programs: int | None = None):
+def paged_decode(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    scale,
+    programs: int | None = None,
+    out: torch.Tensor | None = None,
+):
     """q: [batch, q_heads, dim], one new token per sequence (already in the cache).
-    `programs` per (sequence, KV head) changes the speed only, never the output."""
+    `programs` per (sequence, KV head) changes the speed only, never the output. `out`:
+    where to write ([batch, q_heads, dim], contiguous), else a new tensor."""
     batch, n_q, dim = q.shape
     n_kv, block_size = k_cache.shape[2], k_cache.shape[1]
     group = n_q // n_kv
@@ -321,7 +334,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, programs: i
         **SPLIT_LAUNCH,
         **layout,
     )
-    out = empty_rows(batch, n_q * dim, q.dtype, q.device).view(batch, n_q, dim)  # feeds o
+    if out is None:
+        out = empty_rows(batch, n_q * dim, q.dtype, q.device).view(batch, n_q, dim)  # feeds o
     _decode_merge_kernel[(batch * n_q,)](
         part, lse, out, seq_lens, n_q, stride, DIM=dim, **MERGE_LAUNCH, **layout
     )
