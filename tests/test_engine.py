@@ -15,8 +15,8 @@ from omni.engine.block_manager import BlockManager
 from omni.engine.checkpoint import Checkpoint, CheckpointError
 from omni.engine.engine import Engine, GenerationRequest
 from omni.engine.llama import LlamaForCausalLM
+from omni.engine.mixed_graphs import BUCKETS as MIXED_BUCKETS
 from omni.engine.model_runner import ModelRunner, SoloSequence
-from omni.engine.piecewise_graphs import BUCKETS as MIXED_BUCKETS
 from omni.engine.sampling import SamplingParams
 from omni.engine.scheduler import Batch
 from omni.engine.sequence import Sequence
@@ -370,22 +370,23 @@ def test_decode_graphs_replay_what_eager_decode_computes(tmp_path):
 
 
 @pytest.mark.gpu
-def test_piecewise_graphs_compute_what_eager_steps_compute(tmp_path):
+def test_mixed_graphs_compute_what_eager_steps_compute(tmp_path):
     """Prompt steps, mixed steps (decodes beside a new prompt) and chunks, through the
-    layer graphs around eager attention: the same bits as eager steps, padding and all."""
+    mixed-step graphs (attention launched for the whole bucket): the same bits as eager
+    steps, padding and all."""
     _, ckpt = tiny_checkpoint(tmp_path, ARCHES["qwen3"]())
     model = LlamaForCausalLM.load(ckpt, device="cuda")
     rng = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 96, (n,), generator=rng).tolist() for n in (5, 40, 17, 70)]
 
-    def run(pieces: bool) -> tuple[list[torch.Tensor], ModelRunner]:
+    def run(graphs: bool) -> tuple[list[torch.Tensor], ModelRunner]:
         runner = ModelRunner(model, block_size=16, num_blocks=64)
         runner.graphs = None  # decode-only steps eager too: this test is about the others
-        if pieces:
+        if graphs:
             for b in (16, 32, 64):  # the steps' buckets: 9 to 37 tokens
-                runner.pieces.capture(b)
+                runner.mixed.capture(b)
         else:
-            runner.pieces = None
+            runner.mixed = None
         blocks = BlockManager(runner.num_blocks, runner.block_size)
         seqs = [Sequence(token_ids=list(p)) for p in prompts]
         for seq in seqs:
@@ -410,7 +411,7 @@ def test_piecewise_graphs_compute_what_eager_steps_compute(tmp_path):
 
     eager, _ = run(False)
     graphed, runner = run(True)
-    assert runner.pieces.steps == 5
+    assert runner.mixed.steps == 5
     for e, g in zip(eager, graphed, strict=True):
         assert torch.equal(g, e)
 
@@ -427,16 +428,16 @@ def test_a_capture_after_real_steps_writes_nothing_to_the_cache(tmp_path):
     seqs = [Sequence(token_ids=torch.randint(0, 96, (n,)).tolist()) for n in (9, 12)]
     for seq in seqs:
         blocks.allocate(seq)
-    runner.pieces.capture(32)
-    runner.run(Batch(seqs, [9, 12]))  # through the 32-token piece graphs
+    runner.mixed.capture(32)
+    runner.run(Batch(seqs, [9, 12]))  # through the 32-token mixed graph
     for seq in seqs:
         seq.num_computed = len(seq.token_ids)
         seq.token_ids.append(3)
         blocks.append_slot(seq)
     runner.run(Batch(seqs, [1, 1]))  # through the decode graph of 2
-    assert runner.pieces.steps == 1
+    assert runner.mixed.steps == 1
     k_before, v_before = runner.k_cache.clone(), runner.v_cache.clone()
-    runner.pieces.capture(64)
+    runner.mixed.capture(64)
     runner.graphs.capture(4)
     assert torch.equal(runner.k_cache, k_before) and torch.equal(runner.v_cache, v_before)
 
@@ -452,7 +453,7 @@ def test_warm_up_captures_every_bucket_and_writes_nothing_to_the_cache(tmp_path)
     k_before, v_before = runner.k_cache.clone(), runner.v_cache.clone()
     runner.warm_up(max_seqs=6, max_batch_tokens=64)
     assert set(runner.graphs.graphs) == {1, 2, 4, 8}  # 6 sequences pad to the bucket of 8
-    assert set(runner.pieces.graphs) == set(MIXED_BUCKETS)
+    assert set(runner.mixed.graphs) == set(MIXED_BUCKETS)
     assert torch.equal(runner.k_cache, k_before) and torch.equal(runner.v_cache, v_before)
 
     seq = Sequence(token_ids=torch.randint(0, 96, (21,)).tolist())

@@ -23,6 +23,10 @@ class DecodeGraphs:
         self.tables = torch.zeros(size, max_blocks_per_seq, dtype=torch.int32, device=dev)
         self.seq_lens = torch.ones(size, dtype=torch.int32, device=dev)
         self.cu = torch.arange(size + 1, dtype=torch.int32, device=dev)
+        # per bucket (decodes, prefill work entries): every row decodes, padding too (it
+        # reads a context of length 1); held here, as the graphs read them in place
+        self.counts = torch.tensor([[b, 0] for b in BUCKETS], dtype=torch.int32, device=dev)
+        self.no_work = torch.zeros(0, 2, dtype=torch.int32, device=dev)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -56,8 +60,9 @@ class DecodeGraphs:
             block_tables=self.tables[:b],
             seq_lens=self.seq_lens[:b],
             cu_seqlens_q=self.cu[: b + 1],
-            max_q_len=1,
             num_decodes=b,
+            counts=self.counts[BUCKETS.index(b)],
+            work=self.no_work,
         )
 
     def capture(self, b: int) -> None:

@@ -153,7 +153,7 @@ class Engine:
 
     def warm_up(self, graphs: bool = False, when_idle: bool = False) -> None:
         """Compile (or load from Triton's disk cache) the kernels any step needs, and
-        capture the piecewise graphs of steps that are not decode-only, before the first
+        capture the graphs of steps that are not decode-only, before the first
         request; with `graphs`, capture every decode graph too (otherwise each is
         captured the first time its batch size comes up, keeping start-up short).
 

@@ -114,7 +114,9 @@ class RMSNorm(nn.Module):
 
 def paged_attention(q, k_cache, v_cache, step, scale: float, out=None) -> torch.Tensor:
     """Decoding sequences through the decode kernel, the rest through the prefill one,
-    each writing its rows of one output (`out`, contiguous, or a new tensor).
+    each writing its rows of one output (`out`, contiguous, or a new tensor). The grids
+    follow the step's shapes (num_decodes rows, the work list's entries), the kernels
+    the real counts in `step.counts`: a CUDA graph's static step may hold more.
 
     Which kernel a token meets depends on its own sequence only (never on its batch
     neighbours), so a request computes the same numbers alone or among others.
@@ -124,31 +126,33 @@ def paged_attention(q, k_cache, v_cache, step, scale: float, out=None) -> torch.
             q, k_cache, v_cache, step.block_tables, step.seq_lens, step.cu_seqlens_q, scale
         )
         return attended if out is None else out.copy_(attended)
-    nd = step.num_decodes
     if out is None:
         n, n_q, dim = q.shape
         out = empty_rows(n, n_q * dim, q.dtype, q.device).view(n, n_q, dim)  # feeds o
-    if nd:
+    if step.num_decodes:
         paged_decode(
-            q[:nd],
+            q,
             k_cache,
             v_cache,
-            step.block_tables[:nd],
-            step.seq_lens[:nd],
+            step.block_tables,
+            step.seq_lens,
             scale,
-            out=out[:nd],
+            out=out,
+            rows=step.num_decodes,
+            counts=step.counts,
         )
-    if not step.decode_only:
+    if step.work.shape[0]:
         paged_prefill(
-            q[nd:],
+            q,
             k_cache,
             v_cache,
-            step.block_tables[nd:],
-            step.seq_lens[nd:],
-            step.cu_seqlens_q[nd:] - nd if nd else step.cu_seqlens_q,
+            step.block_tables,
+            step.seq_lens,
+            step.cu_seqlens_q,
             scale,
-            step.max_q_len,
-            out=out[nd:],
+            work=step.work,
+            counts=step.counts,
+            out=out,
         )
     return out
 
@@ -238,7 +242,7 @@ class DecoderLayer(nn.Module):
 
     def finish(self, attended: torch.Tensor, residual: torch.Tensor):
         """The layer from attention's output on: (x, residual). Token by token: no step
-        metadata, so CUDA graphs capture it for any batch (piecewise_graphs)."""
+        metadata."""
         h = self.self_attn.o_proj(attended.reshape(attended.shape[0], -1))
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual

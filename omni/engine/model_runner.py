@@ -17,10 +17,11 @@ import torch
 
 from .block_manager import BlockManager
 from .cuda_graphs import BUCKETS, DecodeGraphs
+from .kernels.attention import prefill_work
 from .kernels.rows import empty_rows
 from .llama import LlamaForCausalLM
-from .piecewise_graphs import BUCKETS as MIXED_BUCKETS
-from .piecewise_graphs import PiecewiseGraphs
+from .mixed_graphs import BUCKETS as MIXED_BUCKETS
+from .mixed_graphs import MixedGraphs
 from .scheduler import Batch
 from .sequence import PLACEHOLDER, Sequence
 
@@ -57,8 +58,9 @@ class StepInputs:
     block_tables: torch.Tensor  # [seqs, max blocks] int32
     seq_lens: torch.Tensor  # [seqs] int32: context length after this step
     cu_seqlens_q: torch.Tensor  # [seqs + 1] int32
-    max_q_len: int
     num_decodes: int  # the first sequences decode one token each: the split-KV decode kernel
+    counts: torch.Tensor  # [2] int32: (decoding sequences, prefill work entries)
+    work: torch.Tensor  # [entries, 2] int32: the prefill kernel's (row, query block) list
     sample_at: torch.Tensor | None = None  # [sampling sequences]: their last token's index
 
     @property
@@ -82,10 +84,10 @@ class ModelRunner:
         shape = (cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        # decode steps replay one CUDA graph, other steps up to 1,024 tokens a graph per
-        # layer around eager attention (OMNI_CUDA_GRAPHS=0: neither)
+        # decode steps replay one CUDA graph, other steps of up to 1,024 tokens another
+        # (OMNI_CUDA_GRAPHS=0: neither)
         self.graphs: DecodeGraphs | None = None
-        self.pieces: PiecewiseGraphs | None = None
+        self.mixed: MixedGraphs | None = None
         # (not for experts yet: their reference groups tokens on the host, which a graph
         # cannot hold; the Triton fused-MoE kernel is to come)
         graphable = model.cfg.moe is None
@@ -95,10 +97,9 @@ class ModelRunner:
             and os.environ.get("OMNI_CUDA_GRAPHS", "1") != "0"
         ):
             max_tokens = min(cfg.max_position, self.num_blocks * block_size)
-            self.graphs = DecodeGraphs(
-                model, self.k_cache, self.v_cache, -(-max_tokens // block_size)
-            )
-            self.pieces = PiecewiseGraphs(model, self.k_cache, self.v_cache)
+            max_blocks = -(-max_tokens // block_size)
+            self.graphs = DecodeGraphs(model, self.k_cache, self.v_cache, max_blocks)
+            self.mixed = MixedGraphs(model, self.k_cache, self.v_cache, max_blocks)
 
     def _cache_bytes(self) -> int:
         if self.device.type == "cuda":
@@ -124,7 +125,7 @@ class ModelRunner:
         between requests: one per step-size class whose kernels it compiles (or loads
         from Triton's disk cache) and, with `graphs`, one per decode graph a step of at
         most `max_seqs` sequences can need (without, each is captured at its first step);
-        one per bucket of the piecewise graphs in any case. The CPU path has nothing to
+        one per bucket of the mixed-step graphs in any case. The CPU path has nothing to
         compile."""
         if self.device.type != "cuda":
             return []
@@ -135,8 +136,8 @@ class ModelRunner:
                 tasks.append(partial(self._capture, b))
                 if b >= max_seqs:
                     break
-        if self.pieces:  # always: a step never captures these itself (piecewise_graphs)
-            tasks += [partial(self._capture_pieces, b) for b in MIXED_BUCKETS]
+        if self.mixed:  # always: a step never captures these itself (mixed_graphs)
+            tasks += [partial(self._capture_mixed, b) for b in MIXED_BUCKETS]
         return tasks
 
     def warm_up(self, max_seqs: int, max_batch_tokens: int, graphs: bool = True) -> None:
@@ -150,14 +151,17 @@ class ModelRunner:
     def _warm_step(self, n: int, max_seqs: int) -> None:
         """A prefill step of n tokens that writes nothing to the cache (slots -1)."""
         width = self.graphs.tables.shape[1] if self.graphs else 1
+        work = prefill_work([n])
+        i32 = {"dtype": torch.int32, "device": self.device}
         step = StepInputs(
             positions=torch.arange(n, device=self.device),
             slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=self.device),
-            block_tables=torch.zeros(1, width, dtype=torch.int32, device=self.device),
-            seq_lens=torch.tensor([n], dtype=torch.int32, device=self.device),
-            cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=self.device),
-            max_q_len=n,
+            block_tables=torch.zeros(1, width, **i32),
+            seq_lens=torch.tensor([n], **i32),
+            cu_seqlens_q=torch.tensor([0, n], **i32),
             num_decodes=0,
+            counts=torch.tensor([0, len(work)], **i32),
+            work=torch.tensor(work, **i32),
         )
         ids = torch.zeros(n, dtype=torch.int64, device=self.device)
         hidden = self.model.hidden_states(ids, step, self.k_cache, self.v_cache)
@@ -168,8 +172,8 @@ class ModelRunner:
         self.graphs.capture(bucket)
 
     @torch.inference_mode()
-    def _capture_pieces(self, bucket: int) -> None:
-        self.pieces.capture(bucket)
+    def _capture_mixed(self, bucket: int) -> None:
+        self.mixed.capture(bucket)
 
     def prepare(
         self, batch: Batch, previous: Previous | None = None
@@ -221,18 +225,21 @@ class ModelRunner:
         tables = np.zeros((b, width), dtype=np.int32)
         for row, seq in zip(tables, seqs, strict=True):
             row[: len(seq.block_table)] = seq.block_table
+        work = np.asarray(prefill_work(counts[num_decodes:], num_decodes), dtype=np.int32)
         longs = [ids, positions, slots, sample_at, fill_at, fill_rows]
         ints = [seq_lens, np.concatenate(([0], ends)), tables.ravel()]
+        ints += [[num_decodes, len(work)], work.ravel()]
         ids_d, positions_d, slots_d, sample_d, at_d, rows_d = self._to_device(longs, np.int64)
-        seq_lens_d, cu_d, tables_d = self._to_device(ints, np.int32)
+        seq_lens_d, cu_d, tables_d, counts_d, work_d = self._to_device(ints, np.int32)
         step = StepInputs(
             positions=positions_d,
             slot_mapping=slots_d,
             block_tables=tables_d.view(b, width),
             seq_lens=seq_lens_d,
             cu_seqlens_q=cu_d,
-            max_q_len=max(counts),
             num_decodes=num_decodes,
+            counts=counts_d,
+            work=work_d.view(-1, 2),
             sample_at=sample_d,
         )
         return Prepared(ids_d, step, (at_d, rows_d) if fill_at else None)
@@ -276,8 +283,8 @@ class ModelRunner:
             and self.graphs.bucket(len(batch.seqs))
         ):
             return self.graphs.run(ids, step)  # every decoding sequence samples
-        if self.pieces and not all_logits and self.pieces.captured(len(ids)):
-            hidden = self.pieces.run(ids, step)
+        if self.mixed and not all_logits and self.mixed.fits(step, len(ids)):
+            hidden = self.mixed.run(ids, step)
         else:
             hidden = self.model.hidden_states(ids, step, self.k_cache, self.v_cache)
         if not all_logits:

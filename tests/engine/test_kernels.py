@@ -15,6 +15,7 @@ from omni.engine.kernels import (
     paged_attention_ref,
     paged_decode,
     paged_prefill,
+    prefill_work,
     rms_norm,
     rms_norm_ref,
     rope_and_cache,
@@ -153,7 +154,7 @@ def test_paged_prefill_does_not_depend_on_the_chunking(gen):
     length = 200 if GPU else 40
     q, kc, vc, table, lens, cu = paged_batch(gen, [length], [length])
     scale, block_m = q.shape[-1] ** -0.5, 64 if GPU else 16
-    whole = paged_prefill(q, kc, vc, table, lens, cu, scale, max_q_len=length, block_m=block_m)
+    whole = paged_prefill(q, kc, vc, table, lens, cu, scale, block_m=block_m)
     done = 0
     for chunk in (length // 3, 1, length - length // 3 - 1):
         end = done + chunk
@@ -165,7 +166,6 @@ def test_paged_prefill_does_not_depend_on_the_chunking(gen):
             torch.tensor([end], dtype=torch.int32, device=DEVICE),
             torch.tensor([0, chunk], dtype=torch.int32, device=DEVICE),
             scale,
-            max_q_len=chunk,
             block_m=block_m,
         )
         assert torch.equal(part, whole[done:end]), (done, end)
@@ -205,9 +205,7 @@ def test_paged_prefill(gen, seq_lens, q_lens):
         seq_lens, q_lens = [n * 9 for n in seq_lens], [n * 9 for n in q_lens]
     q, kc, vc, table, lens, cu = paged_batch(gen, seq_lens, q_lens)
     scale = q.shape[-1] ** -0.5
-    out = paged_prefill(
-        q, kc, vc, table, lens, cu, scale, max_q_len=max(q_lens), block_m=64 if GPU else 16
-    )
+    out = paged_prefill(q, kc, vc, table, lens, cu, scale, block_m=64 if GPU else 16)
     ref = paged_attention_ref(q, kc, vc, table, lens, cu, scale)
     torch.testing.assert_close(out, ref, **TOL)
 
@@ -243,11 +241,43 @@ def test_decode_and_prefill_write_their_rows_of_one_output(gen):
     scale, nd, block_m = q.shape[-1] ** -0.5, 2, 64 if GPU else 16
     decode = paged_decode(q[:nd], kc, vc, table[:nd], lens[:nd], scale)
     prefill = paged_prefill(
-        q[nd:], kc, vc, table[nd:], lens[nd:], cu[nd:] - nd, scale, 40, block_m=block_m
+        q[nd:], kc, vc, table[nd:], lens[nd:], cu[nd:] - nd, scale, block_m=block_m
     )
     out = torch.full_like(q, float("nan"))
-    paged_decode(q[:nd], kc, vc, table[:nd], lens[:nd], scale, out=out[:nd])
-    paged_prefill(
-        q[nd:], kc, vc, table[nd:], lens[nd:], cu[nd:] - nd, scale, 40, block_m, out=out[nd:]
-    )
+    entries = prefill_work(q_lens[nd:], nd, block_m)
+    work = torch.tensor(entries, dtype=torch.int32, device=DEVICE)
+    counts = torch.tensor([nd, len(entries)], dtype=torch.int32, device=DEVICE)
+    paged_decode(q, kc, vc, table, lens, scale, out=out, rows=nd, counts=counts)
+    paged_prefill(q, kc, vc, table, lens, cu, scale, work, counts, block_m, out=out)
     assert torch.equal(out, torch.cat([decode, prefill]))
+
+
+def test_launches_for_more_than_the_step_does_the_step_alone(gen):
+    """A CUDA graph launches attention for the most its bucket can hold: decode rows and
+    prefill work entries past the device's counts must do nothing (the same bits for the
+    real rows, no write anywhere else), whatever stale values the padding holds."""
+    seq_lens, q_lens = [30, 51, 40, 17], [1, 1, 40, 5]
+    q, kc, vc, table, lens, cu = paged_batch(gen, seq_lens, q_lens)
+    scale, nd, block_m = q.shape[-1] ** -0.5, 2, 64 if GPU else 16
+    entries = prefill_work(q_lens[nd:], nd, block_m)
+    exact = torch.full_like(q, float("nan"))
+    work = torch.tensor(entries, dtype=torch.int32, device=DEVICE)
+    counts = torch.tensor([nd, len(entries)], dtype=torch.int32, device=DEVICE)
+    paged_decode(q, kc, vc, table, lens, scale, out=exact, rows=nd, counts=counts)
+    paged_prefill(q, kc, vc, table, lens, cu, scale, work, counts, block_m, out=exact)
+    # padding: 4 more query rows, every sequence a decode row of the grid, stale work
+    pad = torch.cat([q, rand(4, *q.shape[1:], gen=gen)])
+    stale = torch.tensor([[0, 0], [3, 2], [1, 1]], dtype=torch.int32, device=DEVICE)
+    padded_work = torch.cat([work, stale])
+    out = torch.full_like(pad, float("nan"))
+    rows = len(seq_lens)
+    paged_prefill(pad, kc, vc, table, lens, cu, scale, padded_work, counts, block_m, out=out)
+    paged_decode(pad, kc, vc, table, lens, scale, out=out, rows=rows, counts=counts)
+    assert torch.equal(out[: q.shape[0]], exact)
+    assert out[q.shape[0] :].isnan().all()
+    # and with counts of zero (a capture's warm-up run), nothing at all
+    none = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    out = torch.full_like(pad, float("nan"))
+    paged_prefill(pad, kc, vc, table, lens, cu, scale, padded_work, none, block_m, out=out)
+    paged_decode(pad, kc, vc, table, lens, scale, out=out, rows=rows, counts=none)
+    assert out.isnan().all()

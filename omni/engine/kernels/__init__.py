@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import torch
 
 from .activation import silu_and_mul, silu_and_mul_ref
-from .attention import paged_attention_ref, paged_decode, paged_prefill
+from .attention import paged_attention_ref, paged_decode, paged_prefill, prefill_work
 from .matmul import linear, linear_ref
 from .moe import fused_moe_ref
 from .norm import rms_norm, rms_norm_ref
@@ -27,6 +27,7 @@ __all__ = [
     "paged_attention_ref",
     "paged_decode",
     "paged_prefill",
+    "prefill_work",
     "rms_norm",
     "rms_norm_ref",
     "rope_and_cache",

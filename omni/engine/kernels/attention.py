@@ -12,6 +12,9 @@ a KV head are packed into one tile, so the dot products run on tensor cores.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Iterable
+
 import torch
 import triton
 import triton.language as tl
@@ -20,6 +23,7 @@ from .hardware import sm_count
 from .rows import empty_rows
 
 NEG_INF = tl.constexpr(-1.0e30)  # finite: a fully masked row gives 0, not NaN
+PREFILL_BLOCK_M = 64  # queries a prefill program takes
 
 
 def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale):
@@ -51,7 +55,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_
 ANY_BATCH = ["max_blocks", "block_tables_ptr", "seq_lens_ptr"]
 
 
-@triton.jit(do_not_specialize=[*ANY_BATCH, "cu_q_ptr"])
+@triton.jit(do_not_specialize=[*ANY_BATCH, "cu_q_ptr", "work_ptr"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -60,6 +64,8 @@ def _prefill_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     cu_q_ptr,
+    work_ptr,
+    counts_ptr,
     scale,
     max_blocks,
     n_q_heads,
@@ -69,12 +75,13 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    w = tl.program_id(0)  # an entry of the work list: (row, query block)
     h = tl.program_id(1)
-    m_block = tl.program_id(2)
-    q_start = tl.load(cu_q_ptr + b)
-    q_len = tl.load(cu_q_ptr + b + 1) - q_start
-    if m_block * BLOCK_M < q_len:
+    if w < tl.load(counts_ptr + 1):
+        b = tl.load(work_ptr + 2 * w)
+        m_block = tl.load(work_ptr + 2 * w + 1)
+        q_start = tl.load(cu_q_ptr + b)
+        q_len = tl.load(cu_q_ptr + b + 1) - q_start
         length = tl.load(seq_lens_ptr + b)
         first_pos = length - q_len
         kh = h // GROUP
@@ -115,6 +122,14 @@ def _prefill_kernel(
         )
 
 
+def prefill_work(q_lens: Iterable[int], first_row: int = 0, block_m: int = PREFILL_BLOCK_M):
+    """The prefill kernel's work list: (row, query block) for every block of `block_m`
+    queries of every row (sequence), rows counted from `first_row`. Its programs take
+    their work from it, so their grid is its length, or any bound on it (a CUDA graph's),
+    whatever the batch's shape."""
+    return [(row, m) for row, n in enumerate(q_lens, first_row) for m in range(-(-n // block_m))]
+
+
 def paged_prefill(
     q,
     k_cache,
@@ -123,17 +138,28 @@ def paged_prefill(
     seq_lens,
     cu_seqlens_q,
     scale,
-    max_q_len: int,
-    block_m: int = 64,
+    work: torch.Tensor | None = None,
+    counts: torch.Tensor | None = None,
+    block_m: int = PREFILL_BLOCK_M,
     out: torch.Tensor | None = None,
 ):
-    """`out`: where to write ([tokens, q_heads, dim], contiguous), else a new tensor."""
+    """Rows of `q` that are prompt chunks (see the module's docstring), through `work`
+    ([entries, 2] int32, prefill_work's list on the device: the grid's size) of which
+    the first `counts[1]` (a device tensor) are real; without them, every row's
+    (built here, which waits for the device). `out`: where to write ([tokens, q_heads,
+    dim], contiguous), else a new tensor."""
     _, n_q, dim = q.shape
     n_kv, block_size = k_cache.shape[2], k_cache.shape[1]
+    if work is None:
+        cu = cu_seqlens_q.tolist()
+        entries = prefill_work((e - s for s, e in itertools.pairwise(cu)), 0, block_m)
+        work = torch.tensor(entries, dtype=torch.int32, device=q.device).view(-1, 2)
+        counts = torch.tensor([0, len(entries)], dtype=torch.int32, device=q.device)
     if out is None:
         out = empty_rows(q.shape[0], n_q * dim, q.dtype, q.device).view(q.shape)  # feeds o
-    grid = (seq_lens.shape[0], n_q, triton.cdiv(max_q_len, block_m))
-    _prefill_kernel[grid](
+    if not work.shape[0]:
+        return out
+    _prefill_kernel[(work.shape[0], n_q)](
         q.contiguous(),
         k_cache,
         v_cache,
@@ -141,6 +167,8 @@ def paged_prefill(
         block_tables,
         seq_lens,
         cu_seqlens_q,
+        work,
+        counts,
         scale,
         block_tables.shape[1],
         n_q,
@@ -184,6 +212,7 @@ def _decode_split_kernel(
     lse_ptr,
     block_tables_ptr,
     seq_lens_ptr,
+    counts_ptr,
     scale,
     max_blocks,
     n_q_heads,
@@ -200,8 +229,10 @@ def _decode_split_kernel(
     b = tl.program_id(0)
     kh = tl.program_id(1)
     programs = tl.num_programs(2)
-    length = tl.load(seq_lens_ptr + b)
+    live = b < tl.load(counts_ptr)  # rows past the step's decodes: a graph's padding
+    length = tl.load(seq_lens_ptr + b, mask=live, other=1)
     per, n_splits = _split_layout(length, TILE, MAX_S, MIN_TILES)
+    n_splits = tl.where(live, n_splits, 0)
     offs_g = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, DIM)
     offs_t = tl.arange(0, TILE)
@@ -254,6 +285,7 @@ def _decode_merge_kernel(
     lse_ptr,
     out_ptr,
     seq_lens_ptr,
+    counts_ptr,
     n_q_heads,
     split_stride,
     DIM: tl.constexpr,
@@ -262,20 +294,22 @@ def _decode_merge_kernel(
     MIN_TILES: tl.constexpr,
 ):
     row = tl.program_id(0)  # b * q_heads + h
-    _per, n_splits = _split_layout(tl.load(seq_lens_ptr + row // n_q_heads), TILE, MAX_S, MIN_TILES)
-    offs_s = tl.arange(0, MAX_S)
-    offs_d = tl.arange(0, DIM)
-    s_ok = offs_s < n_splits
-    lse = tl.load(lse_ptr + row * split_stride + offs_s, mask=s_ok, other=NEG_INF)
-    weights = tl.exp(lse - tl.max(lse, axis=0))
-    weights = tl.where(s_ok, weights, 0.0)
-    part = tl.load(
-        part_ptr + (row * split_stride + offs_s)[:, None] * DIM + offs_d[None, :],
-        mask=s_ok[:, None],
-        other=0.0,
-    )
-    out = tl.sum(part * weights[:, None], axis=0) / tl.sum(weights, axis=0)
-    tl.store(out_ptr + row * DIM + offs_d, out.to(out_ptr.dtype.element_ty))
+    if row // n_q_heads < tl.load(counts_ptr):  # else a graph's padding: leave it be
+        length = tl.load(seq_lens_ptr + row // n_q_heads)
+        _per, n_splits = _split_layout(length, TILE, MAX_S, MIN_TILES)
+        offs_s = tl.arange(0, MAX_S)
+        offs_d = tl.arange(0, DIM)
+        s_ok = offs_s < n_splits
+        lse = tl.load(lse_ptr + row * split_stride + offs_s, mask=s_ok, other=NEG_INF)
+        weights = tl.exp(lse - tl.max(lse, axis=0))
+        weights = tl.where(s_ok, weights, 0.0)
+        part = tl.load(
+            part_ptr + (row * split_stride + offs_s)[:, None] * DIM + offs_d[None, :],
+            mask=s_ok[:, None],
+            other=0.0,
+        )
+        out = tl.sum(part * weights[:, None], axis=0) / tl.sum(weights, axis=0)
+        tl.store(out_ptr + row * DIM + offs_d, out.to(out_ptr.dtype.element_ty))
 
 
 def max_decode_splits(length: int) -> int:
@@ -302,13 +336,20 @@ def paged_decode(
     scale,
     programs: int | None = None,
     out: torch.Tensor | None = None,
+    rows: int | None = None,
+    counts: torch.Tensor | None = None,
 ):
-    """q: [batch, q_heads, dim], one new token per sequence (already in the cache).
+    """q: [tokens, q_heads, dim]; its first `rows` (default: all) are sequences' one new
+    token each (already in the cache), of which the first `counts[0]` (a device tensor;
+    default: all `rows`) are real: a CUDA graph launches for the most a step can have.
     `programs` per (sequence, KV head) changes the speed only, never the output. `out`:
-    where to write ([batch, q_heads, dim], contiguous), else a new tensor."""
-    batch, n_q, dim = q.shape
+    where to write (like q, contiguous; other rows untouched), else a new tensor."""
+    tokens, n_q, dim = q.shape
+    batch = tokens if rows is None else rows
     n_kv, block_size = k_cache.shape[2], k_cache.shape[1]
     group = n_q // n_kv
+    if counts is None:
+        counts = torch.full((1,), batch, dtype=torch.int32, device=q.device)
     programs = programs or decode_programs(batch * n_kv, q.device)
     stride = max_decode_splits(block_tables.shape[1] * block_size)
     part = torch.empty(batch, n_q, stride, dim, dtype=torch.float32, device=q.device)
@@ -322,6 +363,7 @@ def paged_decode(
         lse,
         block_tables,
         seq_lens,
+        counts,
         scale,
         block_tables.shape[1],
         n_q,
@@ -335,8 +377,8 @@ def paged_decode(
         **layout,
     )
     if out is None:
-        out = empty_rows(batch, n_q * dim, q.dtype, q.device).view(batch, n_q, dim)  # feeds o
+        out = empty_rows(tokens, n_q * dim, q.dtype, q.device).view(tokens, n_q, dim)  # feeds o
     _decode_merge_kernel[(batch * n_q,)](
-        part, lse, out, seq_lens, n_q, stride, DIM=dim, **MERGE_LAUNCH, **layout
+        part, lse, out, seq_lens, counts, n_q, stride, DIM=dim, **MERGE_LAUNCH, **layout
     )
     return out
