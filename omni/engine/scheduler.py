@@ -8,17 +8,10 @@ preempted: its blocks are freed and it is recomputed later from its tokens.
 
 While the batch is full, waiting requests are admitted in groups (an eighth of
 the batch) rather than one per freed slot: each admission makes a mixed step,
-which runs eagerly, while pure decode steps replay CUDA graphs.
+which costs more than a decode step.
 
-Under a backlog, work is spread over the steps the run takes anyway. The waiting
-queue hands out the requests with the most tokens left first (see wait_queue), so
-the longest ones start at once, and the steps their decodes take are the floor of
-the run. Prompts that are not on that critical path are then fed in at the pace that
-finishes all the work in those steps, with some slack, instead of in the biggest
-chunks the budget allows: a step of a few hundred tokens costs little more than a
-step of one (both read all the weights), while a step of 8,192 costs 30 of them.
-A light load (less than `min_paced_tokens` a step) is not paced at all: nothing is
-gained there, and a prompt's first token would wait.
+Waiting requests are admitted longest first (see wait_queue): a backlog's run
+lasts as many steps as its longest request, which should start at once.
 """
 
 from __future__ import annotations
@@ -27,9 +20,7 @@ from dataclasses import dataclass
 
 from .block_manager import BlockManager
 from .sequence import PLACEHOLDER, Sequence, Status
-from .wait_queue import WaitQueue, tokens_left
-
-PACE_SLACK = 1.5  # the work left is spread over the critical path's steps / this
+from .wait_queue import WaitQueue
 
 
 @dataclass
@@ -53,13 +44,11 @@ class Scheduler:
         blocks: BlockManager,
         max_batch_tokens: int = 2048,
         max_seqs: int = 256,
-        min_paced_tokens: int = 128,
         max_wait_s: float = 2.0,
     ):
         self.blocks = blocks
         self.max_batch_tokens = max_batch_tokens
         self.max_seqs = max_seqs
-        self.min_paced_tokens = min_paced_tokens
         self.admit_group = max(1, max_seqs // 8)
         self.waiting = WaitQueue(max_wait_s)
         self.running: list[Sequence] = []  # in admission order: newest last
@@ -77,28 +66,6 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
-
-    def step_tokens(self) -> int:
-        """This step's token budget: the whole of it while a request on the critical
-        path waits or prefills (nothing decodes yet, or it has as many tokens left to
-        generate as the longest decoding sequence), else the work left spread over the
-        steps that sequence still takes (paced, see the module's docstring)."""
-        horizon = prefilling = work = 0  # most tokens left: decoding / prefilling
-        for seq in self.running:
-            left = tokens_left(seq)
-            work += seq.num_uncomputed + left
-            if seq.is_prefilling:
-                prefilling = max(prefilling, left)
-            else:
-                horizon = max(horizon, left)
-        head = self.waiting.peek()
-        waiting = tokens_left(head) if head is not None else 0
-        if not horizon or max(prefilling, waiting) >= horizon:
-            return self.max_batch_tokens
-        paced = int(PACE_SLACK * (work + self.waiting.work) / horizon)
-        if paced < self.min_paced_tokens:
-            return self.max_batch_tokens  # a light load
-        return min(self.max_batch_tokens, paced)
 
     def schedule(self) -> Batch | None:
         budget = self.max_batch_tokens
@@ -118,7 +85,6 @@ class Scheduler:
                 batch.seqs.append(seq)
                 batch.num_tokens.append(1)
                 budget -= 1
-        budget = min(budget, max(0, self.step_tokens() - len(batch.seqs)))
         # 2. prefill chunks of admitted sequences, oldest first
         for seq in self.running:
             if seq.is_prefilling and budget > 0:
