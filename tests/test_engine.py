@@ -257,9 +257,11 @@ def test_cancel_stops_generation(engine):
 
 
 @pytest.mark.gpu
-def test_batched_prefill_and_decode_on_the_gpu_match_the_cpu_path(tmp_path):
-    """The Triton path (paged prefill, split-KV decode) against the references, batched."""
-    _, ckpt = tiny_checkpoint(tmp_path, ARCHES["llama"]())
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen3_moe"])
+def test_batched_prefill_and_decode_on_the_gpu_match_the_cpu_path(arch, tmp_path):
+    """The Triton path (paged prefill, split-KV decode, fused experts) against the
+    references, batched."""
+    _, ckpt = tiny_checkpoint(tmp_path, ARCHES[arch]())
     cpu, gpu = LlamaForCausalLM.load(ckpt), LlamaForCausalLM.load(ckpt, device="cuda")
     prompts = [torch.randint(0, 96, (n,)).tolist() for n in (5, 40, 17)]
 
@@ -338,8 +340,9 @@ def test_greedy_32_tokens_match_transformers_under_batching_preemption_and_prefi
 
 
 @pytest.mark.gpu
-def test_decode_graphs_replay_what_eager_decode_computes(tmp_path):
-    _, ckpt = tiny_checkpoint(tmp_path, ARCHES["qwen3"]())
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_decode_graphs_replay_what_eager_decode_computes(arch, tmp_path):
+    _, ckpt = tiny_checkpoint(tmp_path, ARCHES[arch]())
     model = LlamaForCausalLM.load(ckpt, device="cuda")
     prompts = [torch.randint(0, 96, (n,)).tolist() for n in (5, 40, 17)]
 
@@ -370,11 +373,12 @@ def test_decode_graphs_replay_what_eager_decode_computes(tmp_path):
 
 
 @pytest.mark.gpu
-def test_mixed_graphs_compute_what_eager_steps_compute(tmp_path):
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_mixed_graphs_compute_what_eager_steps_compute(arch, tmp_path):
     """Prompt steps, mixed steps (decodes beside a new prompt) and chunks, through the
     mixed-step graphs (attention launched for the whole bucket): the same bits as eager
     steps, padding and all."""
-    _, ckpt = tiny_checkpoint(tmp_path, ARCHES["qwen3"]())
+    _, ckpt = tiny_checkpoint(tmp_path, ARCHES[arch]())
     model = LlamaForCausalLM.load(ckpt, device="cuda")
     rng = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 96, (n,), generator=rng).tolist() for n in (5, 40, 17, 70)]

@@ -88,14 +88,7 @@ class ModelRunner:
         # (OMNI_CUDA_GRAPHS=0: neither)
         self.graphs: DecodeGraphs | None = None
         self.mixed: MixedGraphs | None = None
-        # (not for experts yet: their reference groups tokens on the host, which a graph
-        # cannot hold; the Triton fused-MoE kernel is to come)
-        graphable = model.cfg.moe is None
-        if (
-            self.device.type == "cuda"
-            and graphable
-            and os.environ.get("OMNI_CUDA_GRAPHS", "1") != "0"
-        ):
+        if self.device.type == "cuda" and os.environ.get("OMNI_CUDA_GRAPHS", "1") != "0":
             max_tokens = min(cfg.max_position, self.num_blocks * block_size)
             max_blocks = -(-max_tokens // block_size)
             self.graphs = DecodeGraphs(model, self.k_cache, self.v_cache, max_blocks)

@@ -15,11 +15,12 @@ import torch
 from .activation import silu_and_mul, silu_and_mul_ref
 from .attention import paged_attention_ref, paged_decode, paged_prefill, prefill_work
 from .matmul import linear, linear_ref
-from .moe import fused_moe_ref
+from .moe import fused_moe, fused_moe_ref
 from .norm import rms_norm, rms_norm_ref
 from .rope import rope_and_cache, rope_and_cache_ref
 
 __all__ = [
+    "fused_moe",
     "fused_moe_ref",
     "linear",
     "linear_ref",
@@ -44,7 +45,7 @@ _KERNELS = SimpleNamespace(
     silu_and_mul=silu_and_mul,
     rope_and_cache=rope_and_cache,
     linear=linear if BATCH_INVARIANT else linear_ref,
-    fused_moe=fused_moe_ref,  # the Triton kernel is still to come (issue 23)
+    fused_moe=fused_moe,
 )
 _REFERENCES = SimpleNamespace(
     rms_norm=rms_norm_ref,

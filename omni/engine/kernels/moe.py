@@ -1,9 +1,10 @@
 """The experts of a mixture-of-experts layer over a step's tokens.
 
-`fused_moe_ref` is the pure-torch definition the CPU path runs (and, until the Triton
-kernel lands, the GPU path): each token's output is the sum, in fp32 and in the order of
-its top-k slots, of its experts' outputs times their routing weights, so it never
-depends on which other tokens share the step.
+`fused_moe_ref` is the pure-torch definition the CPU path runs, `fused_moe` the Triton
+one of the GPU path: each token's output is the sum, in fp32 and in the order of its
+top-k slots, of its experts' outputs times their routing weights, so it never depends
+on which other tokens share the step. The Triton path waits for nothing on the host, so
+CUDA graphs hold it.
 """
 
 from __future__ import annotations
