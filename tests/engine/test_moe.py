@@ -124,10 +124,10 @@ def test_fused_moe_kernel_against_the_reference(tokens, experts, k):
 @pytest.mark.gpu
 def test_fused_moe_rows_do_not_depend_on_the_batch():
     """Bit for bit: a token's output alone, among a few and among many (its experts'
-    blocks then hold other tokens)."""
+    blocks then hold other tokens), each size with its own tiles (moe_tiles' classes)."""
     gen = torch.Generator(device=DEVICE).manual_seed(7)
-    x, gate_up, down, weights, ids = moe_inputs(gen, 300, 8, 2, 1024, 512)
+    x, gate_up, down, weights, ids = moe_inputs(gen, 1200, 8, 2, 1024, 512)
     full = fused_moe(x, gate_up, down, weights, ids)
-    for rows in (slice(0, 1), slice(5, 12), slice(100, 300)):
+    for rows in (slice(0, 1), slice(5, 12), slice(100, 300), slice(200, 1000)):
         part = fused_moe(x[rows], gate_up, down, weights[rows], ids[rows])
         assert torch.equal(part, full[rows]), rows

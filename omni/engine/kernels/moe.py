@@ -57,7 +57,8 @@ def align_by_expert(ids: torch.Tensor, experts: int, block_m: int):
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     start = torch.cumsum(counts, 0) - counts
-    blocks = (slots + block_m - 1) // block_m + experts  # enough for any grouping
+    # enough for any grouping: each expert that has slots adds at most one partial block
+    blocks = (slots + block_m - 1) // block_m + min(slots, experts)
     rows = torch.full((blocks * block_m,), slots, dtype=torch.int64, device=ids.device)
     expert_of = flat[order]
     rank = torch.arange(slots, device=ids.device) - start[expert_of]
@@ -170,28 +171,45 @@ def _moe_down_kernel(
     )
 
 
-def fused_moe(x, gate_up, down, weights, ids, block_m: int = 16) -> torch.Tensor:
+# Tiles. BLOCK_K is the same for every size (each (token, slot) row chains its dot products
+# over K in blocks of it: a row's bits must not follow the step's size); the rest follow
+# the number of slots, as the dense linear's tiles do: at a few tokens the experts' weights
+# stream through narrow column tiles with deep pipelines, at many they feed the tensor cores.
+MOE_BLOCK_K = 128
+
+
+def moe_tiles(slots: int) -> dict:
+    if slots <= 64:
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=2, num_stages=5)
+    if slots <= 1024:
+        return dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=3)
+
+
+def fused_moe(x, gate_up, down, weights, ids, tiles: dict | None = None) -> torch.Tensor:
     """fused_moe_ref's sums with the Triton kernels: tokens grouped by expert on the
     device (align_by_expert), the gate/up matmul with SiLU-and-mul, then the down matmul
     times the routing weight, per (token, slot); the k slots summed per token in fp32,
     in order. Each (token, slot) row is its own chain of dot products over K, whatever
-    other rows share its block: a token's output does not depend on its neighbours."""
+    other rows share its block: a token's output does not depend on its neighbours.
+    `tiles`: moe_tiles' keys, to override them (tests)."""
     tokens, k = ids.shape
     experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
     slots = tokens * k
+    t = dict(tiles or moe_tiles(slots))
+    block_m, block_n = t.pop("BLOCK_M"), t.pop("BLOCK_N")
     rows, block_expert = align_by_expert(ids, experts, block_m)
     blocks = block_expert.shape[0]
     x = x.contiguous()
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
-    block_n, block_k = 32, 32
     _moe_gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
         x, gate_up, act, rows, block_expert, slots, hidden, inter, experts,
-        TOP_K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        TOP_K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=MOE_BLOCK_K, **t,
     )  # fmt: skip
     out = torch.empty(slots, hidden, dtype=torch.float32, device=x.device)
     _moe_down_kernel[(blocks, triton.cdiv(hidden, block_n))](
         act, down, weights.reshape(-1).contiguous(), out, rows, block_expert, slots,
-        hidden, inter, experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        hidden, inter, experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=MOE_BLOCK_K, **t,
     )  # fmt: skip
     return out.view(tokens, k, hidden).sum(dim=1).to(x.dtype)
