@@ -55,7 +55,7 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_
 ANY_BATCH = ["max_blocks", "block_tables_ptr", "seq_lens_ptr"]
 
 
-@triton.jit(do_not_specialize=[*ANY_BATCH, "cu_q_ptr", "work_ptr"])
+@triton.jit(do_not_specialize=[*ANY_BATCH, "cu_q_ptr", "work_ptr", "counts_ptr"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
@@ -203,7 +203,7 @@ def _split_layout(length, TILE: tl.constexpr, MAX_S: tl.constexpr, MIN_TILES: tl
     return per, tl.cdiv(n_tiles, per)
 
 
-@triton.jit(do_not_specialize=[*ANY_BATCH, "split_stride"])  # see _prefill_kernel
+@triton.jit(do_not_specialize=[*ANY_BATCH, "counts_ptr", "split_stride"])  # see _prefill_kernel
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
@@ -279,7 +279,7 @@ def _decode_split_kernel(
         tl.store(lse_ptr + slot, lse, mask=head_ok)
 
 
-@triton.jit(do_not_specialize=["seq_lens_ptr", "split_stride"])
+@triton.jit(do_not_specialize=["seq_lens_ptr", "counts_ptr", "split_stride"])
 def _decode_merge_kernel(
     part_ptr,
     lse_ptr,
