@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from .checkpoint import CheckpointError
 from .kernels import ops
+from .kernels.moe import route_ref
 
 
 @dataclass(frozen=True)
@@ -70,14 +70,7 @@ def moe_config(model_type: str, c: dict) -> MoEConfig | None:
     return None
 
 
-def route(router_logits: torch.Tensor, k: int, renormalize: bool):
-    """(weights [tokens, k] in the logits' dtype, expert ids [tokens, k]): softmax over
-    all experts in fp32, the top k, optionally rescaled to sum to 1 (as HF does)."""
-    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(router_logits.dtype), ids
+route = route_ref  # the definition (kernels/moe.py); the GPU path runs ops.route
 
 
 class Experts(nn.Module):
@@ -100,9 +93,10 @@ class SparseMoE(nn.Module):
         self.experts = Experts(moe, hidden, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = route(self.gate(x), self.moe.per_token, self.moe.renormalize)
+        kernels = ops(x.device)
+        weights, ids = kernels.route(self.gate(x), self.moe.per_token, self.moe.renormalize)
         experts = self.experts
-        return ops(x.device).fused_moe(x, experts.gate_up, experts.down, weights, ids)
+        return kernels.fused_moe(x, experts.gate_up, experts.down, weights, ids)
 
 
 def stack_experts(state: dict, model_type: str, moe: MoEConfig, layers: int, path) -> None:

@@ -10,6 +10,7 @@ from torch.nn import functional as F
 from omni.engine.checkpoint import CheckpointError
 from omni.engine.kernels import fused_moe_ref
 from omni.engine.kernels.moe import align_by_expert, fused_moe
+from omni.engine.kernels.moe import route as kernel_route
 from omni.engine.moe import MoEConfig, moe_config, route, stack_experts
 
 
@@ -119,6 +120,16 @@ def test_fused_moe_kernel_against_the_reference(tokens, experts, k):
     args = moe_inputs(gen, tokens, experts, k, hidden, inter)
     tol = {"atol": 3e-2, "rtol": 3e-2} if GPU else {"atol": 1e-4, "rtol": 1e-4}
     torch.testing.assert_close(fused_moe(*args), fused_moe_ref(*args), **tol)
+
+
+@pytest.mark.parametrize(("experts", "k", "renormalize"), [(128, 8, True), (6, 3, False)])
+def test_route_kernel_picks_what_the_reference_picks(experts, k, renormalize):
+    gen = torch.Generator(device=DEVICE).manual_seed(experts + k)
+    logits = torch.randn(33, experts, generator=gen, device=DEVICE).to(DTYPE)
+    weights, ids = kernel_route(logits, k, renormalize)
+    want_w, want_ids = route(logits, k, renormalize)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(weights, want_w, atol=1e-3, rtol=1e-2)
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ import torch
 from .activation import silu_and_mul, silu_and_mul_ref
 from .attention import paged_attention_ref, paged_decode, paged_prefill, prefill_work
 from .matmul import linear, linear_ref
-from .moe import fused_moe, fused_moe_ref
+from .moe import fused_moe, fused_moe_ref, route, route_ref
 from .norm import rms_norm, rms_norm_ref
 from .rope import rope_and_cache, rope_and_cache_ref
 
@@ -46,6 +46,7 @@ _KERNELS = SimpleNamespace(
     rope_and_cache=rope_and_cache,
     linear=linear if BATCH_INVARIANT else linear_ref,
     fused_moe=fused_moe,
+    route=route,
 )
 _REFERENCES = SimpleNamespace(
     rms_norm=rms_norm_ref,
@@ -53,6 +54,7 @@ _REFERENCES = SimpleNamespace(
     rope_and_cache=rope_and_cache_ref,
     linear=linear_ref,
     fused_moe=fused_moe_ref,
+    route=route_ref,
 )
 
 

@@ -15,6 +15,67 @@ import triton.language as tl
 from torch.nn import functional as F
 
 
+def route_ref(router_logits: torch.Tensor, k: int, renormalize: bool):
+    """(weights [tokens, k] in the logits' dtype, expert ids [tokens, k]): softmax over
+    all experts in fp32, the top k, optionally rescaled to sum to 1 (as HF does)."""
+    probs = F.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+@triton.jit
+def _route_kernel(
+    logits_ptr,
+    weights_ptr,
+    ids_ptr,
+    EXPERTS,
+    K: tl.constexpr,
+    K_P: tl.constexpr,
+    E_P: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+):
+    """One token: softmax over its experts' logits in fp32, the top K (ties to the lower
+    id), optionally rescaled to sum to 1."""
+    t = tl.program_id(0)
+    offs = tl.arange(0, E_P)
+    ok = offs < EXPERTS
+    x = tl.load(logits_ptr + t * EXPERTS + offs, mask=ok, other=float("-inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = tl.where(ok, p, 0.0)
+    p = p / tl.sum(p, axis=0)
+    slots = tl.arange(0, K_P)
+    top_w = tl.zeros((K_P,), tl.float32)
+    top_i = tl.zeros((K_P,), tl.int64)
+    for j in tl.static_range(K):
+        best = tl.max(p, axis=0)
+        at = tl.min(tl.where(p == best, offs, E_P), axis=0)
+        top_w = tl.where(slots == j, best, top_w)
+        top_i = tl.where(slots == j, at, top_i)
+        p = tl.where(offs == at, -1.0, p)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=0)
+    keep = slots < K
+    tl.store(weights_ptr + t * K + slots, top_w.to(weights_ptr.dtype.element_ty), mask=keep)
+    tl.store(ids_ptr + t * K + slots, top_i, mask=keep)
+
+
+def route(router_logits: torch.Tensor, k: int, renormalize: bool):
+    """route_ref's choice in one kernel launch (of ~6 torch ones): each token's program
+    reads only its own logits."""
+    tokens, experts = router_logits.shape
+    weights = torch.empty(tokens, k, dtype=router_logits.dtype, device=router_logits.device)
+    ids = torch.empty(tokens, k, dtype=torch.int64, device=router_logits.device)
+    if tokens:
+        _route_kernel[(tokens,)](
+            router_logits.contiguous(), weights, ids, experts,
+            K=k, K_P=triton.next_power_of_2(k), E_P=triton.next_power_of_2(experts),
+            RENORMALIZE=renormalize, num_warps=1,
+        )  # fmt: skip
+    return weights, ids
+
+
 def fused_moe_ref(x, gate_up, down, weights, ids) -> torch.Tensor:
     """sum_j weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * up[e] @ x[t]), e = ids[t, j].
 
@@ -69,6 +130,15 @@ def align_by_expert(ids: torch.Tensor, experts: int, block_m: int):
 
 
 @triton.jit
+def _block_rows(rows_ptr, block, slots, BLOCK_M: tl.constexpr, ONE_SLOT: tl.constexpr):
+    """The (token, slot) rows of a block; `slots` (no row) for its unused places."""
+    offs = tl.arange(0, BLOCK_M)
+    if ONE_SLOT:
+        return tl.where(offs == 0, block, slots).to(tl.int64)
+    return tl.load(rows_ptr + block * BLOCK_M + offs)
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -83,14 +153,16 @@ def _moe_gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_SLOT: tl.constexpr,
 ):
     """act[slot] = silu(x[token] @ gate[e].T) * (x[token] @ up[e].T) for a block of slots
-    of expert e, BLOCK_N of the intermediate columns."""
+    of expert e, BLOCK_N of the intermediate columns. ONE_SLOT: block b is slot b alone
+    (its expert: the ids, flat), no grouping at all."""
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= EXPERTS:
         return
-    rows = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    rows = _block_rows(rows_ptr, block, slots, BLOCK_M, ONE_SLOT)
     valid = rows < slots
     tokens = rows // TOP_K
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -136,6 +208,7 @@ def _moe_down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    ONE_SLOT: tl.constexpr,
 ):
     """out[slot] = weight[slot] * (act[slot] @ down[e].T), fp32, for a block of slots of
     expert e and BLOCK_N of the hidden columns."""
@@ -143,7 +216,7 @@ def _moe_down_kernel(
     expert = tl.load(block_expert_ptr + block)
     if expert >= EXPERTS:
         return
-    rows = tl.load(rows_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    rows = _block_rows(rows_ptr, block, slots, BLOCK_M, ONE_SLOT)
     valid = rows < slots
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -182,6 +255,13 @@ MOE_BLOCK_K = 32
 MOE_TILES = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
 
 
+# Up to this many (token, slot) rows a step gives each its own block, with no grouping
+# (~12 small torch kernels a layer, more than the matmuls take at batch 1): the rows are
+# computed as in a shared block, bit for bit. Beyond, slots share their experts' weight
+# reads. (Which one a step takes follows its size; no row's bits do.)
+ONE_SLOT_MAX = 64
+
+
 def moe_tiles(slots: int) -> dict:
     """The tiles for a step of `slots` (token, slot) rows: the same for all, see above."""
     return MOE_TILES
@@ -200,17 +280,22 @@ def fused_moe(x, gate_up, down, weights, ids, tiles: dict | None = None) -> torc
     slots = tokens * k
     t = dict(tiles or moe_tiles(slots))
     block_m, block_n = t.pop("BLOCK_M"), t.pop("BLOCK_N")
-    rows, block_expert = align_by_expert(ids, experts, block_m)
+    one_slot = slots <= ONE_SLOT_MAX
+    if one_slot:  # a block per slot: its expert's weights are read once per slot
+        rows, block_expert = ids, ids.reshape(-1)  # (rows: unread)
+    else:
+        rows, block_expert = align_by_expert(ids, experts, block_m)
     blocks = block_expert.shape[0]
     x = x.contiguous()
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
     _moe_gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
-        x, gate_up, act, rows, block_expert, slots, hidden, inter, experts,
-        TOP_K=k, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=MOE_BLOCK_K, **t,
+        x, gate_up, act, rows, block_expert, slots, hidden, inter, experts, TOP_K=k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=MOE_BLOCK_K, ONE_SLOT=one_slot, **t,
     )  # fmt: skip
     out = torch.empty(slots, hidden, dtype=torch.float32, device=x.device)
     _moe_down_kernel[(blocks, triton.cdiv(hidden, block_n))](
         act, down, weights.reshape(-1).contiguous(), out, rows, block_expert, slots,
-        hidden, inter, experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=MOE_BLOCK_K, **t,
+        hidden, inter, experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=MOE_BLOCK_K,
+        ONE_SLOT=one_slot, **t,
     )  # fmt: skip
     return out.view(tokens, k, hidden).sum(dim=1).to(x.dtype)
