@@ -247,8 +247,10 @@ def _moe_down_kernel(
 # Tiles: one set for every size. A (token, slot) row chains its dot products over K in
 # blocks of MOE_BLOCK_K whatever the step, so its bits do not follow the step's size.
 # Tiles that follow the size, as the dense linear's do, changed the bits on the H100
-# (16/16/2 warps at a few slots against 32/64/4 and 64/128/8 at more: the batch-invariance
-# test failed), so the size classes wait for tiles proven to keep them.
+# (BLOCK_M/BLOCK_N/warps 16/16/2 at a few slots against 32/64/4 and 64/128/8 at more:
+# the batch-invariance test failed); a sweep with BLOCK_M 16 and BLOCK_K 128 found other
+# column widths, warps and stages keep them (.probe). Size classes wait for tiles proven
+# to keep the bits and to be faster in the engine (the sweep's, timed eagerly, were not).
 # (On the H100 at batch 1, BLOCK_K 128 with 4 stages runs a layer's gate/up matmul in
 # 20 us, 32 with 3 in 32 us: .probe figures.)
 MOE_BLOCK_K = 128
