@@ -19,6 +19,7 @@ from .kernels import ops, paged_attention_ref, paged_decode, paged_prefill
 from .kernels.prewarm import prewarm_triton
 from .kernels.rows import empty_rows
 from .moe import MoEConfig, SparseMoE, moe_config, stack_experts
+from .tensor_parallel import all_gather_last, all_reduce, rank, shard_config, shard_state
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"}
 
@@ -41,6 +42,7 @@ class LlamaConfig:
     rope_scaling: dict | None = None
     model_type: str = "llama"
     moe: MoEConfig | None = None  # routed experts in place of the dense MLP (moe.py)
+    tp: int = 1  # ranks the model is split over; heads and widths are then one rank's
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint) -> LlamaConfig:
@@ -242,10 +244,11 @@ class DecoderLayer(nn.Module):
 
     def finish(self, attended: torch.Tensor, residual: torch.Tensor):
         """The layer from attention's output on: (x, residual). Token by token: no step
-        metadata."""
-        h = self.self_attn.o_proj(attended.reshape(attended.shape[0], -1))
+        metadata. Split over ranks, o_proj and the MLP's outputs are summed across them."""
+        tp = self.self_attn.cfg.tp
+        h = all_reduce(self.self_attn.o_proj(attended.reshape(attended.shape[0], -1)), tp)
         h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        return all_reduce(self.mlp(h), tp), residual
 
 
 class Backbone(nn.Module):
@@ -253,10 +256,11 @@ class Backbone(nn.Module):
         super().__init__()
         # given its weight, Embedding skips its own init, which on the meta device imports
         # torch._dynamo (seconds of a cold start); elsewhere the same init, done here
-        weight = torch.empty(cfg.vocab_size, cfg.hidden_size, device=device)
+        rows = cfg.vocab_size // cfg.tp  # split over ranks: this rank's share of the vocab
+        weight = torch.empty(rows, cfg.hidden_size, device=device)
         if weight.device.type != "meta":
             nn.init.normal_(weight)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, device) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
 
@@ -269,29 +273,46 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = Backbone(cfg, device)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
+        rows = cfg.vocab_size // cfg.tp
+        self.lm_head = Linear(cfg.hidden_size, rows, bias=False, device=device)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     @torch.inference_mode()
     def hidden_states(self, input_ids, step, k_cache, v_cache) -> torch.Tensor:
         """Final hidden states of `input_ids` (flat, several sequences), per the step."""
-        x, residual = self.model.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         for layer in self.model.layers:
             x, residual = layer(x, residual, step, k_cache, v_cache, self.inv_freq)
         x, _ = self.model.norm(x, residual)
         return x
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings; split over ranks, each looks up the ids in its share of the
+        vocabulary (zeros elsewhere) and the shares are summed."""
+        table, tp = self.model.embed_tokens, self.cfg.tp
+        if tp == 1:
+            return table(input_ids)
+        rows = table.num_embeddings
+        local = input_ids - rank() * rows
+        mine = (local >= 0) & (local < rows)
+        x = table(torch.where(mine, local, 0)) * mine.unsqueeze(-1).to(table.weight.dtype)
+        return all_reduce(x, tp)
+
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return all_gather_last(self.lm_head(hidden).float(), self.cfg.tp)
 
     @classmethod
-    def load(cls, ckpt: Checkpoint, device="cpu", dtype=torch.float32) -> LlamaForCausalLM:
-        """The checkpoint's model on `device`; on CUDA, Triton's set-up runs meanwhile."""
+    def load(
+        cls, ckpt: Checkpoint, device="cpu", dtype=torch.float32, tp: int = 1, tp_rank: int = 0
+    ) -> LlamaForCausalLM:
+        """The checkpoint's model on `device` (with `tp`, rank `tp_rank`'s shard of it:
+        tensor_parallel.py); on CUDA, Triton's set-up runs meanwhile."""
         cfg = LlamaConfig.from_checkpoint(ckpt)
         warming = prewarm_triton() if torch.device(device).type == "cuda" else None
         state = ckpt.load_tensors(device, dtype, together=fused_groups(cfg))
-        model = cls.from_state(cfg, state, ckpt.path)
+        shard_state(state, tp_rank, tp)
+        model = cls.from_state(shard_config(cfg, tp), state, ckpt.path)
         if warming:
             warming.join()
         return model

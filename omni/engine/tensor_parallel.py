@@ -1,0 +1,109 @@
+"""One model over several ranks (GPUs, or CPU processes in tests): tensor parallelism.
+
+Each rank holds a slice of every layer (Megatron's split):
+- attention: its share of the query heads and of the KV heads (and of the KV cache),
+  q/k/v column-parallel, o_proj row-parallel;
+- MLP: its share of the intermediate width, gate/up column-parallel, down row-parallel
+  (for mixtures of experts, every expert's intermediate width: each rank holds a slice of
+  every expert, and the router is replicated);
+- embedding and lm head: its share of the vocabulary.
+
+A row-parallel layer's outputs are partial sums, added across ranks by an all-reduce
+(`torch.distributed`: NCCL on GPUs, gloo on the CPU); the lm head's slices of the logits
+are gathered. Norms, rope and sampling run replicated.
+
+The sharded model's config (shard_config) says what one rank holds: its heads, KV heads,
+intermediate widths, with `tp` the number of ranks; `vocab_size` stays the whole
+vocabulary (embedding and lm head hold vocab_size // tp rows each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import CheckpointError
+
+
+def shard_config(cfg, tp: int):
+    """The config of one rank's shard of `cfg` (a LlamaConfig) over `tp` ranks."""
+    if tp == 1:
+        return cfg
+    need = {
+        "attention heads": cfg.num_heads,
+        "KV heads": cfg.num_kv_heads,
+        "intermediate size": cfg.intermediate_size,
+        "vocabulary": cfg.vocab_size,
+    }
+    if cfg.moe is not None:
+        need["experts' intermediate size"] = cfg.moe.intermediate
+    odd = [f"{what} ({n})" for what, n in need.items() if n % tp]
+    if odd:
+        raise CheckpointError(f"cannot split over {tp} ranks: {', '.join(odd)} not divisible")
+    moe = cfg.moe and dataclasses.replace(cfg.moe, intermediate=cfg.moe.intermediate // tp)
+    return dataclasses.replace(
+        cfg,
+        num_heads=cfg.num_heads // tp,
+        num_kv_heads=cfg.num_kv_heads // tp,
+        intermediate_size=cfg.intermediate_size // tp,
+        moe=moe,
+        tp=tp,
+    )
+
+
+# How each checkpoint tensor is split: by output rows ("rows"), by input columns ("cols");
+# anything else (norms, routers) is replicated. Names as in HF checkpoints, per layer.
+_SPLITS = (
+    ("self_attn.q_proj.", "rows"),
+    ("self_attn.k_proj.", "rows"),
+    ("self_attn.v_proj.", "rows"),
+    ("self_attn.o_proj.weight", "cols"),
+    ("mlp.gate_proj.", "rows"),
+    ("mlp.up_proj.", "rows"),
+    ("mlp.down_proj.weight", "cols"),
+    (".gate_proj.weight", "rows"),  # qwen3_moe experts
+    (".up_proj.weight", "rows"),
+    (".down_proj.weight", "cols"),
+    (".w1.weight", "rows"),  # mixtral experts: gate, up, down
+    (".w3.weight", "rows"),
+    (".w2.weight", "cols"),
+    ("model.embed_tokens.weight", "rows"),
+    ("lm_head.weight", "rows"),
+)
+
+
+def shard_state(state: dict[str, torch.Tensor], rank: int, tp: int) -> None:
+    """Keep this rank's slice of every split tensor of a checkpoint's state (HF names), in
+    place. Slices along the input columns are copied (the kernels want them contiguous)."""
+    if tp == 1:
+        return
+    for name in list(state):
+        how = next((h for key, h in _SPLITS if key in name), None)
+        if how is None:
+            continue
+        t = state[name]
+        dim = 0 if how == "rows" else t.dim() - 1
+        size = t.shape[dim] // tp
+        state[name] = t.narrow(dim, rank * size, size).contiguous()
+
+
+def all_reduce(x: torch.Tensor, tp: int) -> torch.Tensor:
+    """The sum over the ranks of their partial `x` (in place); `x` itself at tp == 1."""
+    if tp > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def all_gather_last(x: torch.Tensor, tp: int) -> torch.Tensor:
+    """The ranks' slices of `x`'s last dimension, concatenated in rank order."""
+    if tp == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0

@@ -1,0 +1,61 @@
+"""Tensor parallelism on the CPU (gloo): a model split over two ranks, each in its own
+process, computes what the whole model computes: the same greedy tokens, logits equal
+up to the order of the ranks' partial sums."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+import pytest
+import torch
+
+from omni.engine.checkpoint import CheckpointError
+from omni.engine.llama import LlamaConfig, LlamaForCausalLM
+from omni.engine.tensor_parallel import shard_config
+
+from ..test_engine import ARCHES, tiny_checkpoint
+from .tp_rank import greedy_steps, run_rank
+
+STEPS = 12
+
+
+def split_run(ckpt_dir, prompts, tp: int, tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    init = tmp_path / "tp-init"
+    procs = [
+        ctx.Process(target=run_rank, args=(r, tp, str(ckpt_dir), prompts, STEPS, str(init), out))
+        for r in range(tp)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        result = out.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return result
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral"])  # dense, biases + tied, MoE
+def test_two_ranks_compute_what_one_computes(arch, tmp_path):
+    _, ckpt = tiny_checkpoint(tmp_path / "ckpt", ARCHES[arch]())
+    rng = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 96, (n,), generator=rng).tolist() for n in (5, 37, 18)]
+    want_tokens, want_logits = greedy_steps(LlamaForCausalLM.load(ckpt), prompts, STEPS)
+    tokens, logits, vocab_rows = split_run(ckpt.path, prompts, 2, tmp_path)
+    assert vocab_rows == 96 // 2  # rank 0 held half the vocabulary (and of each layer)
+    assert tokens == want_tokens
+    for got, want in zip(logits, want_logits, strict=True):
+        torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_model_that_does_not_split_evenly_is_refused(tmp_path):
+    _, ckpt = tiny_checkpoint(tmp_path, ARCHES["qwen3_moe"]())  # one KV head
+    cfg = LlamaConfig.from_checkpoint(ckpt)
+    with pytest.raises(CheckpointError, match=r"KV heads \(1\) not divisible"):
+        shard_config(cfg, 2)
+    half = shard_config(LlamaConfig.from_checkpoint(tiny_checkpoint(
+        tmp_path / "llama", ARCHES["llama"]())[1]), 2)  # fmt: skip
+    assert (half.num_heads, half.num_kv_heads, half.intermediate_size) == (2, 1, 48)
