@@ -39,8 +39,6 @@ class WaitQueue:
         self._front: deque[tuple[int, Sequence]] = deque()
         self._arrivals: deque[tuple[float, int, Sequence]] = deque()
         self._longest: list[tuple[int, int, Sequence]] = []  # heap on -tokens left
-        self._work: dict[int, int] = {}
-        self.work = 0  # prompt tokens plus tokens to generate, over every waiting sequence
 
     def push(self, seq: Sequence) -> None:
         """A new arrival."""
@@ -67,7 +65,6 @@ class WaitQueue:
     def remove(self, seq: Sequence) -> None:
         """Take `seq` out (admitted, finished or aborted); its entries go stale."""
         del self._tickets[seq.seq_id]
-        self.work -= self._work.pop(seq.seq_id)
 
     def __contains__(self, seq: Sequence) -> bool:
         return seq.seq_id in self._tickets
@@ -79,8 +76,6 @@ class WaitQueue:
         if seq.seq_id in self._tickets:
             raise ValueError(f"sequence {seq.seq_id} is already waiting")
         ticket = self._tickets[seq.seq_id] = next(self._next_ticket)
-        self._work[seq.seq_id] = len(seq.token_ids) + tokens_left(seq)
-        self.work += self._work[seq.seq_id]
         return ticket
 
     def _live(self, entry: tuple) -> bool:
