@@ -34,6 +34,7 @@ from .scheduler import Batch, Scheduler
 from .sequence import PLACEHOLDER, Sequence, Status
 from .stops import StopMatcher
 from .tokenizer import StreamDecoder, TextTokenizer
+from .tp_runner import LeaderRunner
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,9 @@ class Engine:
         self._grammars: Grammars | None = None
         self._grammars_lock = threading.Lock()
         self.max_context = model.cfg.max_position
-        self.runner = ModelRunner(model, block_size, num_blocks)
+        # split over ranks (tensor_parallel.py), this is rank 0: its runner leads the others
+        runner = LeaderRunner if model.cfg.tp > 1 else ModelRunner
+        self.runner = runner(model, block_size, num_blocks)
         on_gpu = self.runner.device.type == "cuda"
         if on_gpu:
             builds.install()  # count (and, once warm, log) the steps that wait for Triton
@@ -246,6 +249,7 @@ class Engine:
         while True:
             try:
                 if not self._admit_new():
+                    self.runner.close()
                     return
                 self._drop_cancelled()
                 self._step()

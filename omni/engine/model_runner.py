@@ -14,6 +14,7 @@ from functools import partial
 
 import numpy as np
 import torch
+import torch.distributed
 
 from .block_manager import BlockManager
 from .cuda_graphs import BUCKETS, DecodeGraphs
@@ -43,12 +44,27 @@ class Previous:
 
 
 @dataclass
+class HostInputs:
+    """A step's flat inputs on the host, as they travel: to the device, and (split over
+    ranks) to the other ranks (tp_runner.py)."""
+
+    longs: np.ndarray  # int64: ids, positions, slots, sample_at, fill_at, fill_rows
+    long_sizes: list[int]
+    ints: np.ndarray  # int32: seq_lens, cu_seqlens_q, tables, counts, work
+    int_sizes: list[int]
+    rows: int  # sequences
+    width: int  # block-table columns
+    num_decodes: int
+
+
+@dataclass
 class Prepared:
     """A step's inputs on their way to the device, but for the placeholders' tokens."""
 
     ids: torch.Tensor
     step: StepInputs
     placeholders: tuple[torch.Tensor, torch.Tensor] | None  # (token index, row of previous)
+    host: HostInputs
 
 
 @dataclass
@@ -81,6 +97,10 @@ class ModelRunner:
             2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
         )
         self.num_blocks = num_blocks or max(1, self._cache_bytes() // per_block)
+        if cfg.tp > 1:  # every rank holds the same blocks: the fewest any can
+            n = torch.tensor([self.num_blocks], device=self.device)
+            torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN)
+            self.num_blocks = int(n)
         shape = (cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
@@ -175,7 +195,7 @@ class ModelRunner:
         not wait for the GPU). A decoding sequence whose newest token is still a
         PLACEHOLDER takes it from `previous`, the last step's tokens on the device."""
         inputs = self.prepare_inputs(batch, previous.rows if previous else {})
-        return self.with_placeholders(inputs, previous)
+        return self.with_placeholders(inputs, previous.tokens if previous else None)
 
     def prepare_inputs(self, batch: Batch, previous_rows: dict[int, int]) -> Prepared:
         """prepare() up to the placeholders, which `previous_rows` locate (seq_id -> row of
@@ -222,38 +242,56 @@ class ModelRunner:
         longs = [ids, positions, slots, sample_at, fill_at, fill_rows]
         ints = [seq_lens, np.concatenate(([0], ends)), tables.ravel()]
         ints += [[num_decodes, len(work)], work.ravel()]
-        ids_d, positions_d, slots_d, sample_d, at_d, rows_d = self._to_device(longs, np.int64)
-        seq_lens_d, cu_d, tables_d, counts_d, work_d = self._to_device(ints, np.int32)
+        host = HostInputs(
+            longs=np.concatenate([np.asarray(p, dtype=np.int64) for p in longs]),
+            long_sizes=[len(p) for p in longs],
+            ints=np.concatenate([np.asarray(p, dtype=np.int32) for p in ints]),
+            int_sizes=[len(p) for p in ints],
+            rows=b,
+            width=width,
+            num_decodes=num_decodes,
+        )
+        return self.upload(host)
+
+    def upload(self, host: HostInputs) -> Prepared:
+        """The host inputs on the device, in two copies from pinned memory (they do not
+        wait for the GPU)."""
+        ids_d, positions_d, slots_d, sample_d, at_d, rows_d = self._to_device(
+            host.longs, host.long_sizes
+        )
+        seq_lens_d, cu_d, tables_d, counts_d, work_d = self._to_device(host.ints, host.int_sizes)
         step = StepInputs(
             positions=positions_d,
             slot_mapping=slots_d,
-            block_tables=tables_d.view(b, width),
+            block_tables=tables_d.view(host.rows, host.width),
             seq_lens=seq_lens_d,
             cu_seqlens_q=cu_d,
-            num_decodes=num_decodes,
+            num_decodes=host.num_decodes,
             counts=counts_d,
             work=work_d.view(-1, 2),
             sample_at=sample_d,
         )
-        return Prepared(ids_d, step, (at_d, rows_d) if fill_at else None)
+        has_placeholders = host.long_sizes[4] > 0
+        return Prepared(ids_d, step, (at_d, rows_d) if has_placeholders else None, host)
 
     @staticmethod
     def with_placeholders(
-        inputs: Prepared, previous: Previous | None
+        inputs: Prepared, previous_tokens: torch.Tensor | None
     ) -> tuple[torch.Tensor, StepInputs]:
         """The inputs with the placeholders taken from the last step's tokens on the
         device (queued after the step that makes them)."""
         if inputs.placeholders is not None:
             at, rows = inputs.placeholders
-            inputs.ids[at] = previous.tokens[rows]
+            inputs.ids[at] = previous_tokens[rows]
         return inputs.ids, inputs.step
 
-    def _to_device(self, parts: list, dtype: type) -> list[torch.Tensor]:
-        """The parts, in one copy from pinned memory (it does not wait for the GPU)."""
-        host = torch.from_numpy(np.concatenate([np.asarray(p, dtype=dtype) for p in parts]))
+    def _to_device(self, flat: np.ndarray, sizes: list[int]) -> list[torch.Tensor]:
+        """The parts of `flat`, in one copy from pinned memory (it does not wait for the
+        GPU)."""
+        host = torch.from_numpy(flat)
         if self.device.type == "cuda":
             host = host.pin_memory().to(self.device, non_blocking=True)
-        return list(host.split([len(p) for p in parts]))
+        return list(host.split(sizes))
 
     @torch.inference_mode()
     def run(
@@ -266,14 +304,20 @@ class ModelRunner:
         """Logits of each sampling sequence's last token (or of every token). Launches the
         step and returns without waiting for the GPU. `inputs`: prepared ahead."""
         if inputs is None:
-            ids, step = self.prepare(batch, previous)
-        else:
-            ids, step = self.with_placeholders(inputs, previous)
+            inputs = self.prepare_inputs(batch, previous.rows if previous else {})
+        return self.run_inputs(inputs, previous.tokens if previous else None, all_logits)
+
+    @torch.inference_mode()
+    def run_inputs(
+        self, inputs: Prepared, previous_tokens: torch.Tensor | None, all_logits: bool = False
+    ) -> torch.Tensor:
+        """run() on prepared inputs: the batch itself is not needed."""
+        ids, step = self.with_placeholders(inputs, previous_tokens)
         if (
             self.graphs
             and step.decode_only
             and not all_logits
-            and self.graphs.bucket(len(batch.seqs))
+            and self.graphs.bucket(step.seq_lens.shape[0])
         ):
             return self.graphs.run(ids, step)  # every decoding sequence samples
         if self.mixed and not all_logits and self.mixed.fits(step, len(ids)):
@@ -284,6 +328,9 @@ class ModelRunner:
             rows = empty_rows(len(step.sample_at), hidden.shape[1], hidden.dtype, hidden.device)
             hidden = torch.index_select(hidden, 0, step.sample_at, out=rows)  # feeds the lm head
         return self.model.logits(hidden)
+
+    def close(self) -> None:
+        """Done (the engine shuts down); split over ranks, the others stop too."""
 
 
 class SoloSequence:

@@ -59,3 +59,39 @@ def test_a_model_that_does_not_split_evenly_is_refused(tmp_path):
     half = shard_config(LlamaConfig.from_checkpoint(tiny_checkpoint(
         tmp_path / "llama", ARCHES["llama"]())[1]), 2)  # fmt: skip
     assert (half.num_heads, half.num_kv_heads, half.intermediate_size) == (2, 1, 48)
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_an_engine_over_two_ranks_serves_what_one_serves(arch, tmp_path):
+    """Rank 0 schedules, samples and streams; rank 1 follows its runner. Chunked prompts,
+    mixed steps, a seeded sampled request and a prefix-cache hit: the same tokens."""
+    from omni.engine.engine import Engine
+    from omni.engine.sampling import SamplingParams
+    from omni.engine.tokenizer import TextTokenizer
+
+    from .runs import run_requests, tokens
+    from .tp_rank import ENGINE, serve, serve_rank
+
+    _, ckpt = tiny_checkpoint(tmp_path / "ckpt", ARCHES[arch]())
+    rng = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 96, (n,), generator=rng).tolist() for n in (9, 30, 17)]
+    engine = Engine(LlamaForCausalLM.load(ckpt), TextTokenizer(ckpt), **ENGINE)
+    try:
+        want = serve(engine, prompts, run_requests, tokens, SamplingParams)
+    finally:
+        engine.shutdown()
+    ctx = multiprocessing.get_context("spawn")
+    out = ctx.Queue()
+    init = str(tmp_path / "tp-init")
+    args = (2, str(ckpt.path), prompts, init, out)
+    procs = [ctx.Process(target=serve_rank, args=(r, *args)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        got = out.get(timeout=120)
+    finally:
+        for p in procs:
+            p.join(timeout=60)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    assert got == want
+    assert len(got[3]) == 16 and got[3] != got[0]  # the sampled one ran, and sampled

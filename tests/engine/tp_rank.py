@@ -50,3 +50,44 @@ def run_rank(rank: int, tp: int, ckpt: str, prompts, steps: int, init_file: str,
             out.put((tokens, arrays, model.model.embed_tokens.num_embeddings))
     finally:
         dist.destroy_process_group()
+
+
+def serve_rank(rank: int, tp: int, ckpt: str, prompts, init_file: str, out) -> None:
+    """Rank 0 serves `prompts` with an Engine (greedy, and one seeded sampled request);
+    the other ranks follow its runner."""
+    from omni.engine.engine import Engine
+    from omni.engine.model_runner import ModelRunner
+    from omni.engine.sampling import SamplingParams
+    from omni.engine.tokenizer import TextTokenizer
+    from omni.engine.tp_runner import follow
+
+    from .runs import run_requests, tokens
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp)
+    try:
+        torch.set_num_threads(1)
+        checkpoint = Checkpoint.open(Path(ckpt))
+        model = LlamaForCausalLM.load(checkpoint, tp=tp, tp_rank=rank)
+        if rank:
+            follow(ModelRunner(model, ENGINE["block_size"], ENGINE["num_blocks"]))
+            return
+        engine = Engine(model, TextTokenizer(checkpoint), **ENGINE)
+        try:
+            out.put(serve(engine, prompts, run_requests, tokens, SamplingParams))
+        finally:
+            engine.shutdown()
+    finally:
+        dist.destroy_process_group()
+
+
+# small pool and step budget: chunked prompts, mixed steps, prefix-cache hits
+ENGINE = {"block_size": 8, "num_blocks": 40, "max_batch_tokens": 24}
+
+
+def serve(engine, prompts, run_requests, tokens, SamplingParams) -> list[list[int]]:
+    greedy = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)
+    results = run_requests(engine, prompts, greedy)
+    results += run_requests(engine, prompts[:1], sampled)
+    results += run_requests(engine, prompts[:1], greedy)  # its prefix is cached now
+    return [tokens(r) for r in results]
