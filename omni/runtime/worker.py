@@ -12,6 +12,7 @@ import ctypes
 import logging
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -42,10 +43,12 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
 
         on_gpu = torch.cuda.is_available()
         device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
+        tp = int(os.environ.get(TENSOR_PARALLEL_ENV) or 1)
+        if tp > 1:
+            start_ranks(ckpt, tp, on_gpu)
         gate = YieldGate.from_env()
-        engine = Engine(
-            LlamaForCausalLM.load(ckpt, device, dtype), TextTokenizer(ckpt), before_step=gate
-        )
+        model = LlamaForCausalLM.load(ckpt, device, dtype, tp=tp)
+        engine = Engine(model, TextTokenizer(ckpt), before_step=gate)
         engine.warm_up(when_idle=True)  # serve at once; compile between requests
         if not on_gpu and os.environ.get("OMNI_CUDA_CONTROL"):
             account_on_shim(engine.memory_bytes())
@@ -75,6 +78,64 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
 
     app.router.add_get("/health", health)
     return app
+
+
+TENSOR_PARALLEL_ENV = "OMNI_TENSOR_PARALLEL"  # ranks (GPUs) the model is split over
+
+
+def start_ranks(ckpt: Checkpoint, tp: int, on_gpu: bool) -> None:
+    """This process is rank 0 of `tp`: start the other ranks as its own children (so they
+    share its sandbox: cgroup, namespaces, view), join them in one process group, and
+    end the whole instance if one of them dies (omnid then restarts it)."""
+    import multiprocessing
+    import multiprocessing.connection
+    import tempfile
+
+    import torch.distributed as dist
+
+    init = f"file://{tempfile.mkdtemp(prefix='omni-tp-')}/rendezvous"
+    ctx = multiprocessing.get_context("spawn")
+    ranks = [
+        ctx.Process(
+            target=follow_rank,
+            args=(str(ckpt.path), rank, tp, init, on_gpu),
+            name=f"omni-rank-{rank}",
+            daemon=True,
+        )
+        for rank in range(1, tp)
+    ]
+    for proc in ranks:
+        proc.start()
+    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=init, rank=0, world_size=tp)
+
+    def watch() -> None:
+        sentinels = {proc.sentinel: proc for proc in ranks}
+        ended = multiprocessing.connection.wait(list(sentinels))
+        proc = sentinels[ended[0]]
+        log.error("rank %s exited (%s): the instance ends", proc.name, proc.exitcode)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="omni-rank-watch", daemon=True).start()
+
+
+def follow_rank(model_dir: str, rank: int, tp: int, init: str, on_gpu: bool) -> None:
+    """A rank > 0: load its shard and do what rank 0's runner does (tp_runner.follow)."""
+    import torch
+    import torch.distributed as dist
+
+    from omni.engine.llama import LlamaForCausalLM
+    from omni.engine.model_runner import ModelRunner
+    from omni.engine.tp_runner import follow
+
+    setup_logging(f"rank[{rank}]")
+    if on_gpu:
+        torch.cuda.set_device(rank)
+    device, dtype = (f"cuda:{rank}", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
+    dist.init_process_group(
+        "nccl" if on_gpu else "gloo", init_method=init, rank=rank, world_size=tp
+    )
+    model = LlamaForCausalLM.load(Checkpoint.open(Path(model_dir)), device, dtype, tp, rank)
+    follow(ModelRunner(model))
 
 
 _SHIM_STAND_IN: list[ctypes.c_void_p] = []  # kept alive for the process's lifetime

@@ -1,0 +1,71 @@
+"""An instance split over two ranks (CPU, gloo): the worker starts its other rank as a
+child, serves what a one-rank worker serves, and ends when a rank dies."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+import psutil
+
+from .test_engine import ARCHES, tiny_checkpoint
+
+PROMPT = "t5 t17 t3 t40 t8 t9 t61"
+
+
+def start(model_dir, socket, tp: int) -> subprocess.Popen:
+    env = os.environ | {"OMNI_TENSOR_PARALLEL": str(tp), "OMNI_TORCH_THREADS": "1"}
+    argv = [sys.executable, "-m", "omni.runtime.worker", "--name", "tiny"]
+    argv += ["--model-dir", str(model_dir), "--socket", str(socket)]
+    return subprocess.Popen(argv, env=env)
+
+
+def complete(socket) -> str:
+    async def ask() -> str:
+        connector = aiohttp.UnixConnector(path=str(socket))
+        async with aiohttp.ClientSession(connector=connector) as session:
+            body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+            async with session.post("http://instance/v1/completions", json=body) as resp:
+                assert resp.status == 200, await resp.text()
+                return (await resp.json())["choices"][0]["text"]
+
+    return asyncio.run(ask())
+
+
+def wait_ready(proc, socket, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not socket.exists():
+        assert proc.poll() is None, f"worker exited with {proc.returncode}"
+        assert time.monotonic() < deadline, "worker not ready"
+        time.sleep(0.2)
+
+
+def test_two_ranks_serve_what_one_serves_and_die_together(tmp_path):
+    _, ckpt = tiny_checkpoint(tmp_path / "ckpt", ARCHES["llama"]())
+    texts = {}
+    for tp in (1, 2):
+        socket = tmp_path / f"tp{tp}.sock"
+        proc = start(ckpt.path, socket, tp)
+        try:
+            wait_ready(proc, socket)
+            texts[tp] = complete(socket)
+            if tp == 2:
+                children = {p: " ".join(p.cmdline()) for p in psutil.Process(proc.pid).children()}
+                ranks = [
+                    p
+                    for p, cmd in children.items()
+                    if "spawn_main" in cmd and "resource_tracker" not in cmd
+                ]
+                assert len(ranks) == 1, children  # rank 1, a child of the worker (rank 0)
+                ranks[0].send_signal(signal.SIGKILL)
+                assert proc.wait(timeout=30) == 1  # the instance ends with its rank
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                proc.wait(timeout=30)
+    assert texts[2] == texts[1] and texts[1]
