@@ -125,6 +125,12 @@ def test_backoff_doubles_caps_and_resets_after_stable_uptime():
         ("[[models]]\nname = 'x'\npath = '/x'\npermits = 0", r"models\[0\].permits"),
         ("[[models]]\nname = 'x'\npath = '/x'\ncold = true", r"models\[0\].cold: only with"),
         ("[[models]]\nname = 'x'\npath = '/x'\ntool_parser = 'xml'", r"models\[0\].tool_parser"),
+        ("[[models]]\nname = 'x'\npath = '/x'\ntensor_parallel = 0", r"\[0\].tensor_parallel"),
+        (
+            "[[gpus]]\nindex = 0\nbudget = '1GiB'\n[[models]]\nname = 'x'\npath = '/x'\n"
+            "gpu = 0\nquota = '1GiB'\ntensor_parallel = 2",
+            r"models\[0\].tensor_parallel: an instance over several GPUs is not supported yet",
+        ),
         ("default_models = 'yes'", "'default_models' must be true or false"),
         ("listen = 1", "'listen' must be 'host:port'"),
         ("listen = 'localhost'", "'listen' must be 'host:port'"),

@@ -9,10 +9,12 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 import psutil
 
+from .checkpoints import tiny_llama
 from .test_engine import ARCHES, tiny_checkpoint
 
 PROMPT = "t5 t17 t3 t40 t8 t9 t61"
@@ -69,3 +71,41 @@ def test_two_ranks_serve_what_one_serves_and_die_together(tmp_path):
                 proc.send_signal(signal.SIGTERM)
                 proc.wait(timeout=30)
     assert texts[2] == texts[1] and texts[1]
+
+
+def test_omnid_runs_both_ranks_in_the_instance_sandbox(tmp_path):
+    """`tensor_parallel = 2` in the models file: the instance's two ranks are processes of
+    one sandbox (the same cgroups), and it serves what one rank serves."""
+    from .conftest import running_server
+
+    model = tiny_llama(tmp_path / "tiny")  # world-readable, as sandboxes need
+    config = tmp_path / "omnid.toml"
+    config.write_text(
+        f'default_models = false\n[[models]]\nname = "tiny"\npath = "{model}"\n'
+        "tensor_parallel = 2\n"
+    )
+    (tmp_path / "srv").mkdir()
+    with running_server(tmp_path / "srv", "--config", str(config), ready=("tiny",)) as server:
+        body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "temperature": 0}
+        import httpx
+
+        resp = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        text = resp.json()["choices"][0]["text"]
+        pid = server.instances()["tiny"]["pid"]
+        family = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        ranks = [p for p in family if "spawn_main" in " ".join(p.cmdline())]
+        ranks = [p for p in ranks if "resource_tracker" not in " ".join(p.cmdline())]
+        assert len(ranks) == 1, [p.cmdline() for p in family]
+        worker = next(p for p in family if "omni.runtime.worker" in " ".join(p.cmdline()))
+        cgroups = {p.pid: Path(f"/proc/{p.pid}/cgroup").read_text() for p in (worker, ranks[0])}
+        assert cgroups[worker.pid] == cgroups[ranks[0].pid]
+        assert "omni" in cgroups[worker.pid], cgroups  # the instance's own cgroup
+    socket = tmp_path / "one.sock"
+    proc = start(model, socket, 1)
+    try:
+        wait_ready(proc, socket)
+        assert complete(socket) == text
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)

@@ -46,6 +46,7 @@ def parse_size(value) -> int:
 
 
 TOOL_PARSER_ENV = "OMNI_TOOL_PARSER"  # the instance reads its tool_parser here
+TENSOR_PARALLEL_ENV = "OMNI_TENSOR_PARALLEL"  # ... and how many ranks it runs
 RUNTIMES = {"omni"}  # the engine instances run; the catalog names it so others can follow
 
 
@@ -57,6 +58,7 @@ class Placement:
     quota_bytes: int | None = None  # GPU memory, enforced by the shim
     permits: int = 64  # requests at the instance at once; more wait, then get 429
     cold: bool = False  # load, then swap out at once
+    tensor_parallel: int = 1  # ranks (processes) the model is split over, in one sandbox
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,7 @@ class ModelEntry:
             "quota_bytes": self.placement.quota_bytes,
             "permits": self.placement.permits,
             "cold": self.placement.cold,
+            "tensor_parallel": self.placement.tensor_parallel,
             "version": self.version,
             "tool_parser": self.tool_parser,
         }
@@ -172,6 +175,7 @@ MODEL_KEYS = {
     "permits",
     "cold",
     "tool_parser",
+    "tensor_parallel",
 }
 GPU_KEYS = {"index", "budget"}
 
@@ -240,7 +244,13 @@ def placement_from(item: dict, where: str, gpus: dict[int, int] | None) -> Place
         raise CatalogError(f"{where}.cold: must be true or false")
     if cold and gpu is None:
         raise CatalogError(f"{where}.cold: only with 'gpu' (a CPU instance cannot swap)")
-    return Placement(gpu, quota, permits, cold)
+    tp = _positive_int(item, "tensor_parallel", where) if "tensor_parallel" in item else 1
+    if tp > 1 and gpu is not None:
+        raise CatalogError(
+            f"{where}.tensor_parallel: an instance over several GPUs is not supported yet "
+            "(the CPU path only)"
+        )
+    return Placement(gpu, quota, permits, cold, tp)
 
 
 def _tables(data: dict, key: str, path: Path, allowed: set[str]) -> Iterator[tuple[str, dict]]:

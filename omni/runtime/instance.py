@@ -28,7 +28,7 @@ from omni.cudashim import ControlBlock, Mode
 from omni.cudashim import instance_env as shim_env
 from omni.isolation.sandbox import ExitStatus, Sandbox, SandboxSpec
 
-from .catalog import TOOL_PARSER_ENV, ModelEntry
+from .catalog import TENSOR_PARALLEL_ENV, TOOL_PARSER_ENV, ModelEntry
 from .code import InstanceCode
 from .gpuyield import ENV as YIELD_ENV
 from .gpuyield import YieldFlag
@@ -222,6 +222,8 @@ class Instance:
             env["OMNI_MEMORY_LIMIT_BYTES"] = str(self.entry.limits.memory_bytes)
         if self.entry.tool_parser:
             env[TOOL_PARSER_ENV] = self.entry.tool_parser
+        if self.entry.placement.tensor_parallel > 1:
+            env[TENSOR_PARALLEL_ENV] = str(self.entry.placement.tensor_parallel)
         gpus, extra_ro = None, ()
         if self.gpu is not None:
             index = self.gpu.pool.index

@@ -22,7 +22,7 @@ from omni.api.errors import error_middleware, json_response
 from omni.engine.checkpoint import Checkpoint
 from omni.logs import setup_logging
 
-from .catalog import TOOL_PARSER_ENV
+from .catalog import TENSOR_PARALLEL_ENV, TOOL_PARSER_ENV
 from .code import PACKAGE_ENV, check_package
 from .gpuyield import YieldGate
 
@@ -80,9 +80,6 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
     return app
 
 
-TENSOR_PARALLEL_ENV = "OMNI_TENSOR_PARALLEL"  # ranks (GPUs) the model is split over
-
-
 def start_ranks(ckpt: Checkpoint, tp: int, on_gpu: bool) -> None:
     """This process is rank 0 of `tp`: start the other ranks as its own children (so they
     share its sandbox: cgroup, namespaces, view), join them in one process group, and
@@ -94,6 +91,7 @@ def start_ranks(ckpt: Checkpoint, tp: int, on_gpu: bool) -> None:
     import torch.distributed as dist
 
     init = f"file://{tempfile.mkdtemp(prefix='omni-tp-')}/rendezvous"
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # a sandbox has loopback only
     ctx = multiprocessing.get_context("spawn")
     ranks = [
         ctx.Process(
