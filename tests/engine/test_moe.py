@@ -141,7 +141,7 @@ def test_route_kernel_picks_what_the_reference_picks(experts, k, renormalize):
 @pytest.mark.gpu
 def test_fused_moe_rows_do_not_depend_on_the_batch():
     """Bit for bit: a token's output alone, among a few and among many (its experts'
-    blocks then hold other tokens), each size with its own tiles (moe_tiles' classes)."""
+    blocks then hold other tokens), on the one-slot path (1 and 7 tokens) and grouped."""
     gen = torch.Generator(device=DEVICE).manual_seed(7)
     x, gate_up, down, weights, ids = moe_inputs(gen, 1200, 8, 2, 1024, 512)
     full = fused_moe(x, gate_up, down, weights, ids)

@@ -264,23 +264,17 @@ MOE_TILES = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 4}
 ONE_SLOT_MAX = 64
 
 
-def moe_tiles(slots: int) -> dict:
-    """The tiles for a step of `slots` (token, slot) rows: the same for all, see above."""
-    return MOE_TILES
-
-
-def fused_moe(x, gate_up, down, weights, ids, tiles: dict | None = None) -> torch.Tensor:
+def fused_moe(x, gate_up, down, weights, ids) -> torch.Tensor:
     """fused_moe_ref's sums with the Triton kernels: tokens grouped by expert on the
     device (align_by_expert), the gate/up matmul with SiLU-and-mul, then the down matmul
     times the routing weight, per (token, slot); the k slots summed per token in fp32,
     in order. Each (token, slot) row is its own chain of dot products over K, whatever
-    other rows share its block: a token's output does not depend on its neighbours.
-    `tiles`: moe_tiles' keys, to override them (tests)."""
+    other rows share its block: a token's output does not depend on its neighbours."""
     tokens, k = ids.shape
     experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
     slots = tokens * k
-    t = dict(tiles or moe_tiles(slots))
+    t = dict(MOE_TILES)
     block_m, block_n = t.pop("BLOCK_M"), t.pop("BLOCK_N")
     one_slot = slots <= ONE_SLOT_MAX
     if one_slot:  # a block per slot: its expert's weights are read once per slot
