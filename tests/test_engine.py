@@ -24,7 +24,7 @@ from omni.engine.tokenizer import TextTokenizer
 from omni.runtime.defaults import SMOLLM_FILE, SMOLLM_PACKAGE, package_dir
 
 from .checkpoints import save_word_level_tokenizer
-from .engine.runs import run_requests, tokens
+from .engine.runs import greedy_steps, run_requests, tokens
 
 TEXTS = ["Hello, world! 12345 café 🚀 naïve", "  two spaces\n\ttab", "def f(x):\n    return x**2"]
 
@@ -264,29 +264,9 @@ def test_batched_prefill_and_decode_on_the_gpu_match_the_cpu_path(arch, tmp_path
     _, ckpt = tiny_checkpoint(tmp_path, ARCHES[arch]())
     cpu, gpu = LlamaForCausalLM.load(ckpt), LlamaForCausalLM.load(ckpt, device="cuda")
     prompts = [torch.randint(0, 96, (n,)).tolist() for n in (5, 40, 17)]
-
-    def generate(model, forced: list[list[int]] | None = None):
-        """Per-step logits and the tokens fed back (the CPU's, for the GPU run)."""
-        runner = ModelRunner(model, block_size=16, num_blocks=32)
-        blocks = BlockManager(runner.num_blocks, runner.block_size)
-        seqs = [Sequence(token_ids=list(p)) for p in prompts]
-        for seq in seqs:
-            blocks.allocate(seq)
-        batch, out, fed = Batch(seqs, [len(p) for p in prompts]), [], []
-        for step in range(8):  # a mixed prefill step, then decode-only steps
-            logits = runner.run(batch).float().cpu()
-            tokens = forced[step] if forced else [int(r.argmax()) for r in logits]
-            out.append(logits)
-            fed.append(tokens)
-            for seq, n, token in zip(seqs, batch.num_tokens, tokens, strict=True):
-                seq.num_computed += n
-                seq.token_ids.append(token)
-                blocks.append_slot(seq)
-            batch = Batch(seqs, [1] * len(seqs))
-        return out, fed
-
-    want, tokens = generate(cpu)
-    got, _ = generate(gpu, forced=tokens)
+    # a mixed prefill step, then decode-only steps; the GPU fed the CPU's tokens
+    tokens, want = greedy_steps(cpu, prompts, 8)
+    _, got = greedy_steps(gpu, prompts, 8, forced=tokens)
     for w, g in zip(want, got, strict=True):
         torch.testing.assert_close(g, w, atol=2e-2, rtol=2e-2)  # TF32 dot products
 

@@ -19,14 +19,13 @@ from .tp_rank import greedy_steps, run_rank
 STEPS = 12
 
 
-def split_run(ckpt_dir, prompts, tp: int, tmp_path):
+def run_ranks(target, tp: int, tmp_path, *args):
+    """target(rank, tp, *args, rendezvous file, queue) in one spawned process per rank;
+    what rank 0 puts on the queue."""
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()
-    init = tmp_path / "tp-init"
-    procs = [
-        ctx.Process(target=run_rank, args=(r, tp, str(ckpt_dir), prompts, STEPS, str(init), out))
-        for r in range(tp)
-    ]
+    init = str(tmp_path / "tp-init")
+    procs = [ctx.Process(target=target, args=(r, tp, *args, init, out)) for r in range(tp)]
     for p in procs:
         p.start()
     try:
@@ -44,7 +43,7 @@ def test_two_ranks_compute_what_one_computes(arch, tmp_path):
     rng = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 96, (n,), generator=rng).tolist() for n in (5, 37, 18)]
     want_tokens, want_logits = greedy_steps(LlamaForCausalLM.load(ckpt), prompts, STEPS)
-    tokens, logits, vocab_rows = split_run(ckpt.path, prompts, 2, tmp_path)
+    tokens, logits, vocab_rows = run_ranks(run_rank, 2, tmp_path, str(ckpt.path), prompts, STEPS)
     assert vocab_rows == 96 // 2  # rank 0 held half the vocabulary (and of each layer)
     assert tokens == want_tokens
     for got, want in zip(logits, want_logits, strict=True):
@@ -66,10 +65,8 @@ def test_an_engine_over_two_ranks_serves_what_one_serves(arch, tmp_path):
     """Rank 0 schedules, samples and streams; rank 1 follows its runner. Chunked prompts,
     mixed steps, a seeded sampled request and a prefix-cache hit: the same tokens."""
     from omni.engine.engine import Engine
-    from omni.engine.sampling import SamplingParams
     from omni.engine.tokenizer import TextTokenizer
 
-    from .runs import run_requests, tokens
     from .tp_rank import ENGINE, serve, serve_rank
 
     _, ckpt = tiny_checkpoint(tmp_path / "ckpt", ARCHES[arch]())
@@ -77,21 +74,9 @@ def test_an_engine_over_two_ranks_serves_what_one_serves(arch, tmp_path):
     prompts = [torch.randint(0, 96, (n,), generator=rng).tolist() for n in (9, 30, 17)]
     engine = Engine(LlamaForCausalLM.load(ckpt), TextTokenizer(ckpt), **ENGINE)
     try:
-        want = serve(engine, prompts, run_requests, tokens, SamplingParams)
+        want = serve(engine, prompts)
     finally:
         engine.shutdown()
-    ctx = multiprocessing.get_context("spawn")
-    out = ctx.Queue()
-    init = str(tmp_path / "tp-init")
-    args = (2, str(ckpt.path), prompts, init, out)
-    procs = [ctx.Process(target=serve_rank, args=(r, *args)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        got = out.get(timeout=120)
-    finally:
-        for p in procs:
-            p.join(timeout=60)
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    got = run_ranks(serve_rank, 2, tmp_path, str(ckpt.path), prompts)
     assert got == want
     assert len(got[3]) == 16 and got[3] != got[0]  # the sampled one ran, and sampled
