@@ -8,7 +8,25 @@ nowhere (cache slot -1) and their outputs are dropped.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+
+
+def capture_graph(forward: Callable[[], torch.Tensor], pool) -> tuple:
+    """(graph, its output): `forward` run once on a side stream first (which compiles its
+    kernels for these shapes: its writes must be harmless), then captured into a graph
+    whose memory comes from `pool`."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        output = forward()
+    return graph, output
+
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 448, 512)
 
@@ -71,15 +89,7 @@ class DecodeGraphs:
         step = self._static_step(b)
         # the warm-up below runs for real: slots a past step left here are live K/V
         self.slots[:b].fill_(-1)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up: compiles the kernels for these shapes
-            self._forward(b, step)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[b] = self._forward(b, step)
-        self.graphs[b] = graph
+        self.graphs[b], self.outputs[b] = capture_graph(lambda: self._forward(b, step), self.pool)
 
     def _forward(self, b: int, step) -> torch.Tensor:
         hidden = self.model.hidden_states(self.ids[:b], step, self.k_cache, self.v_cache)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from .cuda_graphs import capture_graph
 from .kernels.attention import PREFILL_BLOCK_M
 
 # Up to 1,024 tokens: from there a step's GPU time (~27 ms on the H100) outlasts its eager
@@ -100,15 +101,7 @@ class MixedGraphs:
         # no attention work (counts 0) reads what past steps left in the tables
         self.slots[:b].fill_(-1)
         self.counts.zero_()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm up: compiles the kernels for these shapes
-            self._forward(b, step)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.outputs[b] = self._forward(b, step)
-        self.graphs[b] = graph
+        self.graphs[b], self.outputs[b] = capture_graph(lambda: self._forward(b, step), self.pool)
 
     def _forward(self, b: int, step) -> torch.Tensor:
         return self.model.hidden_states(self.ids[:b], step, self.k_cache, self.v_cache)
