@@ -3,7 +3,10 @@
 Bin packing, largest instance first, against each GPU's budget times its overcommit ratio,
 within each model's hardware profile (GPU kinds, minimum GPU memory) and location rules
 (allowed/denied locations, spread across locations for availability). Two replicas of one
-model never share a GPU: one GPU failing must not take out two of them.
+model never share a GPU: one GPU failing must not take out two of them. A model split
+over several GPUs (`gpus` > 1: tensor parallelism) takes that many GPUs of one node per
+replica, its quota on each; such instances are placed before the one-GPU ones (they need
+room on several GPUs at once), and consolidation leaves their GPUs alone.
 
 A re-placement starts from the current placements and keeps every one that is still valid
 and still wanted, so a change in demand moves few instances (a move restarts an instance
@@ -68,6 +71,7 @@ class ModelSpec:
     denied_locations: frozenset[str] = frozenset()
     spread: int = 1
     demand: dict[str, float] = field(default_factory=dict)
+    gpus: int = 1  # GPUs of one node each instance spans, `quota_bytes` on each
 
     def __post_init__(self) -> None:
         self.gpu_kinds = frozenset(self.gpu_kinds)
@@ -77,6 +81,8 @@ class ModelSpec:
             raise ValueError(f"{self.name}: quota_bytes must be positive")
         if self.replicas < 0 or self.spread < 1:
             raise ValueError(f"{self.name}: replicas must be >= 0 and spread >= 1")
+        if self.gpus < 1:
+            raise ValueError(f"{self.name}: gpus must be >= 1")
         if any(not (w >= 0 and math.isfinite(w)) for w in self.demand.values()):
             raise ValueError(f"{self.name}: demand weights must be finite and >= 0")
 
@@ -92,10 +98,19 @@ class ModelSpec:
 
 @dataclass(frozen=True, slots=True)
 class Placement:
+    """`gpu`: the GPU (a multi-GPU instance's first); `gpus`: all of a multi-GPU
+    instance's, rank 0's first (empty for a one-GPU instance)."""
+
     model: str
     replica: int
     node: str
     gpu: int
+    gpus: tuple[int, ...] = ()
+
+    @property
+    def where(self) -> tuple:
+        """The GPUs it holds, as a key: a move is a change of this."""
+        return (self.node, self.gpus or self.gpu)
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,18 +232,21 @@ class _Packer:
         self.inst: dict[str, dict[int, int]] = {m: {} for m in self.specs}
         self.locs: dict[str, Counter[str]] = {m: Counter() for m in self.specs}
         self.origin: set[tuple[str, int]] = set()  # (model, gpu id) kept from current
+        # multi-GPU models: (replica, their gpu ids) per instance (-1: started by this call)
+        self.multi: dict[str, list[tuple[int, tuple[int, ...]]]] = {m: [] for m in self.specs}
         self.unplaced: list[tuple[str, str]] = []
 
     # -- keeping what runs ------------------------------------------------------------------
 
     def keep(self, current: list[Placement]) -> None:
         """Keep current placements still valid and wanted; drop surplus, then fix overflow."""
+        self._keep_multi(current)
         kept: dict[str, list[tuple[int, int]]] = defaultdict(list)
         seen: set[tuple[str, int]] = set()
         for p in current:
             spec = self.specs.get(p.model)
             g = self.gid.get((p.node, p.gpu))
-            if spec is None or g is None or (p.model, g) in seen:
+            if spec is None or spec.gpus > 1 or g is None or (p.model, g) in seen:
                 continue
             if self.pool_of[g].id not in self.eligible_ids[p.model]:
                 continue
@@ -266,6 +284,58 @@ class _Packer:
         for pool in self.pools:
             pool.used.sort()
 
+    def _keep_multi(self, current: list[Placement]) -> None:
+        """Keep the multi-GPU instances of `current` that still fit: as many GPUs as the
+        model spans, all of one node, all eligible and not held by another of its
+        replicas, their room charged first (up to the wanted replicas, lowest first)."""
+        for p in sorted(current, key=lambda p: (p.model, p.replica)):
+            spec = self.specs.get(p.model)
+            if spec is None or spec.gpus == 1 or len(self.multi[p.model]) >= spec.replicas:
+                continue
+            ids = [self.gid.get((p.node, i)) for i in p.gpus]
+            held = {g for _, gs in self.multi[p.model] for g in gs}
+            if (
+                len(ids) != spec.gpus
+                or len(set(ids)) != len(ids)
+                or any(g is None or g in held for g in ids)
+                or any(self.pool_of[g].id not in self.eligible_ids[p.model] for g in ids)
+                or any(self.used[g] + spec.quota_bytes > self.cap[g] for g in ids)
+            ):
+                continue
+            for g in ids:
+                self.used[g] += spec.quota_bytes
+                self.on_gpu[g].add(p.model)
+            self.multi[p.model].append((p.replica, tuple(ids)))
+
+    def _place_multi(self) -> None:
+        """Each missing multi-GPU instance on the node where it fits best: the fewest
+        empty GPUs opened, then the least room left on the used ones it takes (best fit)."""
+        for name, spec in sorted(self.specs.items(), key=lambda kv: -kv[1].quota_bytes):
+            if spec.gpus == 1:
+                continue
+            pools = {p.id for p in self.eligible[name]}
+            for _ in range(spec.replicas - len(self.multi[name])):
+                held = {g for _, gs in self.multi[name] for g in gs}
+                by_node: dict[str, list[tuple[bool, int, int]]] = defaultdict(list)
+                for g, gpu in enumerate(self.gpus):
+                    free = self.cap[g] - self.used[g]
+                    if self.pool_of[g].id in pools and g not in held and free >= spec.quota_bytes:
+                        by_node[gpu.node].append((self.used[g] == 0, free, g))
+                best = None
+                for node, fits in by_node.items():
+                    if len(fits) >= spec.gpus:
+                        chosen = sorted(fits)[: spec.gpus]
+                        cost = (sum(e for e, _, _ in chosen), sum(f for _, f, _ in chosen), node)
+                        if best is None or cost < best[0]:
+                            best = (cost, [g for _, _, g in chosen])
+                if best is None:
+                    self.unplaced.append((name, self._why(spec, len(self.multi[name]))))
+                    continue
+                ids = sorted(best[1], key=lambda g: self.gpus[g].index)
+                for g in ids:
+                    self._add(name, spec.quota_bytes, g)
+                self.multi[name].append((-1, tuple(ids)))
+
     def _drop_surplus(self, spec: ModelSpec, lst: list[tuple[int, int]]) -> None:
         """Drop replicas beyond those wanted: never below the spread if avoidable, then from
         over-full GPUs, then from the least-filled GPUs (they may empty)."""
@@ -293,10 +363,11 @@ class _Packer:
         the unconstrained bulk fills their leftover room; strictly largest first let the bulk
         take that room, so pinned models opened more small GPUs (bench: 28% above the bound,
         3% this way)."""
+        self._place_multi()
         order = []
         for name, spec in self.specs.items():
             missing = spec.replicas - len(self.inst[name])
-            if missing > 0:
+            if missing > 0 and spec.gpus == 1:
                 n_gpus = sum(p.size for p in self.eligible[name])
                 order.append((n_gpus, -spec.quota_bytes, name, missing))
         order.sort()
@@ -432,6 +503,11 @@ class _Packer:
                 f"GPU (largest {largest / GIB:.1f} GiB)"
             )
         n_gpus = sum(p.size for p in self.eligible[spec.name])
+        if spec.gpus > 1:
+            return (
+                f"no node has {spec.gpus} eligible GPUs with {spec.quota_bytes / GIB:.1f} GiB "
+                "free on each"
+            )
         if placed >= n_gpus:
             return f"only {n_gpus} eligible GPUs for {spec.replicas} replicas (one per GPU)"
         return f"no eligible GPU has {spec.quota_bytes / GIB:.1f} GiB free"
@@ -449,6 +525,8 @@ class _Packer:
         for _, g in cands:
             if not 0 < self.used[g] <= CONSOLIDATE_BELOW * self.cap[g]:
                 continue
+            if any(self.specs[m].gpus > 1 for m in self.on_gpu[g]):
+                continue  # a multi-GPU instance moves only with all its GPUs: not emptied
             names = sorted(self.on_gpu[g], key=lambda m: (-self.specs[m].quota_bytes, m))
             cost = sum((m, g) in self.origin for m in names)
             if cost > move_budget:
@@ -494,14 +572,16 @@ class _Packer:
                 seen.add(r)
                 gpu = self.gpus[g]
                 placements.append(Placement(name, r, gpu.node, gpu.index))
+            placements += self._multi_placements(name, spec, seen)
+            free = iter(r for r in range(spec.replicas) if r not in seen)
             unplaced += [Unplaced(name, next(free), why) for why in missing[name]]
         placements.sort(key=lambda p: (p.model, p.replica))
         old: dict[str, Counter] = defaultdict(Counter)
         for p in current:
-            old[p.model][p.node, p.gpu] += 1
+            old[p.model][p.where] += 1
         new: dict[str, Counter] = defaultdict(Counter)
         for p in placements:
-            new[p.model][p.node, p.gpu] += 1
+            new[p.model][p.where] += 1
         moves = started = stopped = 0
         for name in old.keys() | new.keys():
             o, n = old[name], new[name]
@@ -524,6 +604,17 @@ class _Packer:
             spread_short=short,
         )
 
+    def _multi_placements(self, name: str, spec: ModelSpec, seen: set[int]) -> list[Placement]:
+        """A multi-GPU model's instances (kept ones keep their replica index)."""
+        out = []
+        for r, ids in sorted(self.multi[name], key=lambda x: (x[0] < 0, x[0])):
+            if r < 0 or r in seen:
+                r = next(i for i in range(spec.replicas) if i not in seen)
+            seen.add(r)
+            indexes = tuple(self.gpus[g].index for g in ids)
+            out.append(Placement(name, r, self.gpus[ids[0]].node, indexes[0], indexes))
+        return out
+
     def _lower_bound(self) -> int:
         """A lower bound on the GPUs any valid placement of the placed instances needs, from
         a fractional relaxation (instances may be split across GPUs): the total quota must fit
@@ -537,6 +628,11 @@ class _Packer:
             if inst:
                 demand[self.eligible_ids[name]] += len(inst) * self.specs[name].quota_bytes
                 most_replicas = max(most_replicas, len(inst))
+            if self.multi[name]:
+                spec = self.specs[name]
+                held = len(self.multi[name]) * spec.gpus * spec.quota_bytes
+                demand[self.eligible_ids[name]] += held
+                most_replicas = max(most_replicas, spec.gpus)
         total = sum(demand.values())
         if not total:
             return 0

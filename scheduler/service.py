@@ -101,7 +101,8 @@ class WantedModel:
 
 
 def load_models(path: Path) -> list[WantedModel]:
-    """[[models]] tables: name, path, version (a label, default "1"), quota, replicas (the
+    """[[models]] tables: name, path, version (a label, default "1"), quota (on each of its
+    GPUs), gpus (GPUs of one node an instance spans: tensor parallelism), replicas (the
     minimum), max_replicas, and the placement constraints."""
     with path.open("rb") as f:
         data = tomllib.load(f)
@@ -118,6 +119,7 @@ def load_models(path: Path) -> list[WantedModel]:
                 allowed_locations=frozenset(m.get("allowed_locations", ())),
                 denied_locations=frozenset(m.get("denied_locations", ())),
                 spread=int(m.get("spread", 1)),
+                gpus=int(m.get("gpus", 1)),
             )
             high = m.get("max_replicas")
             if high is not None:
@@ -175,7 +177,8 @@ def one_per_node(
     location = {node.id: node.location for node in nodes}
     used: Counter[tuple[str, int]] = Counter()
     for p in result.placements:
-        used[p.node, p.gpu] += by_name[p.model].quota_bytes
+        for index in p.gpus or (p.gpu,):
+            used[p.node, index] += by_name[p.model].quota_bytes
     running = {(p.model, p.node, p.gpu) for p in current}
     per_model: dict[str, list[Placement]] = defaultdict(list)
     for p in result.placements:
@@ -187,12 +190,16 @@ def one_per_node(
         for p in placed:
             if p.node in hosts:
                 extra.append(p)
-                used[p.node, p.gpu] -= spec.quota_bytes
+                for index in p.gpus or (p.gpu,):
+                    used[p.node, index] -= spec.quota_bytes
             else:
                 hosts.add(p.node)
                 out.append(p)
         locations = {location[n] for n in hosts}
         for p in extra:
+            if p.gpus:  # placement put them on distinct nodes where it could
+                unplaced.append(Unplaced(name, p.replica, "one instance per node"))
+                continue
             best = None
             for loc, gpu in gpus:
                 room = gpu.capacity - used[gpu.node, gpu.index] - spec.quota_bytes
@@ -481,7 +488,7 @@ class Scheduler:
         for key, spec in written.items():
             node, model = key.split("/", 1)
             if node in records and model in self.models:
-                current.append(Placement(model, spec.get("replica", 0), node, spec.get("gpu", -1)))
+                current.append(_placement_of(model, node, spec))
         result = place(nodes, specs, current)
         placements, misses = one_per_node(nodes, specs, result, current)
         replica_ids: dict[str, list[int]] = defaultdict(list)
@@ -496,7 +503,9 @@ class Scheduler:
         for p in placements:
             model = self.models[p.model]
             spec = {**model.node_spec(version_of[p.model][p.replica]), "replica": p.replica}
-            if p.gpu >= 0:
+            if p.gpus:
+                spec.update(gpu=list(p.gpus), quota=model.spec.quota_bytes)
+            elif p.gpu >= 0:
                 spec.update(gpu=p.gpu, quota=model.spec.quota_bytes)
             wanted[f"{p.node}/{p.model}"] = spec
         for key, spec in wanted.items():
@@ -516,6 +525,14 @@ class Scheduler:
         if self.decisions:
             await self._publish_decisions()
         await publish_map(self.store, latency_map)
+
+
+def _placement_of(model: str, node: str, spec: dict) -> Placement:
+    """A placement as written for a node (`gpu`: an index, or a multi-GPU instance's list)."""
+    gpu = spec.get("gpu", -1)
+    if isinstance(gpu, list):
+        return Placement(model, spec.get("replica", 0), node, gpu[0], tuple(gpu))
+    return Placement(model, spec.get("replica", 0), node, gpu)
 
 
 def _observed(observed: dict[str, dict], model: str, version: str) -> Observed:

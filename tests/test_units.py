@@ -129,8 +129,15 @@ def test_backoff_doubles_caps_and_resets_after_stable_uptime():
         (
             "[[gpus]]\nindex = 0\nbudget = '1GiB'\n[[models]]\nname = 'x'\npath = '/x'\n"
             "gpu = 0\nquota = '1GiB'\ntensor_parallel = 2",
-            r"models\[0\].tensor_parallel: an instance over several GPUs is not supported yet",
+            r"models\[0\].tensor_parallel: 2 ranks on 1 GPU\(s\)",
         ),
+        (
+            "[[gpus]]\nindex = 0\nbudget = '1GiB'\n[[models]]\nname = 'x'\npath = '/x'\n"
+            "gpu = [0, 1]\nquota = '1GiB'",
+            r"models\[0\].gpu: GPU 1 has no \[\[gpus\]\] entry",
+        ),
+        ("[[models]]\nname = 'x'\npath = '/x'\ngpu = [0, 0]", r"models\[0\].gpu: .* twice"),
+        ("[[models]]\nname = 'x'\npath = '/x'\ngpu = []", r"models\[0\].gpu: a GPU index"),
         ("default_models = 'yes'", "'default_models' must be true or false"),
         ("listen = 1", "'listen' must be 'host:port'"),
         ("listen = 'localhost'", "'listen' must be 'host:port'"),

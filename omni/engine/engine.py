@@ -183,10 +183,7 @@ class Engine:
 
     def memory_bytes(self) -> int:
         """What the model holds: weights and the KV-cache pool."""
-        tensors = {t.data_ptr(): t for t in self.runner.model.state_dict().values()}  # tied once
-        weights = sum(t.numel() * t.element_size() for t in tensors.values())
-        cache = self.runner.k_cache.numel() * self.runner.k_cache.element_size() * 2
-        return weights + cache
+        return self.runner.memory_bytes()
 
     def stats(self) -> dict:
         """A snapshot for health checks and tests (read without the worker's lock)."""

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import safetensors_reader
 from .checkpoint import Checkpoint, CheckpointError
 from .kernels import ops, paged_attention_ref, paged_decode, paged_prefill
 from .kernels.prewarm import prewarm_triton
@@ -310,8 +311,14 @@ class LlamaForCausalLM(nn.Module):
         tensor_parallel.py); on CUDA, Triton's set-up runs meanwhile."""
         cfg = LlamaConfig.from_checkpoint(ckpt)
         warming = prewarm_triton() if torch.device(device).type == "cuda" else None
-        state = ckpt.load_tensors(device, dtype, together=fused_groups(cfg))
-        shard_state(state, tp_rank, tp)
+        if tp == 1:
+            state = ckpt.load_tensors(device, dtype, together=fused_groups(cfg))
+        else:  # a file at a time: a rank never holds more than its shard and one file
+            state = {}
+            for path in ckpt.shard_files():
+                part = safetensors_reader.load_tensors([path], device, dtype)
+                shard_state(part, tp_rank, tp)
+                state.update(part)
         model = cls.from_state(shard_config(cfg, tp), state, ckpt.path)
         if warming:
             warming.join()

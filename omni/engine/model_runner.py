@@ -123,6 +123,12 @@ class ModelRunner:
         limit = int(os.environ.get("OMNI_MEMORY_LIMIT_BYTES", "0"))
         return min(CPU_CACHE_BYTES, limit // 4) if limit else CPU_CACHE_BYTES
 
+    def memory_bytes(self) -> int:
+        """What this runner holds: its model's weights (its shard) and the KV-cache pool."""
+        tensors = {t.data_ptr(): t for t in self.model.state_dict().values()}  # tied once
+        weights = sum(t.numel() * t.element_size() for t in tensors.values())
+        return weights + self.k_cache.numel() * self.k_cache.element_size() * 2
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy KV blocks (source, destination) in every layer: a forked sequence's own
         copy of a shared partial block, made before the step that writes into it."""

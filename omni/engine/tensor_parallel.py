@@ -10,7 +10,10 @@ Each rank holds a slice of every layer (Megatron's split):
 
 A row-parallel layer's outputs are partial sums, added across ranks by an all-reduce
 (`torch.distributed`: NCCL on GPUs, gloo on the CPU); the lm head's slices of the logits
-are gathered. Norms, rope and sampling run replicated.
+are gathered. Norms, rope and sampling run replicated. On GPUs, the all-reduces are
+captured in the CUDA graphs like any kernel; rank 0's per-step messages to the others
+(tp_runner.py) go over a second, gloo group, host to host, so that telling the other
+ranks what to run never waits for a GPU.
 
 The sharded model's config (shard_config) says what one rank holds: its heads, KV heads,
 intermediate widths, with `tp` the number of ranks; `vocab_size` stays the whole
@@ -76,7 +79,8 @@ _SPLITS = (
 
 def shard_state(state: dict[str, torch.Tensor], rank: int, tp: int) -> None:
     """Keep this rank's slice of every split tensor of a checkpoint's state (HF names), in
-    place. Slices along the input columns are copied (the kernels want them contiguous)."""
+    place. Each slice is a copy: the whole tensor is freed (and the kernels want slices
+    along the input columns contiguous)."""
     if tp == 1:
         return
     for name in list(state):
@@ -86,7 +90,7 @@ def shard_state(state: dict[str, torch.Tensor], rank: int, tp: int) -> None:
         t = state[name]
         dim = 0 if how == "rows" else t.dim() - 1
         size = t.shape[dim] // tp
-        state[name] = t.narrow(dim, rank * size, size).contiguous()
+        state[name] = t.narrow(dim, rank * size, size).clone(memory_format=torch.contiguous_format)
 
 
 def all_reduce(x: torch.Tensor, tp: int) -> torch.Tensor:
@@ -107,3 +111,29 @@ def all_gather_last(x: torch.Tensor, tp: int) -> torch.Tensor:
 
 def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
+
+
+_control: dist.ProcessGroup | None = None
+
+
+def join(rank: int, tp: int, init_method: str, on_gpu: bool) -> None:
+    """Join this process to the instance's `tp` ranks as `rank`: GPU `rank` of those it
+    sees, NCCL between the GPUs (gloo on the CPU), and a gloo group for rank 0's messages."""
+    global _control
+    if on_gpu:
+        torch.cuda.set_device(rank)
+    backend = "nccl" if on_gpu else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=tp)
+    _control = dist.new_group(backend="gloo") if on_gpu else dist.group.WORLD
+
+
+def control_group() -> dist.ProcessGroup | None:
+    """The group rank 0's step messages travel in (host memory, never a GPU)."""
+    return _control
+
+
+def leave() -> None:
+    global _control
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _control = None

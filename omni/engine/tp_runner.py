@@ -6,7 +6,9 @@ last step's sampled tokens where the step's inputs take them from the device), a
 of KV blocks (a fork), a piece of warm-up (CUDA graph captures must happen on all ranks
 at once: their all-reduces are captured too), the end. The other ranks run `follow`:
 the same calls on their shard, in the same order, so every collective meets its peers.
-Messages go by `torch.distributed.broadcast_object_list` from rank 0.
+Messages go by `torch.distributed.broadcast_object_list` from rank 0, in the control
+group (gloo: host to host); the previous step's tokens, which stay on the GPU, by a
+broadcast in the model's group (NCCL on GPUs).
 """
 
 from __future__ import annotations
@@ -15,15 +17,16 @@ import torch
 import torch.distributed as dist
 
 from .model_runner import ModelRunner, Prepared
+from .tensor_parallel import control_group
 
 
 def _tell(message: tuple) -> None:
-    dist.broadcast_object_list([message], src=0)
+    dist.broadcast_object_list([message], src=0, group=control_group())
 
 
 def _hear() -> tuple:
     box = [None]
-    dist.broadcast_object_list(box, src=0)
+    dist.broadcast_object_list(box, src=0, group=control_group())
     return box[0]
 
 

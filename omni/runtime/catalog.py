@@ -47,6 +47,7 @@ def parse_size(value) -> int:
 
 TOOL_PARSER_ENV = "OMNI_TOOL_PARSER"  # the instance reads its tool_parser here
 TENSOR_PARALLEL_ENV = "OMNI_TENSOR_PARALLEL"  # ... and how many ranks it runs
+RANK_CONTROLS_ENV = "OMNI_RANK_CONTROLS"  # ... and each rank's shim control block
 RUNTIMES = {"omni"}  # the engine instances run; the catalog names it so others can follow
 
 
@@ -54,11 +55,16 @@ RUNTIMES = {"omni"}  # the engine instances run; the catalog names it so others 
 class Placement:
     """Where an instance runs and how much of it omnid lets in at once."""
 
-    gpu: int | None = None  # None: the CPU path
-    quota_bytes: int | None = None  # GPU memory, enforced by the shim
+    gpus: tuple[int, ...] = ()  # the GPUs its ranks run on, rank 0's first; (): the CPU path
+    quota_bytes: int | None = None  # GPU memory on each of its GPUs, enforced by the shim
     permits: int = 64  # requests at the instance at once; more wait, then get 429
     cold: bool = False  # load, then swap out at once
     tensor_parallel: int = 1  # ranks (processes) the model is split over, in one sandbox
+
+    @property
+    def gpu(self) -> int | None:
+        """Rank 0's GPU; None on the CPU path."""
+        return self.gpus[0] if self.gpus else None
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,7 @@ class ModelEntry:
             "cpus": self.limits.cpu_cores,
             "pids": self.limits.pids,
             "gpu": self.placement.gpu,
+            "gpus": list(self.placement.gpus),
             "quota_bytes": self.placement.quota_bytes,
             "permits": self.placement.permits,
             "cold": self.placement.cold,
@@ -224,33 +231,51 @@ def tool_parser_from(item: dict, where: str) -> str | None:
 
 
 def placement_from(item: dict, where: str, gpus: dict[int, int] | None) -> Placement:
-    """`gpus`: the configured budgets to check against (None: checked by the node)."""
-    gpu = quota = None
+    """`gpus`: the configured budgets to check against (None: checked by the node).
+
+    `gpu` is one GPU's index, or a list of them for a model split over several GPUs
+    (`tensor_parallel` then defaults to, and must equal, their number); `quota` is what
+    the instance may hold on each of them."""
+    chosen: tuple[int, ...] = ()
+    quota = None
     if "gpu" in item:
-        gpu = _positive_int(item, "gpu", where, minimum=0)
-        if gpus is not None and gpu not in gpus:
-            raise CatalogError(f"{where}.gpu: GPU {gpu} has no [[gpus]] entry with a budget")
+        chosen = _gpu_indexes(item["gpu"], where)
+        missing = [g for g in chosen if gpus is not None and g not in gpus]
+        if missing:
+            raise CatalogError(f"{where}.gpu: GPU {missing[0]} has no [[gpus]] entry with a budget")
         if "quota" not in item:
             raise CatalogError(f"{where}.quota: required with 'gpu'")
     if "quota" in item:
-        if gpu is None:
+        if not chosen:
             raise CatalogError(f"{where}.quota: only with 'gpu'")
         quota = _size(item, "quota", where)
-        if gpus is not None and quota > gpus[gpu]:
-            raise CatalogError(f"{where}.quota: larger than the budget of GPU {gpu}")
+        small = [g for g in chosen if gpus is not None and quota > gpus[g]]
+        if small:
+            raise CatalogError(f"{where}.quota: larger than the budget of GPU {small[0]}")
     permits = _positive_int(item, "permits", where) if "permits" in item else Placement.permits
     cold = item.get("cold", False)
     if not isinstance(cold, bool):
         raise CatalogError(f"{where}.cold: must be true or false")
-    if cold and gpu is None:
+    if cold and not chosen:
         raise CatalogError(f"{where}.cold: only with 'gpu' (a CPU instance cannot swap)")
-    tp = _positive_int(item, "tensor_parallel", where) if "tensor_parallel" in item else 1
-    if tp > 1 and gpu is not None:
-        raise CatalogError(
-            f"{where}.tensor_parallel: an instance over several GPUs is not supported yet "
-            "(the CPU path only)"
-        )
-    return Placement(gpu, quota, permits, cold, tp)
+    tp = len(chosen) or 1
+    if "tensor_parallel" in item:
+        tp = _positive_int(item, "tensor_parallel", where)
+        if chosen and tp != len(chosen):
+            raise CatalogError(
+                f"{where}.tensor_parallel: {tp} ranks on {len(chosen)} GPU(s): one rank a GPU, "
+                "list as many GPUs in 'gpu'"
+            )
+    return Placement(chosen, quota, permits, cold, tp)
+
+
+def _gpu_indexes(value: object, where: str) -> tuple[int, ...]:
+    values = value if isinstance(value, list) else [value]
+    if not values or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values):
+        raise CatalogError(f"{where}.gpu: a GPU index (from 0), or a list of them")
+    if len(set(values)) != len(values):
+        raise CatalogError(f"{where}.gpu: GPU {values} lists a GPU twice")
+    return tuple(values)
 
 
 def _tables(data: dict, key: str, path: Path, allowed: set[str]) -> Iterator[tuple[str, dict]]:

@@ -17,8 +17,9 @@ import os
 import sys
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import aiohttp
@@ -28,11 +29,11 @@ from omni.cudashim import ControlBlock, Mode
 from omni.cudashim import instance_env as shim_env
 from omni.isolation.sandbox import ExitStatus, Sandbox, SandboxSpec
 
-from .catalog import TENSOR_PARALLEL_ENV, TOOL_PARSER_ENV, ModelEntry
+from .catalog import RANK_CONTROLS_ENV, TENSOR_PARALLEL_ENV, TOOL_PARSER_ENV, ModelEntry
 from .code import InstanceCode
 from .gpuyield import ENV as YIELD_ENV
 from .gpuyield import YieldFlag
-from .residency import GpuPool, Tenant
+from .residency import GpuPool, Residency, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -58,11 +59,17 @@ def instance_env() -> dict[str, str]:
 
 @dataclass(frozen=True)
 class GpuPlacement:
-    """What a GPU instance needs beyond a CPU one: its GPU's pool and the shim."""
+    """What a GPU instance needs beyond a CPU one: its GPUs' pools (one per rank, rank 0's
+    first) and the shim."""
 
-    pool: GpuPool
+    pools: tuple[GpuPool, ...]
     shim_library: Path
     owner_uid: int | None  # the sandbox uid, which writes its half of the control block
+
+    @property
+    def pool(self) -> GpuPool:
+        """Rank 0's GPU: the one whose hotter instances this one yields its steps to."""
+        return self.pools[0]
 
 
 class State(enum.StrEnum):
@@ -106,14 +113,18 @@ class Instance:
     ):
         self.entry = entry
         self.socket_path = socket_dir / entry.name / "sock"
-        self.control_path = socket_dir / entry.name / "cuda.ctl"  # visible in its sandbox
-        self.yield_path = socket_dir / entry.name / "gpu.yield"
+        self.yield_path = socket_dir / entry.name / "gpu.yield"  # visible in its sandbox
         self.gpu = gpu
-        self.tenant = (
+        # one standing per GPU (rank): each GPU's memory is accounted and swapped apart, and
+        # a swap-out of one rank takes the others out with it (they serve only together)
+        self.tenants = [
             Tenant(entry.name, entry.placement.quota_bytes or 0, self.restart)
-            if gpu is not None
-            else None
-        )
+            for _ in (gpu.pools if gpu is not None else ())
+        ]
+        if len(self.tenants) > 1:
+            for pool, tenant in zip(gpu.pools, self.tenants, strict=True):
+                tenant.after_swap_out = partial(self._swap_out_others, pool)
+        self.tenant = self.tenants[0] if self.tenants else None  # rank 0's
         self.permits = asyncio.Semaphore(entry.placement.permits)
         self.in_flight = 0
         self.waiting = 0  # requests waiting for a permit
@@ -135,6 +146,7 @@ class Instance:
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._restart_reason: str | None = None
+        self._releases: set[asyncio.Task] = set()
         self.session = aiohttp.ClientSession(
             connector=aiohttp.UnixConnector(path=str(self.socket_path)),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
@@ -151,6 +163,46 @@ class Instance:
 
     def url(self, path: str) -> str:
         return f"http://instance{path}"
+
+    def control_path(self, rank: int) -> Path:
+        """Rank `rank`'s shim control block (visible in its sandbox)."""
+        name = "cuda.ctl" if rank == 0 else f"cuda.{rank}.ctl"
+        return self.socket_path.parent / name
+
+    @contextlib.asynccontextmanager
+    async def resident(self, deadline: float) -> AsyncIterator[None]:
+        """Every rank's memory on its GPU for one request (swapped in where it is not),
+        GPUs taken in index order so that two instances never wait on each other."""
+        assert self.gpu is not None
+        pairs = sorted(zip(self.gpu.pools, self.tenants, strict=True), key=lambda p: p[0].index)
+        async with contextlib.AsyncExitStack() as stack:
+            for pool, tenant in pairs:
+                await stack.enter_async_context(pool.use(tenant, deadline))
+            yield
+
+    async def force_swap(self, direction: str) -> None:
+        """omnictl's swap-out or swap-in ("out" | "in"), of every rank: rank 0's pool
+        refuses what it cannot do (409), the other ranks follow it."""
+        assert self.gpu is not None
+        pairs = list(zip(self.gpu.pools, self.tenants, strict=True))
+        if direction == "out":
+            await pairs[0][0].force(pairs[0][1], "out")
+            for pool, tenant in pairs[1:]:
+                await pool.release(tenant)
+            return
+        swapped = [(p, t) for p, t in pairs if t.state is Residency.SWAPPED] or pairs[:1]
+        for pool, tenant in swapped:
+            await pool.force(tenant, "in")
+
+    def _swap_out_others(self, swapped: GpuPool) -> None:
+        """One rank was swapped out to make room on its GPU: the others cannot serve
+        without it, so their GPUs get their room back too (each pool in its own turn)."""
+        assert self.gpu is not None
+        for pool, tenant in zip(self.gpu.pools, self.tenants, strict=True):
+            if pool is not swapped:
+                task = asyncio.get_running_loop().create_task(pool.release(tenant))
+                self._releases.add(task)
+                task.add_done_callback(self._releases.discard)
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._supervise(), name=f"instance:{self.name}")
@@ -200,12 +252,21 @@ class Instance:
             "last_exit": self.last_exit,
             "failure": self.failure,
             "gpu": self.entry.placement.gpu,
+            "gpus": list(self.entry.placement.gpus),
             "permits": self.entry.placement.permits,
             "in_flight": self.in_flight,
             "version": self.entry.version or None,
             "path": str(self.entry.path),
             **(self.tenant.to_json() if self.tenant else {}),
+            **({"ranks": self._ranks_json()} if len(self.tenants) > 1 else {}),
         }
+
+    def _ranks_json(self) -> list[dict]:
+        assert self.gpu is not None
+        return [
+            {"rank": r, "gpu": pool.index, **tenant.to_json()}
+            for r, (pool, tenant) in enumerate(zip(self.gpu.pools, self.tenants, strict=True))
+        ]
 
     def _spec(self) -> SandboxSpec:
         argv = self.code.argv(
@@ -226,12 +287,14 @@ class Instance:
             env[TENSOR_PARALLEL_ENV] = str(self.entry.placement.tensor_parallel)
         gpus, extra_ro = None, ()
         if self.gpu is not None:
-            index = self.gpu.pool.index
-            env.update(shim_env(self.control_path, self.gpu.shim_library))
+            gpus = tuple(pool.index for pool in self.gpu.pools)
+            env.update(shim_env(self.control_path(0), self.gpu.shim_library))
+            if len(gpus) > 1:
+                controls = (str(self.control_path(r)) for r in range(len(gpus)))
+                env[RANK_CONTROLS_ENV] = ",".join(controls)
             if self.tenant is not None and self.tenant.yield_flag is not None:
                 env[YIELD_ENV] = str(self.yield_path)
-            env["CUDA_VISIBLE_DEVICES"] = str(index)
-            gpus = (index,)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))  # rank r: the r-th
             libs = [Path(p) for p in env.get("LD_LIBRARY_PATH", "").split(":") if p]
             extra_ro = (self.gpu.shim_library.parent, *(p for p in libs if p.is_dir()))
         return SandboxSpec(
@@ -246,15 +309,17 @@ class Instance:
         )
 
     async def _claim_gpu(self) -> None:
-        """A fresh control block for the new process, and room for it on its GPU."""
+        """Fresh control blocks for the new processes (one a rank), and room for them on
+        their GPUs."""
         assert self.gpu is not None and self.tenant is not None
-        self.control_path.parent.mkdir(parents=True, exist_ok=True)
-        block = ControlBlock.create(
-            self.control_path, self.tenant.quota_bytes, Mode.MANAGED, owner=self.gpu.owner_uid
-        )
+        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
         if self.gpu.pool.yield_max_s > 0:
             self.tenant.yield_flag = YieldFlag(self.yield_path, self.gpu.pool.yield_max_s)
-        await self.gpu.pool.starting(self.tenant, block)
+        for rank, (pool, tenant) in enumerate(zip(self.gpu.pools, self.tenants, strict=True)):
+            block = ControlBlock.create(
+                self.control_path(rank), tenant.quota_bytes, Mode.MANAGED, self.gpu.owner_uid
+            )
+            await pool.starting(tenant, block)
 
     async def _supervise(self) -> None:
         failed_starts = 0  # in a row, none of which became ready
@@ -287,8 +352,9 @@ class Instance:
                 relay.cancel()
             self._ready.clear()
             self._sandbox = None
-            if self.gpu is not None and self.tenant is not None:
-                await self.gpu.pool.stopped(self.tenant)
+            if self.gpu is not None:
+                for pool, tenant in zip(self.gpu.pools, self.tenants, strict=True):
+                    await pool.stopped(tenant)
             if self._stopping:
                 break
             self.restarts += 1
@@ -370,9 +436,10 @@ class Instance:
                 log.error("instance %s not healthy after %.0fs", self.name, self.START_TIMEOUT_S)
                 return
             await asyncio.sleep(0.1)
-        if self.gpu is not None and self.tenant is not None:
+        if self.gpu is not None:
             try:
-                await self.gpu.pool.ready(self.tenant, self.entry.placement.cold)
+                for pool, tenant in zip(self.gpu.pools, self.tenants, strict=True):
+                    await pool.ready(tenant, self.entry.placement.cold)
             except ApiError:  # the cold swap-out failed: the pool asked for a restart
                 return
         self.state = State.READY

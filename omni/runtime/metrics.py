@@ -58,10 +58,10 @@ class NodeCollector(Collector):
             in_flight.add_metric([name], info["in_flight"])
             restarts.add_metric([name], info["restarts"])
             if "residency" in info:
-                gpu = str(info["gpu"])
                 residency.add_metric([name, info["residency"]], 1)
-                used.add_metric([name, gpu], info["used_bytes"])
-                quota.add_metric([name, gpu], info["quota_bytes"])
+                for rank in info.get("ranks") or [info]:  # a multi-GPU instance: each GPU
+                    used.add_metric([name, str(rank["gpu"])], rank["used_bytes"])
+                    quota.add_metric([name, str(rank["gpu"])], rank["quota_bytes"])
         yield from (state, residency, used, quota, in_flight, restarts)
 
         budget = GaugeMetricFamily(

@@ -153,16 +153,19 @@ class Node:
         return self._shim
 
     def _gpu_placement(self, entry: ModelEntry) -> GpuPlacement | None:
-        gpu = entry.placement.gpu
-        if gpu is None:
+        """The pools of the entry's GPUs (rank 0's first), each checked to take its quota."""
+        if not entry.placement.gpus:
             return None
-        pool = self.pools.get(gpu)
-        if pool is None:
-            raise ApiError(400, f"GPU {gpu} has no budget on this node.", param="gpu")
-        if (entry.placement.quota_bytes or 0) > pool.budget_bytes:
-            raise ApiError(400, f"The quota exceeds GPU {gpu}'s budget.", param="quota")
+        pools = []
+        for gpu in entry.placement.gpus:
+            pool = self.pools.get(gpu)
+            if pool is None:
+                raise ApiError(400, f"GPU {gpu} has no budget on this node.", param="gpu")
+            if (entry.placement.quota_bytes or 0) > pool.budget_bytes:
+                raise ApiError(400, f"The quota exceeds GPU {gpu}'s budget.", param="quota")
+            pools.append(pool)
         owner = self.sandbox_uid(entry.name) if self.isolated else None
-        return GpuPlacement(pool, self.shim_library(), owner)
+        return GpuPlacement(tuple(pools), self.shim_library(), owner)
 
     def add(self, entry: ModelEntry) -> Instance:
         if entry.name in self.instances:
@@ -181,8 +184,8 @@ class Node:
             check_readable_by_others(entry.path)
         gpu = self._gpu_placement(entry)
         inst = Instance(entry, self.socket_dir, self.sandbox_factory, gpu=gpu)
-        if gpu is not None and inst.tenant is not None:
-            gpu.pool.add(inst.tenant)
+        for pool, tenant in zip(gpu.pools if gpu else (), inst.tenants, strict=True):
+            pool.add(tenant)
         self.instances[entry.name] = inst
         inst.start()
         return inst
@@ -192,8 +195,8 @@ class Node:
         if inst is None:
             raise model_not_found(name)
         await inst.stop()
-        if inst.gpu is not None:
-            await inst.gpu.pool.remove(name)
+        for pool in inst.gpu.pools if inst.gpu else ():
+            await pool.remove(name)
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(inst.stop() for inst in self.instances.values()))
@@ -231,8 +234,8 @@ class Node:
         acquired = time.monotonic()
         inst.in_flight += 1
         try:
-            if inst.gpu is not None and inst.tenant is not None:
-                async with inst.gpu.pool.use(inst.tenant, deadline):
+            if inst.gpu is not None:
+                async with inst.resident(deadline):
                     yield
             else:
                 yield
@@ -322,6 +325,7 @@ SPEC_KEYS = {
     "pids",
     "version",
     "tool_parser",
+    "tensor_parallel",
 }
 
 
@@ -615,7 +619,7 @@ def admin_app(node: Node) -> web.Application:
         if inst.gpu is None or inst.tenant is None:
             raise ApiError(409, f"Model '{inst.name}' has no GPU memory to swap.")
         direction = request.match_info["direction"]
-        await inst.gpu.pool.force(inst.tenant, "out" if direction == "swap-out" else "in")
+        await inst.force_swap("out" if direction == "swap-out" else "in")
         return json_response(inst.to_json())
 
     async def drain(_request: web.Request) -> web.Response:

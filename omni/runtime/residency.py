@@ -150,6 +150,7 @@ class Tenant:
     history: deque[SwapRecord] = field(default_factory=lambda: deque(maxlen=SWAP_HISTORY))
     demand: float = 0.0  # requests, decayed to `demand_at`
     demand_at: float = 0.0
+    after_swap_out: Callable[[], None] | None = None  # a multi-GPU instance's other ranks
     _swap_in: asyncio.Task | None = None
 
     def demand_now(self, now: float) -> float:
@@ -362,6 +363,14 @@ class GpuPool:
                 await self._make_room(tenant, deadline=time.monotonic() + self.swap_timeout_s)
                 await self._swap(tenant, "in")
 
+    async def release(self, tenant: Tenant) -> None:
+        """Swap `tenant` out if it is resident and idle (a multi-GPU instance whose other
+        rank went out); nothing otherwise."""
+        async with self._cond:
+            if tenant.state is Residency.RESIDENT and tenant.in_flight == 0:
+                with contextlib.suppress(ApiError):  # a failed swap restarts it
+                    await self._swap(tenant, "out")
+
     # -------------------------------------------------------------- internals
 
     def _hot_set(self, now: float) -> set[Tenant]:
@@ -428,6 +437,8 @@ class GpuPool:
             tenant.last_used = time.monotonic()  # its waiters are about to use it: not a victim
         else:
             tenant.swaps_out += 1
+            if tenant.after_swap_out is not None:
+                tenant.after_swap_out()
         tenant.history.append(SwapRecord(direction, result.seconds, result.bytes, time.time()))
         if self.observer:
             self.observer(tenant.name, direction, result)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -22,11 +23,13 @@ from omni.api.errors import error_middleware, json_response
 from omni.engine.checkpoint import Checkpoint
 from omni.logs import setup_logging
 
-from .catalog import TENSOR_PARALLEL_ENV, TOOL_PARSER_ENV
+from .catalog import RANK_CONTROLS_ENV, TENSOR_PARALLEL_ENV, TOOL_PARSER_ENV
 from .code import PACKAGE_ENV, check_package
 from .gpuyield import YieldGate
 
 log = logging.getLogger("omni.worker")
+
+CONTROL_ENV = "OMNI_CUDA_CONTROL"  # the shim's control block (omni.cudashim.instance_env)
 
 
 def build_app(name: str, ckpt: Checkpoint) -> web.Application:
@@ -50,7 +53,7 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
         model = LlamaForCausalLM.load(ckpt, device, dtype, tp=tp)
         engine = Engine(model, TextTokenizer(ckpt), before_step=gate)
         engine.warm_up(when_idle=True)  # serve at once; compile between requests
-        if not on_gpu and os.environ.get("OMNI_CUDA_CONTROL"):
+        if not on_gpu and os.environ.get(CONTROL_ENV):
             account_on_shim(engine.memory_bytes())
         TextGenRoutes(engine, name, os.environ.get(TOOL_PARSER_ENV)).add_to(app)
         extra_health = (lambda: {**engine.stats(), **gate.stats()}) if gate else engine.stats
@@ -83,28 +86,33 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
 def start_ranks(ckpt: Checkpoint, tp: int, on_gpu: bool) -> None:
     """This process is rank 0 of `tp`: start the other ranks as its own children (so they
     share its sandbox: cgroup, namespaces, view), join them in one process group, and
-    end the whole instance if one of them dies (omnid then restarts it)."""
+    end the whole instance if one of them dies (omnid then restarts it).
+
+    On GPUs, rank r runs on the r-th GPU the instance sees, under the shim with its own
+    control block (RANK_CONTROLS_ENV lists them, rank 0's first): each GPU's memory is
+    accounted, limited and swapped apart."""
     import multiprocessing
     import multiprocessing.connection
     import tempfile
 
-    import torch.distributed as dist
+    from omni.engine.tensor_parallel import join
 
     init = f"file://{tempfile.mkdtemp(prefix='omni-tp-')}/rendezvous"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # a sandbox has loopback only
+    controls = [c for c in os.environ.get(RANK_CONTROLS_ENV, "").split(",") if c]
     ctx = multiprocessing.get_context("spawn")
-    ranks = [
-        ctx.Process(
+    ranks = []
+    for rank in range(1, tp):
+        proc = ctx.Process(
             target=follow_rank,
             args=(str(ckpt.path), rank, tp, init, on_gpu),
             name=f"omni-rank-{rank}",
             daemon=True,
         )
-        for rank in range(1, tp)
-    ]
-    for proc in ranks:
-        proc.start()
-    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=init, rank=0, world_size=tp)
+        with _rank_env(controls[rank] if rank < len(controls) else None):
+            proc.start()  # a fresh interpreter: its shim reads the environment it starts in
+        ranks.append(proc)
+    join(0, tp, init, on_gpu)
 
     def watch() -> None:
         sentinels = {proc.sentinel: proc for proc in ranks}
@@ -116,24 +124,36 @@ def start_ranks(ckpt: Checkpoint, tp: int, on_gpu: bool) -> None:
     threading.Thread(target=watch, name="omni-rank-watch", daemon=True).start()
 
 
+@contextlib.contextmanager
+def _rank_env(control: str | None):
+    """os.environ with a rank's own shim control block, while that rank starts."""
+    saved = os.environ.get(CONTROL_ENV)
+    if control is not None:
+        os.environ[CONTROL_ENV] = control
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ[CONTROL_ENV] = saved
+
+
 def follow_rank(model_dir: str, rank: int, tp: int, init: str, on_gpu: bool) -> None:
     """A rank > 0: load its shard and do what rank 0's runner does (tp_runner.follow)."""
     import torch
-    import torch.distributed as dist
 
     from omni.engine.llama import LlamaForCausalLM
     from omni.engine.model_runner import ModelRunner
+    from omni.engine.tensor_parallel import join
     from omni.engine.tp_runner import follow
 
     setup_logging(f"rank[{rank}]")
-    if on_gpu:
-        torch.cuda.set_device(rank)
+    join(rank, tp, init, on_gpu)
     device, dtype = (f"cuda:{rank}", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
-    dist.init_process_group(
-        "nccl" if on_gpu else "gloo", init_method=init, rank=rank, world_size=tp
-    )
     model = LlamaForCausalLM.load(Checkpoint.open(Path(model_dir)), device, dtype, tp, rank)
-    follow(ModelRunner(model))
+    runner = ModelRunner(model)
+    if not on_gpu and os.environ.get(CONTROL_ENV):
+        account_on_shim(runner.memory_bytes())
+    follow(runner)
 
 
 _SHIM_STAND_IN: list[ctypes.c_void_p] = []  # kept alive for the process's lifetime

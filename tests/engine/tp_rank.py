@@ -5,18 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from omni.engine.checkpoint import Checkpoint
 from omni.engine.llama import LlamaForCausalLM
 from omni.engine.model_runner import ModelRunner
 from omni.engine.sampling import SamplingParams
+from omni.engine.tensor_parallel import join, leave
 
 from .runs import greedy_steps, run_requests, tokens
 
 
 def run_rank(rank: int, tp: int, ckpt: str, prompts, steps: int, init_file: str, out) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp)
+    join(rank, tp, f"file://{init_file}", on_gpu=False)
     try:
         torch.set_num_threads(1)
         model = LlamaForCausalLM.load(Checkpoint.open(Path(ckpt)), tp=tp, tp_rank=rank)
@@ -27,7 +27,7 @@ def run_rank(rank: int, tp: int, ckpt: str, prompts, steps: int, init_file: str,
             arrays = [x.numpy() for x in logits]
             out.put((tokens, arrays, model.model.embed_tokens.num_embeddings))
     finally:
-        dist.destroy_process_group()
+        leave()
 
 
 def serve_rank(rank: int, tp: int, ckpt: str, prompts, init_file: str, out) -> None:
@@ -37,7 +37,7 @@ def serve_rank(rank: int, tp: int, ckpt: str, prompts, init_file: str, out) -> N
     from omni.engine.tokenizer import TextTokenizer
     from omni.engine.tp_runner import follow
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=tp)
+    join(rank, tp, f"file://{init_file}", on_gpu=False)
     try:
         torch.set_num_threads(1)
         checkpoint = Checkpoint.open(Path(ckpt))
@@ -51,7 +51,7 @@ def serve_rank(rank: int, tp: int, ckpt: str, prompts, init_file: str, out) -> N
         finally:
             engine.shutdown()
     finally:
-        dist.destroy_process_group()
+        leave()
 
 
 # small pool and step budget: chunked prompts, mixed steps, prefix-cache hits

@@ -47,14 +47,17 @@ def check(nodes: list[Node], models: list[ModelSpec], res: PlacementResult) -> N
     on: defaultdict = defaultdict(list)
     for p in res.placements:
         spec = specs[p.model]
-        n, g = gpus[p.node, p.gpu]
-        used[p.node, p.gpu] += spec.quota_bytes
-        on[p.node, p.gpu].append(p.model)
-        assert spec.quota_bytes <= g.budget_bytes, p
-        assert not spec.gpu_kinds or g.kind in spec.gpu_kinds, p
-        assert g.memory_bytes >= spec.min_gpu_memory, p
-        assert not spec.allowed_locations or n.location in spec.allowed_locations, p
-        assert n.location not in spec.denied_locations, p
+        assert len(p.gpus or (p.gpu,)) == spec.gpus, p  # all on p.node, by the keys below
+        assert not p.gpus or p.gpus[0] == p.gpu, p
+        for index in p.gpus or (p.gpu,):
+            n, g = gpus[p.node, index]
+            used[p.node, index] += spec.quota_bytes
+            on[p.node, index].append(p.model)
+            assert spec.quota_bytes <= g.budget_bytes, p
+            assert not spec.gpu_kinds or g.kind in spec.gpu_kinds, p
+            assert g.memory_bytes >= spec.min_gpu_memory, p
+            assert not spec.allowed_locations or n.location in spec.allowed_locations, p
+            assert n.location not in spec.denied_locations, p
     for key, total in used.items():
         assert total <= int(gpus[key][1].budget_bytes * gpus[key][1].overcommit), key
         assert len(on[key]) == len(set(on[key])), f"two replicas of one model on {key}"
@@ -410,3 +413,45 @@ def test_new_replicas_go_where_the_demand_is_short_of_them():
     assert again.placements == plain.placements and again.moves == 0
     with pytest.raises(ValueError, match="demand"):
         model("m", 4, demand={"b": -1.0})
+
+
+def test_a_multi_gpu_model_takes_gpus_of_one_node():
+    """A model over 2 GPUs (tensor parallelism) goes to a node with two GPUs of room, the
+    one-GPU models fill the room left, and a re-placement keeps it where it is."""
+    nodes = [node("one", n=1), node("two", n=2), node("three", n=3, kind="L4")]
+    models = [model("big", 8, gpus=2, gpu_kinds={"H100"}), model("s1", 2), model("s2", 4)]
+    res = place(nodes, models)
+    check(nodes, models, res)
+    big = [p for p in res.placements if p.model == "big"]
+    assert [(p.node, p.gpus) for p in big] == [("two", (0, 1))]
+    assert res.gpus_used <= 4
+    again = place(nodes, models, res.placements)
+    check(nodes, models, again)
+    assert again.moves == again.started == again.stopped == 0
+    assert [p for p in again.placements if p.model == "big"] == big
+
+
+def test_a_multi_gpu_model_that_fits_no_node_says_why():
+    nodes = [node("a", n=1), node("b", n=1)]  # two GPUs, but not of one node
+    models = [model("big", 8, gpus=2), model("small", 2)]
+    res = place(nodes, models)
+    check(nodes, models, res)
+    assert [(u.model, u.replica) for u in res.unplaced] == [("big", 0)]
+    assert "no node has 2 eligible GPUs" in res.unplaced[0].reason
+    assert [p.model for p in res.placements] == ["small"]
+
+
+def test_multi_gpu_replicas_take_distinct_gpus_and_a_lost_gpu_moves_one():
+    nodes = [node("n", n=4, budget=10)]
+    models = [model("big", 6, replicas=2, gpus=2)]
+    res = place(nodes, models)
+    check(nodes, models, res)
+    held = [set(p.gpus) for p in res.placements]
+    assert len(held) == 2 and not held[0] & held[1]
+    smaller = [node("n", n=3, budget=10)]  # GPU 3 is gone: one replica loses a GPU
+    lost = next(p for p in res.placements if 3 in p.gpus)
+    kept = next(p for p in res.placements if 3 not in p.gpus)
+    again = place(smaller, models, res.placements)
+    check(smaller, models, again)
+    assert again.placements == [kept]  # the other stays; no node has 2 GPUs of room left
+    assert [(u.model, u.replica) for u in again.unplaced] == [("big", lost.replica)]

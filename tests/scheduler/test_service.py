@@ -107,3 +107,33 @@ def test_a_nodes_record_carries_its_gpu_budgets_as_placement_reads_them():
     (node,) = cluster_nodes({"n1": record})
     assert node.location == "fra"
     assert [(g.index, g.budget_bytes) for g in node.gpus] == [(0, 20 << 30), (1, 40 << 30)]
+
+
+def test_a_model_over_two_gpus_is_written_for_its_node_as_omnid_reads_it(tmp_path):
+    """`gpus = 2` in the models file: one node's two GPUs, written as omnid's `gpu` list,
+    which its catalog reads as two ranks (tensor_parallel = 2) on those GPUs."""
+    from omni.runtime.omnid import entry_from_spec
+    from scheduler.service import _placement_of
+
+    from ..checkpoints import tiny_llama
+
+    path = tmp_path / "models.toml"
+    path.write_text('[[models]]\nname = "big"\npath = "/m"\nquota = "3GiB"\ngpus = 2\n')
+    (big,) = load_models(path)
+    assert big.spec.gpus == 2
+    gpu = {"kind": "H100", "budget_bytes": 4 << 30}
+    records = {
+        n: {"gpus": [{"index": i, **gpu} for i in range(k)]} for n, k in [("a", 1), ("b", 2)]
+    }
+    nodes = cluster_nodes(records)
+    result = place(nodes, [big.spec])
+    placements, unplaced = one_per_node(nodes, [big.spec], result, [])
+    assert unplaced == [] and [(p.node, p.gpus) for p in placements] == [("b", (0, 1))]
+    written = {"path": str(tiny_llama(tmp_path / "tiny")), "gpu": [0, 1], "quota": 3 << 30}
+    assert _placement_of("big", "b", written) == placements[0]
+    placement = entry_from_spec("big", written, "cluster").placement
+    assert (placement.gpus, placement.tensor_parallel, placement.quota_bytes) == (
+        (0, 1),
+        2,
+        3 << 30,
+    )
