@@ -43,6 +43,7 @@ SandboxFactory = Callable[[SandboxSpec], Sandbox]
 # PYTHONPATH is not passed: omnid sets the instance's own (InstanceCode).
 ENV_PASSED = {"PATH", "LANG", "LC_ALL", "TZ", "LD_LIBRARY_PATH"}
 ENV_PREFIXES_PASSED = ("OMNI_", "CUDA_", "NVIDIA_", "TRITON_", "TORCH_", "OMP_", "HF_")
+ENV_PREFIXES_PASSED += ("NCCL_", "NVSHMEM_")  # a host's collective settings reach its ranks
 CRASH_LOOP_FAILURES = 3  # starts in a row that never became ready: the instance has failed
 OUTPUT_LINES = 20  # of an instance's output, kept for the reason it failed
 

@@ -29,6 +29,11 @@ from .gpuyield import YieldGate
 
 log = logging.getLogger("omni.worker")
 
+MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 CONTROL_ENV = "OMNI_CUDA_CONTROL"  # the shim's control block (omni.cudashim.instance_env)
 
 
@@ -99,6 +104,10 @@ def start_ranks(ckpt: Checkpoint, tp: int, on_gpu: bool) -> None:
 
     init = f"file://{tempfile.mkdtemp(prefix='omni-tp-')}/rendezvous"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # a sandbox has loopback only
+    # No NVLink multicast unless the host asks for it: its objects outlive a crashed
+    # instance on some drivers, and an instance's small all-reduces gain nothing from it.
+    for key, off in MULTICAST_OFF.items():
+        os.environ.setdefault(key, off)
     controls = [c for c in os.environ.get(RANK_CONTROLS_ENV, "").split(",") if c]
     ctx = multiprocessing.get_context("spawn")
     ranks = []

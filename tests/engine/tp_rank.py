@@ -65,3 +65,29 @@ def serve(engine, prompts) -> list[list[int]]:
     results += run_requests(engine, prompts[:1], sampled)
     results += run_requests(engine, prompts[:1], greedy)  # its prefix is cached now
     return [tokens(r) for r in results]
+
+
+def gpu_rank(rank: int, tp: int, ckpt: str, prompts, steps: int, forced, init_file: str, out):
+    """On GPU `rank` (NCCL between the GPUs), bf16: the greedy steps along `forced`'s
+    tokens (rank 0 puts its logits), then an Engine with CUDA graphs (all-reduces captured)
+    serving `prompts` (rank 0 puts what `serve` returns)."""
+    from omni.engine.engine import Engine
+    from omni.engine.tokenizer import TextTokenizer
+    from omni.engine.tp_runner import follow
+
+    join(rank, tp, f"file://{init_file}", on_gpu=True)
+    try:
+        checkpoint = Checkpoint.open(Path(ckpt))
+        model = LlamaForCausalLM.load(checkpoint, f"cuda:{rank}", torch.bfloat16, tp, rank)
+        _, logits = greedy_steps(model, prompts, steps, forced)
+        if rank:
+            follow(ModelRunner(model, ENGINE["block_size"], ENGINE["num_blocks"]))
+            return
+        engine = Engine(model, TextTokenizer(checkpoint), **ENGINE)
+        try:
+            engine.warm_up(graphs=True)
+            out.put(([x.numpy() for x in logits], serve(engine, prompts)))
+        finally:
+            engine.shutdown()
+    finally:
+        leave()

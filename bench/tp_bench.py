@@ -1,0 +1,340 @@
+"""Tensor parallelism: a Llama-3-70B-shaped model over two GPUs, and Llama-3-8B over one
+GPU against two, in one run.
+
+Random bf16 checkpoints (std 0.02, norms 1) in HF format (config.json, safetensors
+shards of ~4 GB, tokenizer.json), written to --ckpt-dir: a 70B checkpoint is 141 GB,
+more than the lent two-GPU machine's disk, so the default is a tmpfs the script mounts
+(its memory is the page cache the ranks read from). Each case runs in a child process
+that serves the way an omnid instance does: omni.runtime.worker.start_ranks starts the
+other ranks (NCCL between GPUs, gloo for rank 0's step messages), rank 0 runs the
+Engine. Measured per case:
+
+1. cold start: process start to the first token of a one-token request, the model loaded
+   from the checkpoint and the engine serving before its warm-up is done (as omnid's
+   instances do); then the warm-up is finished before anything else is timed;
+2. decode at batch 1: a 128-token prompt, 128 new tokens (greedy, no EOS), tok/s after
+   the first token, best of 3; its fraction of the floor: every weight byte (less the
+   embedding table, of which a token reads one row) and its K/V read once per token,
+   spread over the ranks' GPUs, at the copy bandwidth measured on each;
+3. throughput at batch 64: that many 128-token prompts, 128 new tokens each, at once.
+
+Prints a table, writes bench/results/tp-<device>.json. --small: tiny shapes on the CPU
+(gloo), to check the harness.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from bench.engine_bench import measure_bandwidth  # noqa: E402
+from bench.results_io import write_result  # noqa: E402
+
+# NVLink multicast stays off (the lent machines' rule; harmless elsewhere)
+SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+SAFE_ENV["NVSHMEM_DISABLE_NVLS"] = "1"
+SHARD_BYTES = 4 << 30
+
+
+def llama3_config(size: str) -> dict:
+    """An HF config.json of Llama-3's shape (or a tiny one); no EOS."""
+    shape = {
+        "70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
+                    intermediate_size=28672),
+        "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                   intermediate_size=14336),
+        "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                     intermediate_size=256),
+    }[size]  # fmt: skip
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        **shape,
+        "num_key_value_heads": 8 if size != "tiny" else 2,
+        "vocab_size": 128256 if size != "tiny" else 512,
+        "max_position_embeddings": 8192 if size != "tiny" else 512,
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    }
+
+
+def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    d = h // cfg["num_attention_heads"]
+    kv = cfg["num_key_value_heads"] * d
+    shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (h, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, h),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        }
+    shapes["model.norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (cfg["vocab_size"], h)
+    return shapes
+
+
+def write_checkpoint(directory: Path, cfg: dict, seed: int, device: str) -> dict:
+    """Random weights made on `device`, saved in shards of about SHARD_BYTES."""
+    from safetensors.torch import save_file
+
+    from tests.checkpoints import text_tokenizer
+
+    t0 = time.perf_counter()
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(cfg))
+    text_tokenizer(directory, cfg["vocab_size"])
+    gen = torch.Generator(device=device).manual_seed(seed)
+    shard, size, files, index, total = {}, 0, [], {}, 0
+
+    def flush() -> None:
+        nonlocal shard, size
+        name = f"model-{len(files):05d}.safetensors"
+        save_file(shard, str(directory / name))
+        files.append(name)
+        index.update(dict.fromkeys(shard, name))
+        shard, size = {}, 0
+
+    for name, shape in tensor_shapes(cfg).items():
+        if name.endswith("norm.weight"):
+            t = torch.ones(shape, dtype=torch.bfloat16)
+        else:
+            t = torch.empty(shape, dtype=torch.bfloat16, device=device)
+            t = t.normal_(0, 0.02, generator=gen).cpu()
+        shard[name] = t
+        size += t.numel() * 2
+        total += t.numel() * 2
+        if size >= SHARD_BYTES:
+            flush()
+    if shard:
+        flush()
+    weight_map = {"metadata": {"total_size": total}, "weight_map": index}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(weight_map))
+    return {"bytes": total, "files": len(files), "write_s": round(time.perf_counter() - t0, 1)}
+
+
+# ---------------------------------------------------------------- one case, in a child
+
+
+def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, vocab, length).tolist() for _ in range(n)]
+
+
+def serve_case(args, started: float) -> dict:
+    """Rank 0 of `args.tp`: what an omnid instance runs (worker.start_ranks), timed."""
+    from omni.engine.checkpoint import Checkpoint
+    from omni.engine.engine import Engine, GenerationRequest
+    from omni.engine.llama import LlamaForCausalLM
+    from omni.engine.sampling import SamplingParams
+    from omni.engine.tokenizer import TextTokenizer
+    from omni.runtime.worker import start_ranks
+
+    on_gpu = torch.cuda.is_available() and not args.small
+    device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
+    ckpt = Checkpoint.open(Path(args.ckpt))
+    if args.tp > 1:
+        start_ranks(ckpt, args.tp, on_gpu)
+    model = LlamaForCausalLM.load(ckpt, device, dtype, tp=args.tp)
+    loaded = time.perf_counter()
+    engine = Engine(model, TextTokenizer(ckpt), max_seqs=args.max_seqs)
+    engine.warm_up(when_idle=True)
+    vocab = model.cfg.vocab_size
+
+    def run(batch: int, new: int, seed: int) -> dict:
+        params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
+        queues = [queue.Queue() for _ in range(batch)]
+        start = time.perf_counter()
+        for p, q in zip(prompts(batch, args.prompt, vocab, seed), queues, strict=True):
+            engine.submit(
+                GenerationRequest(p, params), lambda out, q=q: q.put((time.perf_counter(), out))
+            )
+        first, last, tokens = [], [], 0
+        for q in queues:
+            steps = [q.get(timeout=600)]
+            while not steps[-1][1].finished:
+                steps.append(q.get(timeout=600))
+            if steps[-1][1].finish_reason == "error":
+                raise RuntimeError(steps[-1][1].error)
+            tokens += sum(len(out.token_ids) for _, out in steps)
+            first.append(steps[0][0])
+            last.append(steps[-1][0])
+        wall = max(last) - start
+        res = {"batch": batch, "new_tokens": tokens, "wall_s": round(wall, 3)}
+        res["output_tok_s"] = tokens / wall
+        res["first_token_s"] = round(min(first) - start, 4)
+        if new > 1 and batch == 1:
+            res["decode_tok_s"] = (new - 1) / (last[0] - first[0])
+        return res
+
+    run(1, 1, 1)  # the first token, the engine still warming up
+    result = {
+        "load_s": round(loaded - started, 2),  # from this process's start (imports included)
+        "cold_start_to_first_token_s": round(time.time() - args.launched, 2),
+    }
+    t0 = time.perf_counter()
+    engine.warm_up(graphs=True)  # the rest of the warm-up, before anything is timed
+    result["warm_up_rest_s"] = round(time.perf_counter() - t0, 1)
+    result["kv_blocks"] = engine.stats()["kv_blocks_total"]
+    result["decode"] = [run(1, args.new, 100 + i) for i in range(3)]
+    result["throughput"] = [run(args.batch, args.new, 200)]
+    engine.shutdown()
+    return result
+
+
+def child(args, case: dict, ckpt: Path, out: Path) -> dict:
+    argv = [sys.executable, __file__, "--phase-out", str(out), "--ckpt", str(ckpt)]
+    argv += ["--launched", repr(time.time())]  # wall clock: the child's cold start from here
+    argv += ["--tp", str(case["tp"]), "--prompt", str(args.prompt), "--new", str(args.new)]
+    argv += ["--batch", str(args.batch), "--max-seqs", str(args.max_seqs)]
+    argv += ["--small"] if args.small else []
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(argv, timeout=args.timeout, env=os.environ | SAFE_ENV)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        code = "timeout"
+    if code != 0 or not out.exists():
+        return {"error": f"exit {code}", "wall_s": round(time.perf_counter() - t0, 1)}
+    return json.loads(out.read_text()) | {"wall_s": round(time.perf_counter() - t0, 1)}
+
+
+# ---------------------------------------------------------------- parent
+
+
+def bytes_per_token(cfg: dict, context: int) -> int:
+    """What a batch-1 decode step reads at least: every weight but the embedding table
+    (one row of it), and the K/V of `context` tokens; bf16."""
+    n = sum(int(np.prod(s)) for k, s in tensor_shapes(cfg).items() if "embed_tokens" not in k)
+    kv = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"]
+    kv *= cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * (n + cfg["hidden_size"] + kv * context)
+
+
+def mount_tmpfs(path: Path, gib: int) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    if not os.path.ismount(path):
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={gib}g", "tmpfs", str(path)],
+                       check=True)  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true")
+    ap.add_argument("--cases", default="70b:2,8b:1,8b:2", help="size:tp, comma-separated")
+    ap.add_argument("--ckpt-dir", type=Path, default=Path("/mnt/omni-tp-bench"))
+    ap.add_argument("--tmpfs-gib", type=int, default=170)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--max-seqs", type=int, default=128)
+    ap.add_argument("--timeout", type=float, default=900)
+    ap.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    ap.add_argument("--phase-out")
+    ap.add_argument("--ckpt")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--launched", type=float)
+    args = ap.parse_args()
+    if args.phase_out:
+        started = time.perf_counter()  # (before anything heavy is imported)
+        Path(args.phase_out).write_text(json.dumps(serve_case(args, started)))
+        return
+
+    on_gpu = torch.cuda.is_available() and not args.small
+    gpus = torch.cuda.device_count() if on_gpu else 0
+    cases = []
+    for item in args.cases.split(","):
+        size, tp = item.split(":")
+        cases.append({"size": "tiny" if args.small else size, "tp": int(tp)})
+    if on_gpu and max(c["tp"] for c in cases) > gpus:
+        sys.exit(f"needs {max(c['tp'] for c in cases)} GPUs, sees {gpus}")
+    bandwidth = []
+    for i in range(gpus):
+        with torch.cuda.device(i):
+            bandwidth.append(measure_bandwidth(1 << 31, 50))
+    if not on_gpu:
+        bandwidth.append(measure_bandwidth(1 << 26, 5))
+    bw = min(b["bytes_per_s"] for b in bandwidth)
+    root = Path(tempfile.mkdtemp()) if args.small else args.ckpt_dir
+    if on_gpu:
+        mount_tmpfs(root, args.tmpfs_gib)
+    results, written = [], {}
+    try:
+        for case in cases:
+            cfg = llama3_config(case["size"])
+            ckpt = root / case["size"]
+            if case["size"] not in written:
+                for other in list(written):  # one checkpoint in memory at a time
+                    shutil.rmtree(root / other, ignore_errors=True)
+                    written.pop(other)
+                written[case["size"]] = write_checkpoint(
+                    ckpt, cfg, args.seed, "cuda" if on_gpu else "cpu"
+                )
+                print(f"wrote {case['size']}: {written[case['size']]}", flush=True)
+            with tempfile.TemporaryDirectory() as tmp:
+                got = child(args, case, ckpt, Path(tmp) / "out.json")
+            per_token = bytes_per_token(cfg, args.prompt + args.new // 2)
+            floor = case["tp"] * bw / per_token  # each GPU reads its 1/tp share at once
+            b1 = max((r.get("decode_tok_s", 0) for r in got.get("decode", [])), default=0)
+            results.append(
+                case | {"checkpoint": written[case["size"]], "bytes_per_token": per_token,
+                        "floor_tok_s": floor, "fraction_of_floor": b1 / floor if b1 else None}
+                | got
+            )  # fmt: skip
+            print(json.dumps(results[-1])[:400], flush=True)
+    finally:
+        if not args.keep:
+            for size in written:
+                shutil.rmtree(root / size, ignore_errors=True)
+    name = "tp-small" if args.small else "tp-" + device_name(gpus)
+    write_result(name, {"args": {k: str(v) for k, v in vars(args).items()},
+                        "bandwidth": bandwidth, "cases": results})  # fmt: skip
+
+    print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s per GPU (the slowest of {len(bandwidth)})")
+    print(f"{'case':<10}{'cold start':>12}{'b=1 tok/s':>11}{'floor':>9}{'of floor':>10}"
+          f"{'b=' + str(args.batch) + ' tok/s':>14}")  # fmt: skip
+    for r in results:
+        b1 = max((d.get("decode_tok_s", 0) for d in r.get("decode", [])), default=0)
+        thr = r.get("throughput", [{}])[0].get("output_tok_s", 0)
+        frac = f"{r['fraction_of_floor']:.1%}" if r.get("fraction_of_floor") else "-"
+        cold = r.get("cold_start_to_first_token_s", r.get("error", "-"))
+        print(f"{r['size'] + ' tp' + str(r['tp']):<10}{cold!s:>12}{b1:>11.1f}"
+              f"{r['floor_tok_s']:>9.1f}{frac:>10}{thr:>14.0f}")  # fmt: skip
+    print(f"\nwrote bench/results/{name}.json")
+
+
+def device_name(gpus: int) -> str:
+    name = torch.cuda.get_device_name(0).lower()
+    kind = "h200" if "h200" in name else "h100" if "h100" in name else name.split()[-1]
+    return f"{kind}x{gpus}" if gpus > 1 else kind
+
+
+if __name__ == "__main__":
+    main()
