@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import ctypes
 import logging
@@ -122,11 +123,16 @@ def start_ranks(ckpt: Checkpoint, tp: int, on_gpu: bool) -> None:
             proc.start()  # a fresh interpreter: its shim reads the environment it starts in
         ranks.append(proc)
     join(0, tp, init, on_gpu)
+    ending = threading.Event()  # set as this process exits: its ranks are ended with it
+    atexit.register(ending.set)  # (runs before multiprocessing terminates its children)
 
     def watch() -> None:
         sentinels = {proc.sentinel: proc for proc in ranks}
         ended = multiprocessing.connection.wait(list(sentinels))
         proc = sentinels[ended[0]]
+        proc.join(5)
+        if proc.exitcode == 0 or ending.is_set():  # told to stop, or ended by rank 0's exit
+            return
         log.error("rank %s exited (%s): the instance ends", proc.name, proc.exitcode)
         os._exit(1)
 
