@@ -20,8 +20,9 @@ from .test_engine import ARCHES, tiny_checkpoint
 PROMPT = "t5 t17 t3 t40 t8 t9 t61"
 
 
-def start(model_dir, socket, tp: int) -> subprocess.Popen:
+def start(model_dir, socket, tp: int, parallel: str = "tp") -> subprocess.Popen:
     env = os.environ | {"OMNI_TENSOR_PARALLEL": str(tp), "OMNI_TORCH_THREADS": "1"}
+    env["OMNI_PARALLEL"] = parallel
     argv = [sys.executable, "-m", "omni.runtime.worker", "--name", "tiny"]
     argv += ["--model-dir", str(model_dir), "--socket", str(socket)]
     return subprocess.Popen(argv, env=env)
@@ -109,3 +110,19 @@ def test_omnid_runs_both_ranks_in_the_instance_sandbox(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
+
+
+def test_a_mixture_of_experts_with_its_experts_shared_out_serves_what_one_rank_serves(tmp_path):
+    """OMNI_PARALLEL=ep (omnid's `parallel = "ep"`): each rank holds half the experts."""
+    _, ckpt = tiny_checkpoint(tmp_path / "ckpt", ARCHES["mixtral"]())
+    texts = {}
+    for tp, parallel in ((1, "tp"), (2, "ep")):
+        socket = tmp_path / f"{parallel}.sock"
+        proc = start(ckpt.path, socket, tp, parallel)
+        try:
+            wait_ready(proc, socket)
+            texts[parallel] = complete(socket)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0  # both ranks end cleanly
+    assert texts["ep"] == texts["tp"] and texts["tp"]

@@ -305,11 +305,20 @@ class LlamaForCausalLM(nn.Module):
 
     @classmethod
     def load(
-        cls, ckpt: Checkpoint, device="cpu", dtype=torch.float32, tp: int = 1, tp_rank: int = 0
+        cls,
+        ckpt: Checkpoint,
+        device="cpu",
+        dtype=torch.float32,
+        tp: int = 1,
+        tp_rank: int = 0,
+        experts: bool = False,
     ) -> LlamaForCausalLM:
         """The checkpoint's model on `device` (with `tp`, rank `tp_rank`'s shard of it:
-        tensor_parallel.py); on CUDA, Triton's set-up runs meanwhile."""
+        tensor_parallel.py; `experts`: a mixture of experts' experts shared out whole);
+        on CUDA, Triton's set-up runs meanwhile."""
         cfg = LlamaConfig.from_checkpoint(ckpt)
+        sharded = shard_config(cfg, tp, experts)  # (an odd split fails before any load)
+        n_experts = cfg.moe.experts if experts else 0
         warming = prewarm_triton() if torch.device(device).type == "cuda" else None
         if tp == 1:
             state = ckpt.load_tensors(device, dtype, together=fused_groups(cfg))
@@ -317,9 +326,9 @@ class LlamaForCausalLM(nn.Module):
             state = {}
             for path in ckpt.shard_files():
                 part = safetensors_reader.load_tensors([path], device, dtype)
-                shard_state(part, tp_rank, tp)
+                shard_state(part, tp_rank, tp, n_experts)
                 state.update(part)
-        model = cls.from_state(shard_config(cfg, tp), state, ckpt.path)
+        model = cls.from_state(sharded, state, ckpt.path)
         if warming:
             warming.join()
         return model

@@ -18,6 +18,7 @@ from torch import nn
 from .checkpoint import CheckpointError
 from .kernels import ops
 from .kernels.moe import route_ref
+from .tensor_parallel import rank
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,12 @@ class MoEConfig:
     intermediate: int  # each expert's
     renormalize: bool  # the top-k weights rescaled to sum to 1
     dense_layers: frozenset[int] = frozenset()  # layers that keep a dense MLP
+    expert_parallel: int = 1  # ranks the experts are shared out over (each holds a run)
+
+    @property
+    def local_experts(self) -> int:
+        """The experts one rank holds: all of them, or its share under expert parallelism."""
+        return self.experts // self.expert_parallel
 
 
 # per family: the router's and each expert's gate, up and down names in the checkpoint
@@ -76,7 +83,7 @@ route = route_ref  # the definition (kernels/moe.py); the GPU path runs ops.rout
 class Experts(nn.Module):
     def __init__(self, moe: MoEConfig, hidden: int, device=None):
         super().__init__()
-        e, inter = moe.experts, moe.intermediate
+        e, inter = moe.local_experts, moe.intermediate
         self.gate_up = nn.Parameter(torch.empty(e, 2 * inter, hidden, device=device))
         self.down = nn.Parameter(torch.empty(e, hidden, inter, device=device))
 
@@ -95,8 +102,17 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernels = ops(x.device)
         weights, ids = kernels.route(self.gate(x), self.moe.per_token, self.moe.renormalize)
-        experts = self.experts
-        return kernels.fused_moe(x, experts.gate_up, experts.down, weights, ids)
+        experts, partial = self.experts, self.moe.expert_parallel > 1
+        if partial:  # this rank's experts only; the layer's all-reduce adds the others'
+            ids = local_ids(ids, rank() * self.moe.local_experts, self.moe.local_experts)
+        return kernels.fused_moe(x, experts.gate_up, experts.down, weights, ids, partial)
+
+
+def local_ids(ids: torch.Tensor, first: int, n: int) -> torch.Tensor:
+    """Routed expert ids as indexes into a rank's run of `n` experts from `first`; `n` (no
+    expert of this rank's) for the others, whose slots then add nothing here."""
+    local = ids - first
+    return torch.where((local >= 0) & (local < n), local, n)
 
 
 def stack_experts(state: dict, model_type: str, moe: MoEConfig, layers: int, path) -> None:
@@ -117,9 +133,9 @@ def stack_experts(state: dict, model_type: str, moe: MoEConfig, layers: int, pat
         state[prefix + "mlp.gate.weight"] = take(prefix + router)
         pairs = [
             torch.cat([take(prefix + gate.format(e=e)), take(prefix + up.format(e=e))])
-            for e in range(moe.experts)
+            for e in range(moe.local_experts)
         ]
         state[prefix + "mlp.experts.gate_up"] = torch.stack(pairs)
         del pairs
-        downs = [take(prefix + down.format(e=e)) for e in range(moe.experts)]
+        downs = [take(prefix + down.format(e=e)) for e in range(moe.local_experts)]
         state[prefix + "mlp.experts.down"] = torch.stack(downs)

@@ -8,6 +8,12 @@ Each rank holds a slice of every layer (Megatron's split):
   every expert, and the router is replicated);
 - embedding and lm head: its share of the vocabulary.
 
+With expert parallelism (`experts=True`, for mixtures of experts), each rank holds a run
+of whole experts instead of a slice of every one: rank r the experts from r * E / tp. A
+token's slots routed to other ranks' experts add nothing on this rank, and the all-reduce
+after the layer adds every rank's part, as it adds the slices' partial sums under tensor
+parallelism. Attention (and any dense MLP layer) is split as above either way.
+
 A row-parallel layer's outputs are partial sums, added across ranks by an all-reduce
 (`torch.distributed`: NCCL on GPUs, gloo on the CPU); the lm head's slices of the logits
 are gathered. Norms, rope and sampling run replicated. On GPUs, the all-reduces are
@@ -23,6 +29,7 @@ vocabulary (embedding and lm head hold vocab_size // tp rows each).
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 import torch.distributed as dist
@@ -30,8 +37,11 @@ import torch.distributed as dist
 from .checkpoint import CheckpointError
 
 
-def shard_config(cfg, tp: int):
-    """The config of one rank's shard of `cfg` (a LlamaConfig) over `tp` ranks."""
+def shard_config(cfg, tp: int, experts: bool = False):
+    """The config of one rank's shard of `cfg` (a LlamaConfig) over `tp` ranks; `experts`:
+    a mixture of experts shares its experts out (expert parallelism)."""
+    if experts and cfg.moe is None:
+        raise CheckpointError("expert parallelism needs a mixture of experts")
     if tp == 1:
         return cfg
     need = {
@@ -40,12 +50,17 @@ def shard_config(cfg, tp: int):
         "intermediate size": cfg.intermediate_size,
         "vocabulary": cfg.vocab_size,
     }
-    if cfg.moe is not None:
+    if experts:
+        need["experts"] = cfg.moe.experts
+    elif cfg.moe is not None:
         need["experts' intermediate size"] = cfg.moe.intermediate
     odd = [f"{what} ({n})" for what, n in need.items() if n % tp]
     if odd:
         raise CheckpointError(f"cannot split over {tp} ranks: {', '.join(odd)} not divisible")
-    moe = cfg.moe and dataclasses.replace(cfg.moe, intermediate=cfg.moe.intermediate // tp)
+    if experts:
+        moe = dataclasses.replace(cfg.moe, expert_parallel=tp)
+    else:
+        moe = cfg.moe and dataclasses.replace(cfg.moe, intermediate=cfg.moe.intermediate // tp)
     return dataclasses.replace(
         cfg,
         num_heads=cfg.num_heads // tp,
@@ -77,13 +92,26 @@ _SPLITS = (
 )
 
 
-def shard_state(state: dict[str, torch.Tensor], rank: int, tp: int) -> None:
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+def shard_state(state: dict[str, torch.Tensor], rank: int, tp: int, experts: int = 0) -> None:
     """Keep this rank's slice of every split tensor of a checkpoint's state (HF names), in
     place. Each slice is a copy: the whole tensor is freed (and the kernels want slices
-    along the input columns contiguous)."""
+    along the input columns contiguous). `experts`: the model's number of experts, shared
+    out whole (expert parallelism): this rank keeps its run, renumbered from 0."""
     if tp == 1:
         return
+    if experts:
+        per_rank = experts // tp
+        for name in [n for n in state if _EXPERT.search(n)]:
+            t = state.pop(name)
+            e = int(_EXPERT.search(name).group(1)) - rank * per_rank
+            if 0 <= e < per_rank:
+                state[_EXPERT.sub(f".experts.{e}.", name, count=1)] = t
     for name in list(state):
+        if experts and _EXPERT.search(name):
+            continue
         how = next((h for key, h in _SPLITS if key in name), None)
         if how is None:
             continue

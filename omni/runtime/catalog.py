@@ -48,6 +48,8 @@ def parse_size(value) -> int:
 TOOL_PARSER_ENV = "OMNI_TOOL_PARSER"  # the instance reads its tool_parser here
 TENSOR_PARALLEL_ENV = "OMNI_TENSOR_PARALLEL"  # ... and how many ranks it runs
 RANK_CONTROLS_ENV = "OMNI_RANK_CONTROLS"  # ... and each rank's shim control block
+PARALLEL_ENV = "OMNI_PARALLEL"  # ... and how a mixture of experts is split: "tp" | "ep"
+PARALLEL_MODES = ("tp", "ep")  # each expert's width over the ranks, or whole experts
 RUNTIMES = {"omni"}  # the engine instances run; the catalog names it so others can follow
 
 
@@ -60,6 +62,7 @@ class Placement:
     permits: int = 64  # requests at the instance at once; more wait, then get 429
     cold: bool = False  # load, then swap out at once
     tensor_parallel: int = 1  # ranks (processes) the model is split over, in one sandbox
+    parallel: str = "tp"  # a mixture of experts over ranks: "ep" shares out whole experts
 
     @property
     def gpu(self) -> int | None:
@@ -123,6 +126,7 @@ class ModelEntry:
             "permits": self.placement.permits,
             "cold": self.placement.cold,
             "tensor_parallel": self.placement.tensor_parallel,
+            "parallel": self.placement.parallel,
             "version": self.version,
             "tool_parser": self.tool_parser,
         }
@@ -183,6 +187,7 @@ MODEL_KEYS = {
     "cold",
     "tool_parser",
     "tensor_parallel",
+    "parallel",
 }
 GPU_KEYS = {"index", "budget"}
 
@@ -266,7 +271,14 @@ def placement_from(item: dict, where: str, gpus: dict[int, int] | None) -> Place
                 f"{where}.tensor_parallel: {tp} ranks on {len(chosen)} GPU(s): one rank a GPU, "
                 "list as many GPUs in 'gpu'"
             )
-    return Placement(chosen, quota, permits, cold, tp)
+    parallel = item.get("parallel", "tp")
+    if parallel not in PARALLEL_MODES:
+        raise CatalogError(f"{where}.parallel: {parallel!r} is not one of {list(PARALLEL_MODES)}")
+    if parallel == "ep" and tp == 1:
+        raise CatalogError(
+            f"{where}.parallel: 'ep' needs several ranks (a list of GPUs, or tensor_parallel)"
+        )
+    return Placement(chosen, quota, permits, cold, tp, parallel)
 
 
 def _gpu_indexes(value: object, where: str) -> tuple[int, ...]:

@@ -29,7 +29,13 @@ from omni.cudashim import ControlBlock, Mode
 from omni.cudashim import instance_env as shim_env
 from omni.isolation.sandbox import ExitStatus, Sandbox, SandboxSpec
 
-from .catalog import RANK_CONTROLS_ENV, TENSOR_PARALLEL_ENV, TOOL_PARSER_ENV, ModelEntry
+from .catalog import (
+    PARALLEL_ENV,
+    RANK_CONTROLS_ENV,
+    TENSOR_PARALLEL_ENV,
+    TOOL_PARSER_ENV,
+    ModelEntry,
+)
 from .code import InstanceCode
 from .gpuyield import ENV as YIELD_ENV
 from .gpuyield import YieldFlag
@@ -286,6 +292,7 @@ class Instance:
             env[TOOL_PARSER_ENV] = self.entry.tool_parser
         if self.entry.placement.tensor_parallel > 1:
             env[TENSOR_PARALLEL_ENV] = str(self.entry.placement.tensor_parallel)
+            env[PARALLEL_ENV] = self.entry.placement.parallel
         gpus, extra_ro = None, ()
         if self.gpu is not None:
             gpus = tuple(pool.index for pool in self.gpu.pools)

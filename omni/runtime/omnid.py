@@ -326,6 +326,7 @@ SPEC_KEYS = {
     "version",
     "tool_parser",
     "tensor_parallel",
+    "parallel",
 }
 
 

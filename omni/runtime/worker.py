@@ -24,7 +24,7 @@ from omni.api.errors import error_middleware, json_response
 from omni.engine.checkpoint import Checkpoint
 from omni.logs import setup_logging
 
-from .catalog import RANK_CONTROLS_ENV, TENSOR_PARALLEL_ENV, TOOL_PARSER_ENV
+from .catalog import PARALLEL_ENV, RANK_CONTROLS_ENV, TENSOR_PARALLEL_ENV, TOOL_PARSER_ENV
 from .code import PACKAGE_ENV, check_package
 from .gpuyield import YieldGate
 
@@ -53,10 +53,11 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
         on_gpu = torch.cuda.is_available()
         device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
         tp = int(os.environ.get(TENSOR_PARALLEL_ENV) or 1)
+        experts = os.environ.get(PARALLEL_ENV) == "ep"
         if tp > 1:
-            start_ranks(ckpt, tp, on_gpu)
+            start_ranks(ckpt, tp, on_gpu, experts)
         gate = YieldGate.from_env()
-        model = LlamaForCausalLM.load(ckpt, device, dtype, tp=tp)
+        model = LlamaForCausalLM.load(ckpt, device, dtype, tp=tp, experts=experts)
         engine = Engine(model, TextTokenizer(ckpt), before_step=gate)
         engine.warm_up(when_idle=True)  # serve at once; compile between requests
         if not on_gpu and os.environ.get(CONTROL_ENV):
@@ -89,7 +90,7 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
     return app
 
 
-def start_ranks(ckpt: Checkpoint, tp: int, on_gpu: bool) -> None:
+def start_ranks(ckpt: Checkpoint, tp: int, on_gpu: bool, experts: bool = False) -> None:
     """This process is rank 0 of `tp`: start the other ranks as its own children (so they
     share its sandbox: cgroup, namespaces, view), join them in one process group, and
     end the whole instance if one of them dies (omnid then restarts it).
@@ -115,7 +116,7 @@ def start_ranks(ckpt: Checkpoint, tp: int, on_gpu: bool) -> None:
     for rank in range(1, tp):
         proc = ctx.Process(
             target=follow_rank,
-            args=(str(ckpt.path), rank, tp, init, on_gpu),
+            args=(str(ckpt.path), rank, tp, init, on_gpu, experts),
             name=f"omni-rank-{rank}",
             daemon=True,
         )
@@ -152,7 +153,9 @@ def _rank_env(control: str | None):
             os.environ[CONTROL_ENV] = saved
 
 
-def follow_rank(model_dir: str, rank: int, tp: int, init: str, on_gpu: bool) -> None:
+def follow_rank(
+    model_dir: str, rank: int, tp: int, init: str, on_gpu: bool, experts: bool = False
+) -> None:
     """A rank > 0: load its shard and do what rank 0's runner does (tp_runner.follow)."""
     import torch
 
@@ -164,7 +167,8 @@ def follow_rank(model_dir: str, rank: int, tp: int, init: str, on_gpu: bool) -> 
     setup_logging(f"rank[{rank}]")
     join(rank, tp, init, on_gpu)
     device, dtype = (f"cuda:{rank}", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
-    model = LlamaForCausalLM.load(Checkpoint.open(Path(model_dir)), device, dtype, tp, rank)
+    ckpt = Checkpoint.open(Path(model_dir))
+    model = LlamaForCausalLM.load(ckpt, device, dtype, tp, rank, experts)
     runner = ModelRunner(model)
     if not on_gpu and os.environ.get(CONTROL_ENV):
         account_on_shim(runner.memory_bytes())

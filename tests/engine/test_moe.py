@@ -148,3 +148,29 @@ def test_fused_moe_rows_do_not_depend_on_the_batch():
     for rows in (slice(0, 1), slice(5, 12), slice(100, 300), slice(200, 1000)):
         part = fused_moe(x[rows], gate_up, down, weights[rows], ids[rows])
         assert torch.equal(part, full[rows]), rows
+
+
+@pytest.mark.parametrize(("tokens", "experts", "k"), [(37, 8, 2), (3, 6, 3)])  # grouped, one-slot
+def test_ranks_shares_of_the_experts_add_up_to_the_whole(tokens, experts, k):
+    """Expert parallelism over 2 ranks: each rank's partial sum (its run of experts, the
+    other slots adding nothing) plus the other's is the whole layer's, on the reference
+    and the kernel; the kernel's partial sums are the reference's."""
+    from omni.engine.moe import local_ids
+
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens * 7 + experts)
+    hidden, inter = (512, 384) if GPU else (64, 48)
+    x, gate_up, down, weights, ids = moe_inputs(gen, tokens, experts, k, hidden, inter)
+    half = experts // 2
+    tol = {"atol": 3e-2, "rtol": 3e-2} if GPU else {"atol": 1e-4, "rtol": 1e-4}
+    for moe in (fused_moe_ref, fused_moe):
+        parts = []
+        for r in range(2):
+            mine = slice(r * half, (r + 1) * half)
+            local = local_ids(ids, r * half, half)
+            assert ((local == half) == ((ids < r * half) | (ids >= (r + 1) * half))).all()
+            args = (x, gate_up[mine], down[mine], weights, local)
+            parts.append(moe(*args, partial=True))
+            if moe is fused_moe:
+                torch.testing.assert_close(parts[-1], fused_moe_ref(*args, partial=True), **tol)
+        whole = fused_moe_ref(x, gate_up, down, weights, ids)
+        torch.testing.assert_close(parts[0].float() + parts[1].float(), whole.float(), **tol)

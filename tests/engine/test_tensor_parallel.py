@@ -37,14 +37,21 @@ def run_ranks(target, tp: int, tmp_path, *args):
     return result
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mixtral"])  # dense, biases + tied, MoE
-def test_two_ranks_compute_what_one_computes(arch, tmp_path):
+@pytest.mark.parametrize(
+    ("arch", "experts"),
+    [("llama", False), ("qwen2", False), ("mixtral", False), ("mixtral", True)],
+)  # dense, biases + tied, MoE with each expert split, MoE with the experts shared out
+def test_two_ranks_compute_what_one_computes(arch, experts, tmp_path):
     _, ckpt = tiny_checkpoint(tmp_path / "ckpt", ARCHES[arch]())
     rng = torch.Generator().manual_seed(5)
     prompts = [torch.randint(0, 96, (n,), generator=rng).tolist() for n in (5, 37, 18)]
     want_tokens, want_logits = greedy_steps(LlamaForCausalLM.load(ckpt), prompts, STEPS)
-    tokens, logits, vocab_rows = run_ranks(run_rank, 2, tmp_path, str(ckpt.path), prompts, STEPS)
+    got = run_ranks(run_rank, 2, tmp_path, str(ckpt.path), prompts, STEPS, experts)
+    tokens, logits, vocab_rows, held = got
     assert vocab_rows == 96 // 2  # rank 0 held half the vocabulary (and of each layer)
+    if arch == "mixtral":  # (experts, 2 x width): 2 of 4 whole ones, or a half of all 4
+        cfg = LlamaConfig.from_checkpoint(ckpt).moe
+        assert tuple(held) == ((2, 2 * cfg.intermediate) if experts else (4, cfg.intermediate))
     assert tokens == want_tokens
     for got, want in zip(logits, want_logits, strict=True):
         torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-4, rtol=1e-4)
@@ -55,6 +62,8 @@ def test_a_model_that_does_not_split_evenly_is_refused(tmp_path):
     cfg = LlamaConfig.from_checkpoint(ckpt)
     with pytest.raises(CheckpointError, match=r"KV heads \(1\) not divisible"):
         shard_config(cfg, 2)
+    with pytest.raises(CheckpointError, match=r"experts \(6\) not divisible"):
+        shard_config(cfg, 4, experts=True)
     half = shard_config(LlamaConfig.from_checkpoint(tiny_checkpoint(
         tmp_path / "llama", ARCHES["llama"]())[1]), 2)  # fmt: skip
     assert (half.num_heads, half.num_kv_heads, half.intermediate_size) == (2, 1, 48)
@@ -95,7 +104,8 @@ def test_two_gpus_compute_what_one_gpu_computes(tmp_path):
     rng = torch.Generator().manual_seed(6)
     prompts = [torch.randint(0, 96, (n,), generator=rng).tolist() for n in (5, 37, 18)]
     (tmp_path / "one").mkdir()
-    one_tokens = run_ranks(run_rank, 1, tmp_path / "one", str(ckpt.path), prompts, STEPS)[0]
+    one = run_ranks(run_rank, 1, tmp_path / "one", str(ckpt.path), prompts, STEPS, False)
+    one_tokens = one[0]
     runs = {}
     for tp in (1, 2):
         (tmp_path / f"tp{tp}").mkdir()

@@ -15,17 +15,22 @@ from omni.engine.tensor_parallel import join, leave
 from .runs import greedy_steps, run_requests, tokens
 
 
-def run_rank(rank: int, tp: int, ckpt: str, prompts, steps: int, init_file: str, out) -> None:
+def run_rank(
+    rank: int, tp: int, ckpt: str, prompts, steps: int, experts: bool, init_file: str, out
+) -> None:
     join(rank, tp, f"file://{init_file}", on_gpu=False)
     try:
         torch.set_num_threads(1)
-        model = LlamaForCausalLM.load(Checkpoint.open(Path(ckpt)), tp=tp, tp_rank=rank)
+        ckpt = Checkpoint.open(Path(ckpt))
+        model = LlamaForCausalLM.load(ckpt, tp=tp, tp_rank=rank, experts=experts)
         tokens, logits = greedy_steps(model, prompts, steps)
         if rank == 0:
             # (as numpy: a tensor would travel as a shared-memory handle, gone when this
             # process exits before the parent reads it)
             arrays = [x.numpy() for x in logits]
-            out.put((tokens, arrays, model.model.embed_tokens.num_embeddings))
+            mlp = model.model.layers[0].mlp
+            held = mlp.experts.gate_up.shape[:2] if hasattr(mlp, "experts") else None
+            out.put((tokens, arrays, model.model.embed_tokens.num_embeddings, held))
     finally:
         leave()
 

@@ -76,12 +76,13 @@ def route(router_logits: torch.Tensor, k: int, renormalize: bool):
     return weights, ids
 
 
-def fused_moe_ref(x, gate_up, down, weights, ids) -> torch.Tensor:
+def fused_moe_ref(x, gate_up, down, weights, ids, partial: bool = False) -> torch.Tensor:
     """sum_j weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * up[e] @ x[t]), e = ids[t, j].
 
     x [tokens, hidden]; gate_up [experts, 2I, hidden]; down [experts, hidden, I]. Tokens are
     grouped by expert (one matmul per expert that has any), each (token, slot) result kept
-    apart, then summed per token in slot order in fp32."""
+    apart, then summed per token in slot order in fp32. `partial`: an id equal to the
+    number of experts is another rank's expert (moe.local_ids), its slot adds nothing."""
     tokens, k = ids.shape
     slots = torch.zeros(tokens * k, x.shape[-1], dtype=torch.float32, device=x.device)
     flat = ids.reshape(-1)
@@ -89,7 +90,7 @@ def fused_moe_ref(x, gate_up, down, weights, ids) -> torch.Tensor:
     counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
     start = 0
     for expert, n in enumerate(counts):
-        if not n:
+        if not n or expert >= gate_up.shape[0]:
             continue
         rows = order[start : start + n]
         start += n
@@ -108,18 +109,19 @@ def align_by_expert(ids: torch.Tensor, experts: int, block_m: int):
     """Each (token, slot) of ids [tokens, k] grouped by expert, each group padded to whole
     blocks of block_m: (rows [blocks * block_m] with tokens * k as padding, the expert of
     each block [blocks], E where the block is unused). Torch ops on the device, sizes from
-    the shapes alone: no wait for the GPU, so a CUDA graph can hold it."""
+    the shapes alone: no wait for the GPU, so a CUDA graph can hold it. Ids equal to E
+    (another rank's experts) form a last group whose blocks are unused."""
     slots = ids.numel()
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     # (not bincount: its output size follows the largest id, a wait for the GPU)
-    counts = torch.zeros(experts, dtype=torch.int64, device=ids.device)
+    counts = torch.zeros(experts + 1, dtype=torch.int64, device=ids.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
     start = torch.cumsum(counts, 0) - counts
     # enough for any grouping: each expert that has slots adds at most one partial block
-    blocks = (slots + block_m - 1) // block_m + min(slots, experts)
+    blocks = (slots + block_m - 1) // block_m + min(slots, experts + 1)
     rows = torch.full((blocks * block_m,), slots, dtype=torch.int64, device=ids.device)
     expert_of = flat[order]
     rank = torch.arange(slots, device=ids.device) - start[expert_of]
@@ -264,12 +266,14 @@ MOE_TILES = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 4}
 ONE_SLOT_MAX = 64
 
 
-def fused_moe(x, gate_up, down, weights, ids) -> torch.Tensor:
+def fused_moe(x, gate_up, down, weights, ids, partial: bool = False) -> torch.Tensor:
     """fused_moe_ref's sums with the Triton kernels: tokens grouped by expert on the
     device (align_by_expert), the gate/up matmul with SiLU-and-mul, then the down matmul
     times the routing weight, per (token, slot); the k slots summed per token in fp32,
     in order. Each (token, slot) row is its own chain of dot products over K, whatever
-    other rows share its block: a token's output does not depend on its neighbours."""
+    other rows share its block: a token's output does not depend on its neighbours.
+    `partial`: ids equal to the number of experts are other ranks' (no block runs them;
+    their slots stay zero)."""
     tokens, k = ids.shape
     experts, two_inter, hidden = gate_up.shape
     inter = two_inter // 2
@@ -288,7 +292,9 @@ def fused_moe(x, gate_up, down, weights, ids) -> torch.Tensor:
         x, gate_up, act, rows, block_expert, slots, hidden, inter, experts, TOP_K=k,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=MOE_BLOCK_K, ONE_SLOT=one_slot, **t,
     )  # fmt: skip
-    out = torch.empty(slots, hidden, dtype=torch.float32, device=x.device)
+    out = (torch.zeros if partial else torch.empty)(
+        slots, hidden, dtype=torch.float32, device=x.device
+    )
     _moe_down_kernel[(blocks, triton.cdiv(hidden, block_n))](
         act, down, weights.reshape(-1).contiguous(), out, rows, block_expert, slots,
         hidden, inter, experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=MOE_BLOCK_K,
