@@ -190,11 +190,12 @@ class Attention(nn.Module):
         q = q.view(n, cfg.num_heads, cfg.head_dim)  # views into the fused output
         k = k.view(n, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(n, cfg.num_kv_heads, cfg.head_dim)
+        norms = None  # Qwen3's per-head norms of q and k, in the rope kernel
         if cfg.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+            norms = (self.q_norm.weight, self.k_norm.weight, cfg.rms_norm_eps)
         kc, vc = k_cache[self.layer], v_cache[self.layer]
         return ops(x.device).rope_and_cache(
-            q, k, v, step.positions, inv_freq, kc, vc, step.slot_mapping
+            q, k, v, step.positions, inv_freq, kc, vc, step.slot_mapping, norms
         )
 
     def attend(self, q: torch.Tensor, step, k_cache, v_cache, out=None) -> torch.Tensor:

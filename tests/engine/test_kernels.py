@@ -64,9 +64,10 @@ def test_silu_and_mul(gen):
 
 @pytest.mark.parametrize("heads", [SHAPE[:2], (12, 3)])  # (12, 3): part-filled groups
 @pytest.mark.parametrize("fused", [False, True])
-def test_rope_and_cache(gen, fused, heads):
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_and_cache(gen, fused, heads, qk_norm):
     """Separate q, k, v, or views into one fused qkv projection's rows (strided: the
-    kernel reads them in place)."""
+    kernel reads them in place); with Qwen3's per-head norms of q and k or without."""
     (n_q, n_kv), dim = heads, SHAPE[2]
     tokens, n_blocks = 23, 8
     if fused:
@@ -85,8 +86,13 @@ def test_rope_and_cache(gen, fused, heads):
     slots = torch.randperm(n_blocks * BLOCK, generator=gen, device=DEVICE)[:tokens]
     slots[::5] = -1  # padding tokens are not written
     caches = [torch.zeros(n_blocks, BLOCK, n_kv, dim, dtype=DTYPE, device=DEVICE) for _ in range(4)]
-    q_out = rope_and_cache(q, k, v, positions, inv_freq, caches[0], caches[1], slots)
-    q_ref = rope_and_cache_ref(q, k, v, positions, inv_freq, caches[2], caches[3], slots)
+    norms = None
+    if qk_norm:  # weights away from 1, inputs away from unit scale (in place: views stay)
+        norms = (1 + rand(dim, gen=gen), 1 + rand(dim, gen=gen), 1e-6)
+        q.mul_(3)
+        k.mul_(0.5)
+    q_out = rope_and_cache(q, k, v, positions, inv_freq, caches[0], caches[1], slots, norms)
+    q_ref = rope_and_cache_ref(q, k, v, positions, inv_freq, caches[2], caches[3], slots, norms)
     torch.testing.assert_close(q_out, q_ref, **TOL)
     torch.testing.assert_close(caches[0], caches[2], **TOL)
     torch.testing.assert_close(caches[1], caches[3], **TOL)

@@ -1,4 +1,5 @@
-"""Rotary embedding of q and k, fused with writing k and v into the paged KV cache.
+"""Rotary embedding of q and k, fused with writing k and v into the paged KV cache (and,
+for Qwen3, with the per-head RMS norm of q and k before it: two kernels fewer a layer).
 
 Cache layout (per layer): [num_blocks, block_size, kv_heads, head_dim]; token t
 goes to slot `slot_mapping[t]` = block * block_size + offset (negative: skip).
@@ -12,8 +13,14 @@ import triton
 import triton.language as tl
 
 
-def rope_and_cache_ref(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping):
-    """Returns rotated q; writes rotated k and v into the caches at their slots."""
+def rope_and_cache_ref(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping, norms=None):
+    """Returns rotated q; writes rotated k and v into the caches at their slots. `norms`:
+    (q weight, k weight, eps) of a per-head RMS norm applied to q and k first."""
+    if norms is not None:
+        from .norm import rms_norm_ref
+
+        q_w, k_w, eps = norms
+        q, k = rms_norm_ref(q, q_w, eps)[0], rms_norm_ref(k, k_w, eps)[0]
     freqs = positions[:, None].float() * inv_freq[None, :].float()
     cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
 
@@ -32,12 +39,21 @@ def rope_and_cache_ref(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapp
 
 
 @triton.jit
-def _rotate_half_into(src_ptr, dst_ptr, mask, cos, sin, HALF: tl.constexpr):
+def _rotate_half_into(
+    src_ptr, dst_ptr, mask, cos, sin, HALF: tl.constexpr, w_ptr, j, eps, NORM: tl.constexpr
+):
     """dst[..., :HALF], dst[..., HALF:] = x1 cos - x2 sin, x2 cos + x1 sin (x = src; the
-    pointers address a [heads, HALF] block of first halves)."""
+    pointers address a [heads, HALF] block of first halves). NORM: x is first each head's
+    RMS norm times w_ptr's weights, rounded to the output type as the norm kernel's is."""
     x1 = tl.load(src_ptr, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
     out_ty = dst_ptr.dtype.element_ty
+    if NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
+        w1 = tl.load(w_ptr + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
+        x1 = (x1 * rstd[:, None] * w1).to(out_ty).to(tl.float32)
+        x2 = (x2 * rstd[:, None] * w2).to(out_ty).to(tl.float32)
     tl.store(dst_ptr, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
     tl.store(dst_ptr + HALF, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
 
@@ -59,6 +75,9 @@ def _rope_cache_kernel(
     k_cache_ptr,
     v_cache_ptr,
     slot_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
     n_q_heads,
     n_kv_heads,
     q_row,
@@ -67,6 +86,7 @@ def _rope_cache_kernel(
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
     HEADS: tl.constexpr,
+    NORM: tl.constexpr,
 ):
     """Program (token, group): HEADS query heads, or HEADS key/value heads after the
     query groups."""
@@ -83,7 +103,7 @@ def _rope_cache_kernel(
         mask = (h < n_q_heads)[:, None] & (j < HALF)[None, :]
         src = q_ptr + t * q_row + h[:, None] * dim + j[None, :]
         dst = q_out_ptr + (t * n_q_heads + h[:, None]) * dim + j[None, :]
-        _rotate_half_into(src, dst, mask, cos, sin, HALF)
+        _rotate_half_into(src, dst, mask, cos, sin, HALF, q_norm_ptr, j, eps, NORM)
     else:
         slot = tl.load(slot_ptr + t)
         if slot >= 0:
@@ -91,7 +111,9 @@ def _rope_cache_kernel(
             mask = (h < n_kv_heads)[:, None] & (j < HALF)[None, :]
             cached = (slot * n_kv_heads + h[:, None]) * dim + j[None, :]
             k_src = k_ptr + t * k_row + h[:, None] * dim + j[None, :]
-            _rotate_half_into(k_src, k_cache_ptr + cached, mask, cos, sin, HALF)
+            _rotate_half_into(
+                k_src, k_cache_ptr + cached, mask, cos, sin, HALF, k_norm_ptr, j, eps, NORM
+            )
             v_src = v_ptr + t * v_row + h[:, None] * dim + j[None, :]
             v_ty = v_cache_ptr.dtype.element_ty
             v1 = tl.load(v_src, mask=mask, other=0.0)
@@ -106,9 +128,10 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
-def rope_and_cache(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping):
+def rope_and_cache(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping, norms=None):
     """q, k, v: [tokens, heads, head_dim], each row's heads packed; rows may be strided
-    (views into one fused projection: no copies)."""
+    (views into one fused projection: no copies). `norms`: (q weight, k weight, eps) of a
+    per-head RMS norm of q and k, applied in the same kernel."""
     n_tokens, n_q, dim = q.shape
     n_kv = k.shape[1]
     q, k, v = _rows(q), _rows(k), _rows(v)
@@ -125,6 +148,9 @@ def rope_and_cache(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping)
         k_cache,
         v_cache,
         slot_mapping,
+        norms[0] if norms else inv_freq,  # (unread without NORM)
+        norms[1] if norms else inv_freq,
+        norms[2] if norms else 0.0,
         n_q,
         n_kv,
         q.stride(0),
@@ -133,5 +159,6 @@ def rope_and_cache(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping)
         HALF=half,
         BLOCK=triton.next_power_of_2(half),
         HEADS=HEADS,
+        NORM=norms is not None,
     )
     return q_out
