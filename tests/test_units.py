@@ -140,6 +140,8 @@ def test_backoff_doubles_caps_and_resets_after_stable_uptime():
         ("[[models]]\nname = 'x'\npath = '/x'\ngpu = []", r"models\[0\].gpu: a GPU index"),
         ("[[models]]\nname = 'x'\npath = '/x'\nparallel = 'dp'", r"models\[0\].parallel: 'dp'"),
         ("[[models]]\nname = 'x'\npath = '/x'\nparallel = 'ep'", r"'ep' needs several ranks"),
+        ("[[models]]\nname = 'x'\npath = '/x'\nquantization = 'fp8'", r"FP8 needs a GPU"),
+        ("[[models]]\nname = 'x'\npath = '/x'\nquantization = 'int4'", r"'int4' is not 'fp8'"),
         ("default_models = 'yes'", "'default_models' must be true or false"),
         ("listen = 1", "'listen' must be 'host:port'"),
         ("listen = 'localhost'", "'listen' must be 'host:port'"),

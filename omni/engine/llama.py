@@ -8,6 +8,7 @@ their pure-torch references: one switch, `kernels.ops`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -16,6 +17,14 @@ from torch import nn
 
 from . import safetensors_reader
 from .checkpoint import Checkpoint, CheckpointError
+from .fp8 import (
+    METHODS,
+    Fp8Linear,
+    check_device,
+    checkpoint_quantization,
+    normalize_scales,
+    quantize_projections,
+)
 from .kernels import ops, paged_attention_ref, paged_decode, paged_prefill
 from .kernels.prewarm import prewarm_triton
 from .kernels.rows import empty_rows
@@ -44,6 +53,7 @@ class LlamaConfig:
     model_type: str = "llama"
     moe: MoEConfig | None = None  # routed experts in place of the dense MLP (moe.py)
     tp: int = 1  # ranks the model is split over; heads and widths are then one rank's
+    quantization: str | None = None  # "fp8": the projections' weights in e4m3 (fp8.py)
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint) -> LlamaConfig:
@@ -77,6 +87,7 @@ class LlamaConfig:
                 rope_scaling=rope or None,
                 model_type=model_type,
                 moe=moe_config(model_type, c),
+                quantization=checkpoint_quantization(c, ckpt.path / "config.json"),
             )
         except KeyError as exc:
             raise CheckpointError(f"{ckpt.path / 'config.json'}: missing key {exc}") from None
@@ -167,6 +178,12 @@ class Linear(nn.Linear):
         return ops(x.device).linear(x, self.weight, self.bias)
 
 
+def projection(cfg: LlamaConfig, in_features: int, out_features: int, bias: bool, device):
+    """A layer's projection: FP8 (fp8.py) in a quantized model, else the dtype's Linear."""
+    kind = Fp8Linear if cfg.quantization == "fp8" else Linear
+    return kind(in_features, out_features, bias=bias, device=device)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int, device=None):
         super().__init__()
@@ -174,10 +191,10 @@ class Attention(nn.Module):
         self.q_dim, self.kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         # q, k and v in one matmul: one launch and one pass over x instead of three (the
         # checkpoint's q_proj/k_proj/v_proj are stacked at load, see fuse_projections).
-        self.qkv_proj = Linear(
-            cfg.hidden_size, self.q_dim + 2 * self.kv_dim, bias=cfg.attention_bias, device=device
+        self.qkv_proj = projection(
+            cfg, cfg.hidden_size, self.q_dim + 2 * self.kv_dim, cfg.attention_bias, device
         )
-        self.o_proj = Linear(self.q_dim, cfg.hidden_size, bias=False, device=device)
+        self.o_proj = projection(cfg, self.q_dim, cfg.hidden_size, False, device)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device)
@@ -213,8 +230,8 @@ class MLP(nn.Module):
         super().__init__()
         # gate and up in one matmul, then one kernel for silu(gate) * up
         width = 2 * cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, width, bias=False, device=device)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False, device=device)
+        self.gate_up_proj = projection(cfg, cfg.hidden_size, width, False, device)
+        self.down_proj = projection(cfg, cfg.intermediate_size, cfg.hidden_size, False, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops(x.device).silu_and_mul(self.gate_up_proj(x)))
@@ -313,11 +330,22 @@ class LlamaForCausalLM(nn.Module):
         tp: int = 1,
         tp_rank: int = 0,
         experts: bool = False,
+        quantization: str | None = None,
+        reference: bool = False,
     ) -> LlamaForCausalLM:
         """The checkpoint's model on `device` (with `tp`, rank `tp_rank`'s shard of it:
         tensor_parallel.py; `experts`: a mixture of experts' experts shared out whole);
-        on CUDA, Triton's set-up runs meanwhile."""
+        on CUDA, Triton's set-up runs meanwhile. `quantization` ("fp8"): quantize a
+        checkpoint's projections at load (a Hub FP8 checkpoint is FP8 anyway); FP8 needs
+        its GPU kernels, or `reference`: the CPU's definition of the math (fp8.py)."""
         cfg = LlamaConfig.from_checkpoint(ckpt)
+        if quantization is not None and quantization not in METHODS:
+            raise CheckpointError(f"quantization {quantization!r} is not one of {list(METHODS)}")
+        cfg = dataclasses.replace(cfg, quantization=quantization or cfg.quantization)
+        if cfg.quantization:
+            if cfg.moe is not None or tp > 1:
+                raise CheckpointError("FP8 is for dense models on one GPU so far")
+            check_device(device, reference)
         sharded = shard_config(cfg, tp, experts)  # (an odd split fails before any load)
         n_experts = cfg.moe.experts if experts else 0
         warming = prewarm_triton() if torch.device(device).type == "cuda" else None
@@ -339,7 +367,11 @@ class LlamaForCausalLM(nn.Module):
         """The model on a checkpoint's tensors (HF names; taken over, not copied, but for
         the fused projections); CheckpointError names what is missing or misshapen."""
         model = cls(cfg, device="meta")
+        if cfg.quantization:
+            normalize_scales(state)  # (a Hub FP8 checkpoint's, before they are fused)
         fuse_projections(state, cfg, source)
+        if cfg.quantization:
+            quantize_projections(state)
         if cfg.moe is not None:
             stack_experts(state, cfg.model_type, cfg.moe, cfg.num_layers, source)
         if cfg.tie_embeddings:
@@ -400,7 +432,7 @@ def fuse_projections(state: dict[str, torch.Tensor], cfg: LlamaConfig, path) -> 
     for i in range(cfg.num_layers):
         prefix = f"model.layers.{i}."
         for fused, parts in FUSED.items():
-            for kind in ("weight", "bias"):
+            for kind in ("weight", "bias", "weight_scale"):
                 names = [f"{prefix}{part}.{kind}" for part in parts]
                 present = [n for n in names if n in state]
                 if not present:

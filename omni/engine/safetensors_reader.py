@@ -183,7 +183,7 @@ def _load_mapped(
         try:
             with safe_open(str(header.path), framework="pt", device=str(device)) as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    out[name] = _cast(f.get_tensor(name), dtype)
+                    out[name] = _cast(f.get_tensor(name), dtype, name)
         except (SafetensorError, OSError) as exc:
             raise _bad(header.path, str(exc)) from None
         return out
@@ -195,9 +195,16 @@ def _load_mapped(
     return tensors
 
 
-def _cast(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    if dtype is None or not tensor.is_floating_point():
+KEEP_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # quantized weights: as stored
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype | None, name: str = "") -> torch.Tensor:
+    """A floating tensor in `dtype`; FP8 weights and their scales (`*_scale`, which must
+    keep their precision) as they are stored, integer tensors too."""
+    if dtype is None or not tensor.is_floating_point() or tensor.dtype in KEEP_DTYPES:
         return tensor
+    if name.endswith("_scale"):
+        return tensor.float()
     return tensor.to(dtype)
 
 
@@ -278,7 +285,7 @@ def read_tensors(
     }
     del shards  # drop the flat uint8 views, so that a cast frees each original
     for name, t in tensors.items():  # in place: each original is freed as it is cast
-        tensors[name] = _cast(t, dtype)
+        tensors[name] = _cast(t, dtype, name)
     return tensors
 
 

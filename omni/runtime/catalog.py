@@ -50,6 +50,7 @@ TENSOR_PARALLEL_ENV = "OMNI_TENSOR_PARALLEL"  # ... and how many ranks it runs
 RANK_CONTROLS_ENV = "OMNI_RANK_CONTROLS"  # ... and each rank's shim control block
 PARALLEL_ENV = "OMNI_PARALLEL"  # ... and how a mixture of experts is split: "tp" | "ep"
 PARALLEL_MODES = ("tp", "ep")  # each expert's width over the ranks, or whole experts
+QUANTIZATION_ENV = "OMNI_QUANTIZATION"  # ... and what it quantizes its weights to at load
 RUNTIMES = {"omni"}  # the engine instances run; the catalog names it so others can follow
 
 
@@ -63,6 +64,7 @@ class Placement:
     cold: bool = False  # load, then swap out at once
     tensor_parallel: int = 1  # ranks (processes) the model is split over, in one sandbox
     parallel: str = "tp"  # a mixture of experts over ranks: "ep" shares out whole experts
+    quantization: str | None = None  # "fp8": a bf16 checkpoint's projections, at load
 
     @property
     def gpu(self) -> int | None:
@@ -127,6 +129,7 @@ class ModelEntry:
             "cold": self.placement.cold,
             "tensor_parallel": self.placement.tensor_parallel,
             "parallel": self.placement.parallel,
+            "quantization": self.placement.quantization,
             "version": self.version,
             "tool_parser": self.tool_parser,
         }
@@ -188,6 +191,7 @@ MODEL_KEYS = {
     "tool_parser",
     "tensor_parallel",
     "parallel",
+    "quantization",
 }
 GPU_KEYS = {"index", "budget"}
 
@@ -278,7 +282,13 @@ def placement_from(item: dict, where: str, gpus: dict[int, int] | None) -> Place
         raise CatalogError(
             f"{where}.parallel: 'ep' needs several ranks (a list of GPUs, or tensor_parallel)"
         )
-    return Placement(chosen, quota, permits, cold, tp, parallel)
+    quantization = item.get("quantization")
+    if quantization is not None:
+        if quantization != "fp8":
+            raise CatalogError(f"{where}.quantization: {quantization!r} is not 'fp8'")
+        if not chosen:
+            raise CatalogError(f"{where}.quantization: FP8 needs a GPU ('gpu')")
+    return Placement(chosen, quota, permits, cold, tp, parallel, quantization)
 
 
 def _gpu_indexes(value: object, where: str) -> tuple[int, ...]:

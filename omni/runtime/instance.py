@@ -31,6 +31,7 @@ from omni.isolation.sandbox import ExitStatus, Sandbox, SandboxSpec
 
 from .catalog import (
     PARALLEL_ENV,
+    QUANTIZATION_ENV,
     RANK_CONTROLS_ENV,
     TENSOR_PARALLEL_ENV,
     TOOL_PARSER_ENV,
@@ -290,6 +291,8 @@ class Instance:
             env["OMNI_MEMORY_LIMIT_BYTES"] = str(self.entry.limits.memory_bytes)
         if self.entry.tool_parser:
             env[TOOL_PARSER_ENV] = self.entry.tool_parser
+        if self.entry.placement.quantization:
+            env[QUANTIZATION_ENV] = self.entry.placement.quantization
         if self.entry.placement.tensor_parallel > 1:
             env[TENSOR_PARALLEL_ENV] = str(self.entry.placement.tensor_parallel)
             env[PARALLEL_ENV] = self.entry.placement.parallel

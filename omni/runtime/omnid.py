@@ -327,6 +327,7 @@ SPEC_KEYS = {
     "tool_parser",
     "tensor_parallel",
     "parallel",
+    "quantization",
 }
 
 

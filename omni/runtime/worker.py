@@ -24,7 +24,13 @@ from omni.api.errors import error_middleware, json_response
 from omni.engine.checkpoint import Checkpoint
 from omni.logs import setup_logging
 
-from .catalog import PARALLEL_ENV, RANK_CONTROLS_ENV, TENSOR_PARALLEL_ENV, TOOL_PARSER_ENV
+from .catalog import (
+    PARALLEL_ENV,
+    QUANTIZATION_ENV,
+    RANK_CONTROLS_ENV,
+    TENSOR_PARALLEL_ENV,
+    TOOL_PARSER_ENV,
+)
 from .code import PACKAGE_ENV, check_package
 from .gpuyield import YieldGate
 
@@ -57,7 +63,10 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
         if tp > 1:
             start_ranks(ckpt, tp, on_gpu, experts)
         gate = YieldGate.from_env()
-        model = LlamaForCausalLM.load(ckpt, device, dtype, tp=tp, experts=experts)
+        quantization = os.environ.get(QUANTIZATION_ENV) or None
+        model = LlamaForCausalLM.load(
+            ckpt, device, dtype, tp=tp, experts=experts, quantization=quantization
+        )
         engine = Engine(model, TextTokenizer(ckpt), before_step=gate)
         engine.warm_up(when_idle=True)  # serve at once; compile between requests
         if not on_gpu and os.environ.get(CONTROL_ENV):

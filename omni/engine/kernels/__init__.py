@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import torch
 
+from ..fp8 import fp8_linear_ref
 from .activation import silu_and_mul, silu_and_mul_ref
 from .attention import paged_attention_ref, paged_decode, paged_prefill, prefill_work
 from .matmul import linear, linear_ref
@@ -40,7 +41,13 @@ __all__ = [
 
 BATCH_INVARIANT = os.environ.get("OMNI_BATCH_INVARIANT", "1") != "0"
 
+
+def _fp8_linear_unbuilt(*_args, **_kwargs):
+    raise NotImplementedError("FP8 linear on the GPU: the W8A8 Triton kernel is not built yet")
+
+
 _KERNELS = SimpleNamespace(
+    fp8_linear=_fp8_linear_unbuilt,
     rms_norm=rms_norm,
     silu_and_mul=silu_and_mul,
     rope_and_cache=rope_and_cache,
@@ -49,6 +56,7 @@ _KERNELS = SimpleNamespace(
     route=route,
 )
 _REFERENCES = SimpleNamespace(
+    fp8_linear=fp8_linear_ref,
     rms_norm=rms_norm_ref,
     silu_and_mul=silu_and_mul_ref,
     rope_and_cache=rope_and_cache_ref,
