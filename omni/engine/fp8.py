@@ -6,11 +6,11 @@ uses the whole range; the products of two e4m3 values are exact in fp32, and the
 are fp32.
 
 This module holds the math's definition (`fp8_linear_ref`, which the CPU tests and the
-accuracy checks run) and the work done at load: quantizing a bf16 checkpoint's
-projections (`quantize_projections`), and reading the Hub's FP8 checkpoints, whose
-format `checkpoint_quantization` recognises. The projections are quantized. The
-embedding, the lm head, norms and MoE routers stay in the model's dtype, as the Hub's
-FP8 checkpoints keep them.
+accuracy checks run; kernels/fp8_linear.py is the GPU's) and the work done at load:
+quantizing a bf16 checkpoint's projections (`quantize_projections`), and reading the
+Hub's FP8 checkpoints, whose format `checkpoint_quantization` recognises. The
+projections are quantized. The embedding, the lm head, norms and MoE routers stay in the
+model's dtype, as the Hub's FP8 checkpoints keep them.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         qi = (wf / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         e = ((qi.float() * s[:, None] - wf) ** 2).sum(dim=-1)
         better = e < err
-        q = torch.where(better[:, None], qi, q)
+        q = torch.where(better[:, None], qi.view(torch.uint8), q.view(torch.uint8)).view(FP8)
         scale, err = torch.where(better, s, scale), torch.where(better, e, err)
     return q, scale
 
@@ -159,8 +159,8 @@ def checkpoint_quantization(config: dict, path) -> str | None:
 
 
 def check_device(device: torch.device | str, reference: bool) -> None:
-    """FP8 serves only where its kernels run. The CPU computes the math's reference for
-    tests and accuracy checks (`reference`), at fp32 speed: never a silent fallback."""
+    """FP8 serves only where its kernels run (FP8 tensor cores). The CPU computes the
+    math's reference for tests and accuracy checks (`reference`): never a silent fallback."""
     device = torch.device(device)
     if device.type == "cpu":
         if not reference:
@@ -172,4 +172,3 @@ def check_device(device: torch.device | str, reference: bool) -> None:
     if torch.cuda.get_device_capability(device) < (8, 9):
         name = torch.cuda.get_device_name(device)
         raise CheckpointError(f"FP8 models need FP8 tensor cores (8.9+); {name} has none")
-    raise CheckpointError("FP8 on the GPU needs the W8A8 Triton kernel, not built yet")

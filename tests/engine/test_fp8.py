@@ -164,3 +164,41 @@ def test_fp8_stays_near_bf16_on_smollm2_over_2000_tokens(text_model_dir):
     assert cosine.mean() >= 0.995 and (cosine >= 0.99).float().mean() >= 0.95
     assert model.model.layers[0].mlp.down_proj.weight.dtype == FP8
     assert ratio <= 1.035 and not torch.equal(fp8, base), (perplexity(fp8), perplexity(base))
+
+
+GPU_FP8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU_FP8, reason="needs FP8 tensor cores")
+def test_the_w8a8_kernel_computes_the_reference_and_rows_do_not_depend_on_the_batch():
+    from omni.engine.kernels import fp8_linear as kernel
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    k, n = 4096, 6144
+    x = torch.randn(300, k, generator=gen, device="cuda").to(torch.bfloat16)
+    x[:, 7] *= 30  # an outlier channel, as real activations have
+    w = (torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen, device="cuda").to(torch.bfloat16)
+    wq, ws = quantize_weight(w)
+    xq, xs = kernel.quantize_rows(x)
+    ref_q, ref_s = quantize_rows(x)
+    assert torch.equal(xq.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(xs, ref_s)
+    y = kernel.fp8_linear(x, wq, ws, bias)
+    torch.testing.assert_close(y, fp8_linear_ref(x, wq, ws, bias), rtol=1e-2, atol=1e-2)
+    for rows in (slice(0, 1), slice(5, 21), slice(40, 104), slice(0, 300)):  # every tile size
+        assert torch.equal(kernel.fp8_linear(x[rows], wq, ws, bias), y[rows]), rows
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU_FP8, reason="needs FP8 tensor cores")
+def test_an_fp8_model_runs_on_the_gpu_with_cuda_graphs_near_bf16(tmp_path):
+    _, ckpt = tiny_checkpoint(tmp_path / "bf16", ARCHES["qwen2"]())  # biases: the epilogue's
+    prompts = [[5, 17, 3, 40, 8], [9, 61, 2]]
+    bf16 = LlamaForCausalLM.load(ckpt, "cuda", torch.bfloat16)
+    tokens, want = greedy_steps(bf16, prompts, 6)
+    fp8 = LlamaForCausalLM.load(ckpt, "cuda", torch.bfloat16, quantization="fp8")
+    assert fp8.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8
+    _, got = greedy_steps(fp8, prompts, 6, forced=tokens)
+    for a, b in zip(got, want, strict=True):
+        assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.98

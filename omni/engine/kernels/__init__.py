@@ -15,6 +15,7 @@ import torch
 from ..fp8 import fp8_linear_ref
 from .activation import silu_and_mul, silu_and_mul_ref
 from .attention import paged_attention_ref, paged_decode, paged_prefill, prefill_work
+from .fp8_linear import fp8_linear
 from .matmul import linear, linear_ref
 from .moe import fused_moe, fused_moe_ref, route, route_ref
 from .norm import rms_norm, rms_norm_ref
@@ -42,12 +43,8 @@ __all__ = [
 BATCH_INVARIANT = os.environ.get("OMNI_BATCH_INVARIANT", "1") != "0"
 
 
-def _fp8_linear_unbuilt(*_args, **_kwargs):
-    raise NotImplementedError("FP8 linear on the GPU: the W8A8 Triton kernel is not built yet")
-
-
 _KERNELS = SimpleNamespace(
-    fp8_linear=_fp8_linear_unbuilt,
+    fp8_linear=fp8_linear,
     rms_norm=rms_norm,
     silu_and_mul=silu_and_mul,
     rope_and_cache=rope_and_cache,

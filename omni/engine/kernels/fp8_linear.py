@@ -1,0 +1,130 @@
+"""The W8A8 linear layer on FP8 tensor cores (Ada, Hopper): fp8_linear_ref's sums, batch-invariant.
+
+Two kernels. The first quantizes each row of x to e4m3 by its own absolute max, in two
+passes over the row, so a token's bits depend on that token alone. The second is the
+bf16 linear's kernel (matmul.py) on e4m3 tiles: every output element is one fp32
+accumulator chained through `tl.dot` over K in order, whatever the tile shape. The
+scales (the row's, the weight row's) and the bias are applied once, at the end.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..fp8 import FP8, FP8_MAX
+
+QUANT_BLOCK = 1024  # a row's elements per loop step when quantizing it
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, FMAX: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    amax = tl.zeros((BLOCK,), tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK)):
+        ks = k * BLOCK + offs
+        x = tl.load(x_ptr + row * K + ks, mask=ks < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FMAX
+    tl.store(scale_ptr + row, scale)
+    for k in range(0, tl.cdiv(K, BLOCK)):
+        ks = k * BLOCK + offs
+        x = tl.load(x_ptr + row * K + ks, mask=ks < K, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
+        tl.store(q_ptr + row * K + ks, q.to(q_ptr.dtype.element_ty), mask=ks < K)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8.quantize_rows on the GPU: (e4m3 rows, fp32 scales [rows]) of x [M, K]."""
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_rows_kernel[(m,)](x, q, scale, k, FMAX=FP8_MAX, BLOCK=QUANT_BLOCK)
+    return q, scale
+
+
+@triton.jit(do_not_specialize=["M"])  # M follows the step's size (see matmul.py)
+def _fp8_linear_kernel(
+    x_ptr,
+    x_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_m
+    pid_n = (pid % per_group) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + offs_m[:, None] * K + offs_k[None, :]
+    w_ptrs = w_ptr + offs_n[None, :] * K + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        w = tl.load(w_ptrs, mask=(offs_n[None, :] < N) & (offs_k[:, None] < k_left), other=0.0)
+        acc = tl.dot(x, w, acc)
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    x_scale = tl.load(x_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
+    w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
+    acc = acc * x_scale[:, None] * w_scale[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        out_ptr + offs_m[:, None] * N + offs_n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
+    )
+
+
+def fp8_tiles(m: int) -> dict:
+    """Tiles by rows (a first cut, not yet tuned: bench/tune_linear.py is the next step).
+    Any of them computes the same bits."""
+    if m <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=5)
+    if m <= 128:
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fp8.fp8_linear_ref's W8A8 sums on the GPU: x [..., K] (bf16), weight [N, K] e4m3,
+    weight_scale [N] fp32."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1]).contiguous()
+    (m, k), n = x2.shape, weight.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        xq, xs = quantize_rows(x2)
+        cfg = fp8_tiles(m)
+        tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+        bias_arg = bias if bias is not None else weight_scale
+        _fp8_linear_kernel[(tiles,)](
+            xq, xs, weight, weight_scale, bias_arg, out, m, n, k,
+            HAS_BIAS=bias is not None, GROUP_M=8, **cfg,
+        )  # fmt: skip
+    return out.view(*shape[:-1], n)
