@@ -6,7 +6,7 @@ uses the whole range; the products of two e4m3 values are exact in fp32, and the
 are fp32.
 
 This module holds the math's definition (`fp8_linear_ref`, which the CPU tests and the
-accuracy checks run; kernels/fp8_linear.py is the GPU's) and the work done at load:
+accuracy checks run; kernels/w8a8.py is the GPU's) and the work done at load:
 quantizing a bf16 checkpoint's projections (`quantize_projections`), and reading the
 Hub's FP8 checkpoints, whose format `checkpoint_quantization` recognises. The
 projections are quantized. The embedding, the lm head, norms and MoE routers stay in the

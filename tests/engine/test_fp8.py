@@ -172,7 +172,7 @@ GPU_FP8 = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU_FP8, reason="needs FP8 tensor cores")
 def test_the_w8a8_kernel_computes_the_reference_and_rows_do_not_depend_on_the_batch():
-    from omni.engine.kernels import fp8_linear as kernel
+    from omni.engine.kernels import w8a8 as kernel
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     k, n = 4096, 6144

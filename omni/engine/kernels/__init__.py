@@ -15,11 +15,11 @@ import torch
 from ..fp8 import fp8_linear_ref
 from .activation import silu_and_mul, silu_and_mul_ref
 from .attention import paged_attention_ref, paged_decode, paged_prefill, prefill_work
-from .fp8_linear import fp8_linear
 from .matmul import linear, linear_ref
 from .moe import fused_moe, fused_moe_ref, route, route_ref
 from .norm import rms_norm, rms_norm_ref
 from .rope import rope_and_cache, rope_and_cache_ref
+from .w8a8 import fp8_linear
 
 __all__ = [
     "fused_moe",
