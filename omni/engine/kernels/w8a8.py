@@ -81,7 +81,9 @@ def _fp8_linear_kernel(
         k_left = K - k * BLOCK_K
         x = tl.load(x_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
         w = tl.load(w_ptrs, mask=(offs_n[None, :] < N) & (offs_k[:, None] < k_left), other=0.0)
-        acc = tl.dot(x, w, acc)
+        # (promoted into the fp32 accumulator after each tile's K: Hopper's FP8 MMA sums
+        # with fewer bits, so long K would lose precision otherwise)
+        acc = tl.dot(x, w, acc, max_num_imprecise_acc=BLOCK_K)
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     x_scale = tl.load(x_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
@@ -98,11 +100,13 @@ def _fp8_linear_kernel(
 
 def fp8_tiles(m: int) -> dict:
     """Tiles by rows (a first cut, not yet tuned: bench/tune_linear.py is the next step).
-    Any of them computes the same bits."""
+    Every one has at least 64 rows and takes K 128 at a time. On Hopper the FP8 MMA of a
+    16-row tile (mma) sums differently from a 64-row one (wgmma), so a row's bits would
+    follow the batch's size; the H100 test caught it."""
     if m <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=5)
+        return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=6)
     if m <= 128:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)
 
 
