@@ -115,8 +115,8 @@ def start_ranks(ckpt: Checkpoint, tp: int, on_gpu: bool, experts: bool = False) 
 
     init = f"file://{tempfile.mkdtemp(prefix='omni-tp-')}/rendezvous"
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # a sandbox has loopback only
-    # No NVLink multicast unless the host asks for it: its objects outlive a crashed
-    # instance on some drivers, and an instance's small all-reduces gain nothing from it.
+    # No NVLink multicast unless omnid's environment asks for it: an instance's all-reduces
+    # are small, and on shared hosts multicast can put the GPUs out of service.
     for key, off in MULTICAST_OFF.items():
         os.environ.setdefault(key, off)
     controls = [c for c in os.environ.get(RANK_CONTROLS_ENV, "").split(",") if c]
@@ -160,6 +160,8 @@ def _rank_env(control: str | None):
     finally:
         if saved is not None:
             os.environ[CONTROL_ENV] = saved
+        else:
+            os.environ.pop(CONTROL_ENV, None)
 
 
 def follow_rank(
