@@ -104,8 +104,8 @@ def fp8_tiles(m: int, n: int) -> dict:
     (wgmma), so a row's bits would follow the batch's size (the H100 test caught it);
     within that family, column width, warps and stages keep the bits (.probe sweep). Up to
     16 rows, the widths measured fastest on the H100 for Llama-3-8B's projections at 1 and
-    16 rows (printed only): gate/up 54.3 -> 46.4 us, q/k/v 13.1 -> 12.6, o 12.1 -> 11.5,
-    down 38.3 -> 37.7. Larger steps: a first cut, not yet tuned."""
+    16 rows (printed only): at 1 row, gate/up 54.3 -> 47.1 us, q/k/v 13.1 -> 12.4, o
+    12.1 -> 11.6, down 38.3 -> 37.9. Larger steps: a first cut, not yet tuned."""
     if m <= 16:
         if n > 16384:  # gate/up
             return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
