@@ -360,6 +360,11 @@ class LlamaForCausalLM(nn.Module):
         model = cls.from_state(sharded, state, ckpt.path)
         if warming:
             warming.join()
+        if cfg.quantization and torch.device(device).type == "cuda":
+            # hand quantizing's scratch back to the driver: the KV pool is sized from what
+            # the GPU reports free, and the smaller weights are to leave it more room
+            del state
+            torch.cuda.empty_cache()
         return model
 
     @classmethod
