@@ -29,7 +29,14 @@ from .kernels import ops, paged_attention_ref, paged_decode, paged_prefill
 from .kernels.prewarm import prewarm_triton
 from .kernels.rows import empty_rows
 from .moe import MoEConfig, SparseMoE, moe_config, stack_experts
-from .tensor_parallel import all_gather_last, all_reduce, rank, shard_config, shard_state
+from .tensor_parallel import (
+    all_gather_last,
+    all_reduce,
+    rank,
+    rank_rows,
+    shard_config,
+    shard_state,
+)
 
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"}
 
@@ -351,11 +358,11 @@ class LlamaForCausalLM(nn.Module):
         warming = prewarm_triton() if torch.device(device).type == "cuda" else None
         if tp == 1:
             state = ckpt.load_tensors(device, dtype, together=fused_groups(cfg))
-        else:  # a file at a time: a rank never holds more than its shard and one file
-            state = {}
+        else:  # a file at a time, only this rank's rows: its shard and one file's at most
+            state, rows = {}, rank_rows(tp_rank, tp, n_experts)
             for path in ckpt.shard_files():
-                part = safetensors_reader.load_tensors([path], device, dtype)
-                shard_state(part, tp_rank, tp, n_experts)
+                part = safetensors_reader.load_tensors([path], device, dtype, rows=rows)
+                shard_state(part, tp_rank, tp, n_experts, rows_read=True)
                 state.update(part)
         model = cls.from_state(sharded, state, ckpt.path)
         if warming:

@@ -155,25 +155,54 @@ def _check_layout(path: Path, tensors: list[TensorEntry], data_size: int) -> Non
         raise _bad(path, f"{data_size - pos} data bytes after the last tensor")
 
 
+# Which rows (dim 0) of a tensor to read, by name and shape: (first, count), or None to
+# leave the tensor out. A rank of a split model reads its own rows, not the whole file.
+RowSelect = Callable[[str, tuple[int, ...]], tuple[int, int] | None]
+
+
 def load_tensors(
     files: Sequence[str | Path],
     device: torch.device | str,
     dtype: torch.dtype,
     together: Sequence[Sequence[str]] = (),
+    rows: RowSelect | None = None,
 ) -> dict[str, torch.Tensor]:
-    """All tensors of the shards on `device`, floating ones cast to `dtype` (integer
-    tensors keep theirs). CUDA goes through the chunked pinned reader, anything else
-    through safetensors' memory map. Each group in `together` is read into one
-    allocation, back to back (on CUDA): a fused projection is then a view, not a copy."""
+    """All tensors of the shards on `device` (with `rows`: the rows it picks of each),
+    floating ones cast to `dtype` (integer tensors keep theirs). CUDA goes through the
+    chunked pinned reader, anything else through safetensors' memory map. Each group in
+    `together` is read into one allocation, back to back (on CUDA): a fused projection
+    is then a view, not a copy."""
     device = torch.device(device)
     headers = [read_header(f) for f in files]
     if device.type == "cuda":
-        return read_tensors(headers, device, dtype, pinned=True, together=together)
-    return _load_mapped(headers, device, dtype)
+        return read_tensors(headers, device, dtype, pinned=True, together=together, rows=rows)
+    return _load_mapped(headers, device, dtype, rows)
+
+
+def select_rows(header: Header, rows: RowSelect) -> Header:
+    """`header` with each tensor narrowed to the rows `rows` picks, or left out: a run of
+    rows is a run of the file's bytes, so only those are read."""
+    out = []
+    for t in header.tensors:
+        pick = rows(t.name, t.shape) if t.shape else (0, 1)
+        if pick is None:
+            continue
+        first, count = pick if t.shape else (0, 0)
+        if not t.shape or (first, count) == (0, t.shape[0]):
+            out.append(t)
+            continue
+        row = (t.end - t.begin) // t.shape[0]
+        begin = t.begin + first * row
+        shape = (count, *t.shape[1:])
+        out.append(TensorEntry(t.name, t.dtype, shape, begin, begin + count * row))
+    return Header(header.path, header.data_start, out, header.metadata)
 
 
 def _load_mapped(
-    headers: Sequence[Header], device: torch.device, dtype: torch.dtype
+    headers: Sequence[Header],
+    device: torch.device,
+    dtype: torch.dtype,
+    rows: RowSelect | None = None,
 ) -> dict[str, torch.Tensor]:
     """safe_open, one shard per thread: zero-copy on the CPU, where pages are only
     touched when used."""
@@ -183,7 +212,16 @@ def _load_mapped(
         try:
             with safe_open(str(header.path), framework="pt", device=str(device)) as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    out[name] = _cast(f.get_tensor(name), dtype, name)
+                    shape = tuple(f.get_slice(name).get_shape()) if rows else ()
+                    pick = rows(name, shape) if rows and shape else (0, shape[0] if shape else 0)
+                    if pick is None:
+                        continue
+                    first, count = pick
+                    if not shape or (first, count) == (0, shape[0]):
+                        t = f.get_tensor(name)
+                    else:  # only those rows' pages are touched
+                        t = f.get_slice(name)[first : first + count]
+                    out[name] = _cast(t, dtype, name)
         except (SafetensorError, OSError) as exc:
             raise _bad(header.path, str(exc)) from None
         return out
@@ -250,6 +288,7 @@ def _chunks(header: Header, fd: int, raws: dict[str, torch.Tensor], size: int) -
             ps,
         )
         for k, ps in enumerate(pieces)
+        if ps  # (a run of bytes no tensor wants: not read)
     ]
 
 
@@ -261,8 +300,10 @@ def read_tensors(
     pinned: bool | None = None,
     workers: int | None = None,
     together: Sequence[Sequence[str]] = (),
+    rows: RowSelect | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The shards' tensors read chunk by chunk into tensors allocated on `device`.
+    """The shards' tensors (with `rows`: the rows it picks of each) read chunk by chunk
+    into tensors allocated on `device`.
 
     Each worker thread preads a chunk into one of its two staging buffers (pinned when
     `pinned`, the default on CUDA) and copies it to the destination tensors on its own
@@ -277,6 +318,8 @@ def read_tensors(
     cuda = device.type == "cuda"
     pinned = cuda if pinned is None else pinned
     headers = [h if isinstance(h, Header) else read_header(h) for h in headers]
+    if rows is not None:
+        headers = [select_rows(h, rows) for h in headers]
     grouped = _allocate_groups(headers, together, device)
     shards = [(h, _allocate(h, device, grouped)) for h in headers]
     _read_into(shards, device, pinned, chunk_bytes, workers or min(8, os.cpu_count() or 1))

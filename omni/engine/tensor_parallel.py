@@ -95,30 +95,62 @@ _SPLITS = (
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
-def shard_state(state: dict[str, torch.Tensor], rank: int, tp: int, experts: int = 0) -> None:
+def _split_of(name: str) -> str | None:
+    """How a checkpoint tensor is split: "rows", "cols", or None (replicated)."""
+    return next((how for key, how in _SPLITS if key in name), None)
+
+
+def _owned(name: str, rank: int, tp: int, experts: int) -> int | None:
+    """Under expert parallelism, this rank's index of the expert `name` belongs to (its
+    runs of experts // tp), or None: another rank's."""
+    per_rank = experts // tp
+    e = int(_EXPERT.search(name).group(1)) - rank * per_rank
+    return e if 0 <= e < per_rank else None
+
+
+def shard_state(
+    state: dict[str, torch.Tensor], rank: int, tp: int, experts: int = 0, rows_read: bool = False
+) -> None:
     """Keep this rank's slice of every split tensor of a checkpoint's state (HF names), in
     place. Each slice is a copy: the whole tensor is freed (and the kernels want slices
     along the input columns contiguous). `experts`: the model's number of experts, shared
-    out whole (expert parallelism): this rank keeps its run, renumbered from 0."""
+    out whole (expert parallelism): this rank keeps its run, renumbered from 0.
+    `rows_read`: the state was read with rank_rows (row-split tensors hold their rows)."""
     if tp == 1:
         return
-    if experts:
-        per_rank = experts // tp
-        for name in [n for n in state if _EXPERT.search(n)]:
-            t = state.pop(name)
-            e = int(_EXPERT.search(name).group(1)) - rank * per_rank
-            if 0 <= e < per_rank:
+    if experts:  # all out first: a new name may be one still to be read (experts.36)
+        moved = {n: state.pop(n) for n in [n for n in state if _EXPERT.search(n)]}
+        for name, t in moved.items():
+            e = _owned(name, rank, tp, experts)
+            if e is not None:
                 state[_EXPERT.sub(f".experts.{e}.", name, count=1)] = t
     for name in list(state):
         if experts and _EXPERT.search(name):
             continue
-        how = next((h for key, h in _SPLITS if key in name), None)
-        if how is None:
+        how = _split_of(name)
+        if how is None or (how == "rows" and rows_read):
             continue
         t = state[name]
         dim = 0 if how == "rows" else t.dim() - 1
         size = t.shape[dim] // tp
         state[name] = t.narrow(dim, rank * size, size).clone(memory_format=torch.contiguous_format)
+
+
+def rank_rows(rank: int, tp: int, experts: int = 0):
+    """What rank `rank` reads of each checkpoint tensor (safetensors_reader.RowSelect):
+    its run of rows where a tensor is split by rows, nothing of other ranks' experts
+    (expert parallelism), all of the rest (column slices are cut after the read). A rank
+    then reads about its share of the file, not all of it."""
+
+    def rows(name: str, shape: tuple[int, ...]) -> tuple[int, int] | None:
+        if experts and _EXPERT.search(name):
+            return None if _owned(name, rank, tp, experts) is None else (0, shape[0])
+        if _split_of(name) == "rows":
+            size = shape[0] // tp
+            return (rank * size, size)
+        return (0, shape[0])
+
+    return rows
 
 
 def all_reduce(x: torch.Tensor, tp: int) -> torch.Tensor:

@@ -208,3 +208,34 @@ def test_fusing_adjacent_projections_is_a_view_and_others_a_copy():
     apart = [torch.randn(6, 4, generator=gen), torch.randn(2, 4, generator=gen)]
     assert torch.equal(_stacked(apart), torch.cat(apart))
     assert torch.equal(_stacked([base[6:8], base[:6]]), torch.cat([base[6:8], base[:6]]))
+
+
+def pick_rows(name: str, shape: tuple[int, ...]) -> tuple[int, int] | None:
+    """A rank's kind of selection: some tensors' middle rows, some left out, the rest whole."""
+    if name in ("a.ids", "c.small"):
+        return None
+    if name == "b.weight":
+        return (40, 60)  # rows 40..99 of 129: a run of bytes across several chunks
+    if name == "a.weight":
+        return (0, 11)
+    return (0, shape[0])
+
+
+def test_a_rank_reads_only_the_rows_it_picks(shards, monkeypatch):
+    """The chunked reader and the memory-mapped one return the same picked rows, and the
+    chunked one reads fewer bytes than the files hold."""
+    import omni.engine.safetensors_reader as reader
+
+    want = {}
+    for name, t in reference(shards).items():
+        pick = pick_rows(name, tuple(t.shape)) if t.dim() else (0, 0)
+        if pick is not None:
+            want[name] = t if not t.dim() else t[pick[0] : pick[0] + pick[1]]
+    read = []
+    real = reader._pread
+    monkeypatch.setattr(reader, "_pread", lambda c, v: (read.append(c.n), real(c, v)))
+    got = read_tensors(shards, "cpu", None, chunk_bytes=4096, pinned=False, rows=pick_rows)
+    assert_same(got, want)
+    assert_same(load_tensors(shards, "cpu", None, rows=pick_rows), want)
+    whole = sum(h.tensors[-1].end if h.tensors else 0 for h in map(read_header, shards))
+    assert 0 < sum(read) < whole - 8000  # a.ids (8,000 bytes) and more were never read

@@ -119,3 +119,18 @@ def test_two_gpus_compute_what_one_gpu_computes(tmp_path):
     for tp in (1, 2):  # (greedy tokens may differ between them at near-ties, in bf16)
         served = runs[tp][1]
         assert served[0] == served[-1]  # a prompt in a batch, then alone from the prefix cache
+
+
+def test_experts_shared_out_keep_their_tensors_whatever_the_name_order():
+    """16 experts, names in the files' (lexicographic) order: experts.10 comes before
+    experts.2, so a rank's renumbered name may be one not yet read."""
+    from omni.engine.tensor_parallel import rank_rows, shard_state
+
+    names = sorted(f"model.layers.0.mlp.experts.{e}.down_proj.weight" for e in range(16))
+    for rank in (0, 1):
+        state = {n: torch.full((2, 3), float(n.split(".")[5])) for n in names}
+        rows = rank_rows(rank, 2, experts=16)
+        assert [rows(n, (2, 3)) is not None for n in names].count(True) == 8
+        shard_state(state, rank, 2, experts=16)
+        kept = {int(n.split(".")[5]): int(t[0, 0]) for n, t in state.items()}
+        assert kept == {e: e + 8 * rank for e in range(8)}  # local e holds expert e + 8r
