@@ -139,13 +139,14 @@ def all_logits(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:
 
 
 def test_fp8_stays_near_bf16_on_smollm2_over_2000_tokens(text_model_dir):
-    """The real weights and this repository's README, bf16 against FP8 with bf16
-    activations, on the CPU reference. The issue asks for per-token logit cosine >= 0.99
+    """The real weights and a fixed text (tests/data/accuracy_text.md: the opening of this
+    repository's README as of this test), bf16 against FP8 with bf16 activations, on the
+    CPU reference. The issue asks for per-token logit cosine >= 0.99
     and perplexity within 2%. Measured here: mean cosine 0.998 (the flattest tokens' down
     to ~0.85) and +2.7% perplexity. The test holds the line at what the scheme reaches, and
     the README says where the 2% goes."""
     ckpt = Checkpoint.open(text_model_dir)
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "tests" / "data" / "accuracy_text.md").read_text()
     ids = TextTokenizer(ckpt).encode(text)[:2000]
     assert len(ids) == 2000
     torch.set_num_threads(2)
