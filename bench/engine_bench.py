@@ -572,6 +572,19 @@ def part_decode(runner, args, vocab: int) -> dict:
     }
 
 
+def batch_run(runner: OursRunner, prompts: list[list[int]], new: int) -> dict:
+    """`prompts` submitted at once, `new` tokens each: wall, output tok/s, first token,
+    and for one prompt the decode rate after its first token (moe_bench, tp_bench)."""
+    recs = runner.timed([Req(p, new) for p in prompts])
+    figures = throughput(recs)
+    res = {"batch": len(prompts), "new_tokens": figures["output_tokens"]}
+    res |= {"wall_s": figures["wall_s"], "output_tok_s": figures["output_tok_s"]}
+    res["first_token_s"] = round(min(r.times[0] for r in recs) - recs[0].submit, 4)
+    if len(recs) == 1 and new > 1:
+        res["decode_tok_s"] = (new - 1) / (recs[0].times[-1] - recs[0].times[0])
+    return res
+
+
 class StepTimeline:
     """Where an offline run's time goes: each step's launch time and shape, recorded by
     wrapping the engine's ModelRunner.run. A launch returns at once and the one after

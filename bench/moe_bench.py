@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import queue
 import subprocess
 import sys
 import tempfile
@@ -35,7 +34,7 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.engine_bench import measure_bandwidth  # noqa: E402
+from bench.engine_bench import Deadline, OursRunner, batch_run, measure_bandwidth  # noqa: E402
 from bench.results_io import write_result  # noqa: E402
 
 
@@ -138,9 +137,8 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 
 def ours(args, cfg: dict, device: str, dtype) -> dict:
     from omni.engine.checkpoint import Checkpoint
-    from omni.engine.engine import Engine, GenerationRequest
+    from omni.engine.engine import Engine
     from omni.engine.llama import LlamaConfig, LlamaForCausalLM
-    from omni.engine.sampling import SamplingParams
     from tests.checkpoints import text_tokenizer
 
     t0 = time.perf_counter()
@@ -169,30 +167,10 @@ def ours(args, cfg: dict, device: str, dtype) -> dict:
     setup = {"build_and_warm_up_s": round(time.perf_counter() - t0, 1)}
     setup["kv_blocks"] = engine.stats()["kv_blocks_total"]
 
+    runner = OursRunner(engine, Deadline(time.time() + args.timeout))
+
     def run(batch: int, new: int, seed: int) -> dict:
-        params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
-        queues = [queue.Queue() for _ in range(batch)]
-        start = time.perf_counter()
-        for p, q in zip(prompts(batch, args.prompt, cfg["vocab_size"], seed), queues, strict=True):
-            engine.submit(
-                GenerationRequest(p, params), lambda out, q=q: q.put((time.perf_counter(), out))
-            )
-        first, last, tokens = [], [], 0
-        for q in queues:  # (times taken on the engine's thread, as each output came)
-            steps = [q.get(timeout=300)]
-            while not steps[-1][1].finished:
-                steps.append(q.get(timeout=300))
-            if steps[-1][1].finish_reason == "error":
-                raise RuntimeError(steps[-1][1].error)
-            tokens += sum(len(out.token_ids) for _, out in steps)
-            first.append(steps[0][0])
-            last.append(steps[-1][0])
-        wall = max(last) - start
-        res = {"batch": batch, "new_tokens": tokens, "wall_s": round(wall, 3)}
-        res["output_tok_s"] = tokens / wall
-        if batch == 1:
-            res["decode_tok_s"] = (new - 1) / (last[0] - first[0])
-        return res
+        return batch_run(runner, prompts(batch, args.prompt, cfg["vocab_size"], seed), new)
 
     result = {"setup": setup, "decode": [run(1, args.new, 100 + i) for i in range(3)]}
     result["throughput"] = [run(b, args.new, 200 + b) for b in (64, 256)]

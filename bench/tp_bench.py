@@ -26,8 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
-import queue
 import shutil
 import subprocess
 import sys
@@ -39,10 +39,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.engine_bench import measure_bandwidth  # noqa: E402
+from bench import engine_bench as eb  # noqa: E402
+from bench.moe_bench import prompts  # noqa: E402
+from bench.overcommit_bench import tensor_shapes  # noqa: E402
 from bench.results_io import write_result  # noqa: E402
 
 # NVLink multicast stays off (the lent machines' rule; harmless elsewhere)
@@ -52,108 +53,35 @@ SHARD_BYTES = 4 << 30
 
 
 def llama3_config(size: str) -> dict:
-    """An HF config.json of Llama-3's shape (or a tiny one); no EOS."""
-    shape = {
-        "70b": dict(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64,
-                    intermediate_size=28672),
-        "8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                   intermediate_size=14336),
-        "tiny": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                     intermediate_size=256),
-    }[size]  # fmt: skip
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        **shape,
-        "num_key_value_heads": 8 if size != "tiny" else 2,
-        "vocab_size": 128256 if size != "tiny" else 512,
-        "max_position_embeddings": 8192 if size != "tiny" else 512,
-        "rope_theta": 500000.0,
-        "rms_norm_eps": 1e-5,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": None,
-        "eos_token_id": None,
-        "pad_token_id": None,
-    }
+    """An HF config.json of Llama-3's shape: engine_bench's 8B (or its tiny one), or 70B:
+    the 8B's with 70B's widths and depth (the same vocabulary, 8 KV heads, no EOS)."""
+    cfg = eb.llama3_8b_config(size == "tiny")
+    if size == "70b":
+        cfg.update(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64)
+        cfg.update(intermediate_size=28672)
+    return cfg
 
 
-def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    h, inter = cfg["hidden_size"], cfg["intermediate_size"]
-    d = h // cfg["num_attention_heads"]
-    kv = cfg["num_key_value_heads"] * d
-    shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h)}
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes |= {
-            p + "input_layernorm.weight": (h,),
-            p + "post_attention_layernorm.weight": (h,),
-            p + "self_attn.q_proj.weight": (h, h),
-            p + "self_attn.k_proj.weight": (kv, h),
-            p + "self_attn.v_proj.weight": (kv, h),
-            p + "self_attn.o_proj.weight": (h, h),
-            p + "mlp.gate_proj.weight": (inter, h),
-            p + "mlp.up_proj.weight": (inter, h),
-            p + "mlp.down_proj.weight": (h, inter),
-        }
-    shapes["model.norm.weight"] = (h,)
-    shapes["lm_head.weight"] = (cfg["vocab_size"], h)
-    return shapes
+def write_checkpoint(root: Path, cfg: dict, seed: int) -> tuple[Path, dict]:
+    """engine_bench's random checkpoint (bf16, std 0.02, norms 1; made on the GPU), in
+    shards of about SHARD_BYTES: its path and what was written."""
+    total = weight_bytes(cfg)
+    path, seconds = eb.write_checkpoint(root, cfg, max(1, -(-total // SHARD_BYTES)), seed)
+    return path, {"bytes": total, "write_s": round(seconds, 1)}
 
 
-def write_checkpoint(directory: Path, cfg: dict, seed: int, device: str) -> dict:
-    """Random weights made on `device`, saved in shards of about SHARD_BYTES."""
-    from safetensors.torch import save_file
-
-    from tests.checkpoints import text_tokenizer
-
-    t0 = time.perf_counter()
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(cfg))
-    text_tokenizer(directory, cfg["vocab_size"])
-    gen = torch.Generator(device=device).manual_seed(seed)
-    shard, size, files, index, total = {}, 0, [], {}, 0
-
-    def flush() -> None:
-        nonlocal shard, size
-        name = f"model-{len(files):05d}.safetensors"
-        save_file(shard, str(directory / name))
-        files.append(name)
-        index.update(dict.fromkeys(shard, name))
-        shard, size = {}, 0
-
-    for name, shape in tensor_shapes(cfg).items():
-        if name.endswith("norm.weight"):
-            t = torch.ones(shape, dtype=torch.bfloat16)
-        else:
-            t = torch.empty(shape, dtype=torch.bfloat16, device=device)
-            t = t.normal_(0, 0.02, generator=gen).cpu()
-        shard[name] = t
-        size += t.numel() * 2
-        total += t.numel() * 2
-        if size >= SHARD_BYTES:
-            flush()
-    if shard:
-        flush()
-    weight_map = {"metadata": {"total_size": total}, "weight_map": index}
-    (directory / "model.safetensors.index.json").write_text(json.dumps(weight_map))
-    return {"bytes": total, "files": len(files), "write_s": round(time.perf_counter() - t0, 1)}
+def weight_bytes(cfg: dict) -> int:
+    return sum(2 * math.prod(shape) for _, shape in tensor_shapes(cfg))
 
 
 # ---------------------------------------------------------------- one case, in a child
 
 
-def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, vocab, length).tolist() for _ in range(n)]
-
-
 def serve_case(args, started: float) -> dict:
     """Rank 0 of `args.tp`: what an omnid instance runs (worker.start_ranks), timed."""
     from omni.engine.checkpoint import Checkpoint
-    from omni.engine.engine import Engine, GenerationRequest
+    from omni.engine.engine import Engine
     from omni.engine.llama import LlamaForCausalLM
-    from omni.engine.sampling import SamplingParams
     from omni.engine.tokenizer import TextTokenizer
     from omni.runtime.worker import start_ranks
 
@@ -168,31 +96,10 @@ def serve_case(args, started: float) -> dict:
     engine.warm_up(when_idle=True)
     vocab = model.cfg.vocab_size
 
+    runner = eb.OursRunner(engine, eb.Deadline(time.time() + args.timeout))
+
     def run(batch: int, new: int, seed: int) -> dict:
-        params = SamplingParams(max_tokens=new, temperature=0, ignore_eos=True)
-        queues = [queue.Queue() for _ in range(batch)]
-        start = time.perf_counter()
-        for p, q in zip(prompts(batch, args.prompt, vocab, seed), queues, strict=True):
-            engine.submit(
-                GenerationRequest(p, params), lambda out, q=q: q.put((time.perf_counter(), out))
-            )
-        first, last, tokens = [], [], 0
-        for q in queues:
-            steps = [q.get(timeout=600)]
-            while not steps[-1][1].finished:
-                steps.append(q.get(timeout=600))
-            if steps[-1][1].finish_reason == "error":
-                raise RuntimeError(steps[-1][1].error)
-            tokens += sum(len(out.token_ids) for _, out in steps)
-            first.append(steps[0][0])
-            last.append(steps[-1][0])
-        wall = max(last) - start
-        res = {"batch": batch, "new_tokens": tokens, "wall_s": round(wall, 3)}
-        res["output_tok_s"] = tokens / wall
-        res["first_token_s"] = round(min(first) - start, 4)
-        if new > 1 and batch == 1:
-            res["decode_tok_s"] = (new - 1) / (last[0] - first[0])
-        return res
+        return eb.batch_run(runner, prompts(batch, args.prompt, vocab, seed), new)
 
     run(1, 1, 1)  # the first token, the engine still warming up
     result = {
@@ -238,7 +145,7 @@ def child(args, case: dict, ckpt: Path, out: Path) -> dict:
 def bytes_per_token(cfg: dict, context: int) -> int:
     """What a batch-1 decode step reads at least: every weight but the embedding table
     (one row of it), and the K/V of `context` tokens; bf16."""
-    n = sum(int(np.prod(s)) for k, s in tensor_shapes(cfg).items() if "embed_tokens" not in k)
+    n = sum(math.prod(s) for k, s in tensor_shapes(cfg) if "embed_tokens" not in k)
     kv = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"]
     kv *= cfg["hidden_size"] // cfg["num_attention_heads"]
     return 2 * (n + cfg["hidden_size"] + kv * context)
@@ -285,9 +192,9 @@ def main() -> None:
     bandwidth = []
     for i in range(gpus):
         with torch.cuda.device(i):
-            bandwidth.append(measure_bandwidth(1 << 31, 50))
+            bandwidth.append(eb.measure_bandwidth(1 << 31, 50))
     if not on_gpu:
-        bandwidth.append(measure_bandwidth(1 << 26, 5))
+        bandwidth.append(eb.measure_bandwidth(1 << 26, 5))
     bw = min(b["bytes_per_s"] for b in bandwidth)
     root = Path(tempfile.mkdtemp()) if args.small else args.ckpt_dir
     if on_gpu:
@@ -296,31 +203,29 @@ def main() -> None:
     try:
         for case in cases:
             cfg = llama3_config(case["size"])
-            ckpt = root / case["size"]
             if case["size"] not in written:
                 for other in list(written):  # one checkpoint in memory at a time
-                    shutil.rmtree(root / other, ignore_errors=True)
-                    written.pop(other)
-                written[case["size"]] = write_checkpoint(
-                    ckpt, cfg, args.seed, "cuda" if on_gpu else "cpu"
-                )
-                print(f"wrote {case['size']}: {written[case['size']]}", flush=True)
+                    shutil.rmtree(written.pop(other)[0], ignore_errors=True)
+                written[case["size"]] = write_checkpoint(root, cfg, args.seed)
+                print(f"wrote {case['size']}: {written[case['size']][1]}", flush=True)
+            ckpt = written[case["size"]][0]
             with tempfile.TemporaryDirectory() as tmp:
                 got = child(args, case, ckpt, Path(tmp) / "out.json")
             per_token = bytes_per_token(cfg, args.prompt + args.new // 2)
             floor = case["tp"] * bw / per_token  # each GPU reads its 1/tp share at once
             b1 = max((r.get("decode_tok_s", 0) for r in got.get("decode", [])), default=0)
             results.append(
-                case | {"checkpoint": written[case["size"]], "bytes_per_token": per_token,
+                case | {"checkpoint": written[case["size"]][1], "bytes_per_token": per_token,
                         "floor_tok_s": floor, "fraction_of_floor": b1 / floor if b1 else None}
                 | got
             )  # fmt: skip
             print(json.dumps(results[-1])[:400], flush=True)
     finally:
         if not args.keep:
-            for size in written:
-                shutil.rmtree(root / size, ignore_errors=True)
-    name = "tp-small" if args.small else "tp-" + device_name(gpus)
+            for path, _ in written.values():
+                shutil.rmtree(path, ignore_errors=True)
+    tag = eb.device_tag()
+    name = "tp-small" if args.small else f"tp-{tag}x{gpus}" if gpus > 1 else f"tp-{tag}"
     write_result(name, {"args": {k: str(v) for k, v in vars(args).items()},
                         "bandwidth": bandwidth, "cases": results})  # fmt: skip
 
@@ -335,12 +240,6 @@ def main() -> None:
         print(f"{r['size'] + ' tp' + str(r['tp']):<10}{cold!s:>12}{b1:>11.1f}"
               f"{r['floor_tok_s']:>9.1f}{frac:>10}{thr:>14.0f}")  # fmt: skip
     print(f"\nwrote bench/results/{name}.json")
-
-
-def device_name(gpus: int) -> str:
-    name = torch.cuda.get_device_name(0).lower()
-    kind = "h200" if "h200" in name else "h100" if "h100" in name else name.split()[-1]
-    return f"{kind}x{gpus}" if gpus > 1 else kind
 
 
 if __name__ == "__main__":
