@@ -132,7 +132,6 @@ class Instance:
         if len(self.tenants) > 1:
             for pool, tenant in zip(gpu.pools, self.tenants, strict=True):
                 tenant.after_swap_out = partial(self._swap_out_others, pool)
-        self.tenant = self.tenants[0] if self.tenants else None  # rank 0's
         self.permits = asyncio.Semaphore(entry.placement.permits)
         self.in_flight = 0
         self.waiting = 0  # requests waiting for a permit
@@ -159,6 +158,11 @@ class Instance:
             connector=aiohttp.UnixConnector(path=str(self.socket_path)),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
         )
+
+    @property
+    def tenant(self) -> Tenant | None:
+        """Rank 0's standing (the only one of a one-GPU instance); None on the CPU path."""
+        return self.tenants[0] if self.tenants else None
 
     @property
     def pid(self) -> int | None:

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ..fp8 import FP8, FP8_MAX
+from .matmul import grouped_tile
 
 QUANT_BLOCK = 1024  # a row's elements per loop step when quantizing it
 
@@ -64,13 +65,7 @@ def _fp8_linear_kernel(
     GROUP_M: tl.constexpr,
     PROMOTE_K: tl.constexpr = 128,
 ):
-    pid = tl.program_id(0)
-    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    first_m = (pid // per_group) * GROUP_M
-    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_m
-    pid_n = (pid % per_group) // group_m
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
