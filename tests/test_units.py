@@ -142,6 +142,8 @@ def test_backoff_doubles_caps_and_resets_after_stable_uptime():
         ("[[models]]\nname = 'x'\npath = '/x'\nparallel = 'ep'", r"'ep' needs several ranks"),
         ("[[models]]\nname = 'x'\npath = '/x'\nquantization = 'fp8'", r"FP8 needs a GPU"),
         ("[[models]]\nname = 'x'\npath = '/x'\nquantization = 'int4'", r"'int4' is not 'fp8'"),
+        ("[[models]]\nname = 'x'\npath = '/x'\nkv_cache_dtype = 'fp8'", r"FP8 cache needs a GPU"),
+        ("[[models]]\nname = 'x'\npath = '/x'\nkv_cache_dtype = 'e5m2'", r"'e5m2' is not 'fp8'"),
         ("default_models = 'yes'", "'default_models' must be true or false"),
         ("listen = 1", "'listen' must be 'host:port'"),
         ("listen = 'localhost'", "'listen' must be 'host:port'"),
@@ -172,6 +174,16 @@ def test_a_model_names_its_tool_parser(tmp_path):
     path = tmp_path / "omnid.toml"
     path.write_text("[[models]]\nname = 'a'\npath = '/x'\ntool_parser = 'llama3'\n")
     assert load_config(path).models[0].tool_parser == "llama3"
+
+
+def test_a_model_asks_for_fp8_weights_and_kv_cache(tmp_path):
+    path = tmp_path / "omnid.toml"
+    path.write_text(
+        "[[gpus]]\nindex = 0\nbudget = '8GiB'\n[[models]]\nname = 'a'\npath = '/x'\ngpu = 0\n"
+        "quota = '4GiB'\nquantization = 'fp8'\nkv_cache_dtype = 'fp8'\n"
+    )
+    placement = load_config(path).models[0].placement
+    assert (placement.quantization, placement.kv_cache_dtype) == ("fp8", "fp8")
 
 
 def test_duplicate_config_names_are_refused(tmp_path):

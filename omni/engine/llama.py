@@ -28,6 +28,7 @@ from .fp8 import (
 from .kernels import ops, paged_attention_ref, paged_decode, paged_prefill
 from .kernels.prewarm import prewarm_triton
 from .kernels.rows import empty_rows
+from .kv_cache import check_kv_cache_dtype
 from .moe import MoEConfig, SparseMoE, moe_config, stack_experts
 from .tensor_parallel import (
     all_gather_last,
@@ -38,6 +39,10 @@ from .tensor_parallel import (
     shard_state,
 )
 
+# Hub FP8 checkpoints' calibrated static scales (of the projections' inputs and outputs,
+# and of the KV cache): the engine quantizes activations per token and bounds the cache's
+# values from the weights (kv_cache.py), so it reads neither.
+STATIC_SCALES = (".input_scale", ".output_scale", ".k_scale", ".v_scale")
 SUPPORTED_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"}
 
 
@@ -61,6 +66,7 @@ class LlamaConfig:
     moe: MoEConfig | None = None  # routed experts in place of the dense MLP (moe.py)
     tp: int = 1  # ranks the model is split over; heads and widths are then one rank's
     quantization: str | None = None  # "fp8": the projections' weights in e4m3 (fp8.py)
+    kv_cache_dtype: str | None = None  # "fp8": the KV cache in e4m3 (kv_cache.py)
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint) -> LlamaConfig:
@@ -133,7 +139,9 @@ class RMSNorm(nn.Module):
         return out if residual is None else (out, new_residual)
 
 
-def paged_attention(q, k_cache, v_cache, step, scale: float, out=None) -> torch.Tensor:
+def paged_attention(
+    q, k_cache, v_cache, step, scale: float, out=None, kv_scales=None
+) -> torch.Tensor:
     """Decoding sequences through the decode kernel, the rest through the prefill one,
     each writing its rows of one output (`out`, contiguous, or a new tensor). The grids
     follow the step's shapes (num_decodes rows, the work list's entries), the kernels
@@ -141,10 +149,18 @@ def paged_attention(q, k_cache, v_cache, step, scale: float, out=None) -> torch.
 
     Which kernel a token meets depends on its own sequence only (never on its batch
     neighbours), so a request computes the same numbers alone or among others.
+    `kv_scales`: an FP8 cache's (kv_cache.py).
     """
     if q.device.type != "cuda":
         attended = paged_attention_ref(
-            q, k_cache, v_cache, step.block_tables, step.seq_lens, step.cu_seqlens_q, scale
+            q,
+            k_cache,
+            v_cache,
+            step.block_tables,
+            step.seq_lens,
+            step.cu_seqlens_q,
+            scale,
+            kv_scales,
         )
         return attended if out is None else out.copy_(attended)
     if out is None:
@@ -161,6 +177,7 @@ def paged_attention(q, k_cache, v_cache, step, scale: float, out=None) -> torch.
             out=out,
             rows=step.num_decodes,
             counts=step.counts,
+            kv_scales=kv_scales,
         )
     if step.work.shape[0]:
         paged_prefill(
@@ -174,6 +191,7 @@ def paged_attention(q, k_cache, v_cache, step, scale: float, out=None) -> torch.
             work=step.work,
             counts=step.counts,
             out=out,
+            kv_scales=kv_scales,
         )
     return out
 
@@ -205,6 +223,8 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, device)
+        # an FP8 cache's scales per KV head, [2, kv_heads]: set with the cache (kv_cache.py)
+        self.kv_scales: torch.Tensor | None = None
 
     def query(self, x: torch.Tensor, step, k_cache, v_cache, inv_freq) -> torch.Tensor:
         """This layer's queries [tokens, heads, dim], rotated; the tokens' K/V go to the
@@ -219,13 +239,13 @@ class Attention(nn.Module):
             norms = (self.q_norm.weight, self.k_norm.weight, cfg.rms_norm_eps)
         kc, vc = k_cache[self.layer], v_cache[self.layer]
         return ops(x.device).rope_and_cache(
-            q, k, v, step.positions, inv_freq, kc, vc, step.slot_mapping, norms
+            q, k, v, step.positions, inv_freq, kc, vc, step.slot_mapping, norms, self.kv_scales
         )
 
     def attend(self, q: torch.Tensor, step, k_cache, v_cache, out=None) -> torch.Tensor:
         """Attention over the paged cache: [tokens, heads, dim] (into `out`, if given)."""
         kc, vc = k_cache[self.layer], v_cache[self.layer]
-        return paged_attention(q, kc, vc, step, self.cfg.head_dim**-0.5, out)
+        return paged_attention(q, kc, vc, step, self.cfg.head_dim**-0.5, out, self.kv_scales)
 
     def forward(self, x: torch.Tensor, step, k_cache, v_cache, inv_freq) -> torch.Tensor:
         out = self.attend(self.query(x, step, k_cache, v_cache, inv_freq), step, k_cache, v_cache)
@@ -339,16 +359,23 @@ class LlamaForCausalLM(nn.Module):
         experts: bool = False,
         quantization: str | None = None,
         reference: bool = False,
+        kv_cache_dtype: str | None = None,
     ) -> LlamaForCausalLM:
         """The checkpoint's model on `device` (with `tp`, rank `tp_rank`'s shard of it:
         tensor_parallel.py; `experts`: a mixture of experts' experts shared out whole);
         on CUDA, Triton's set-up runs meanwhile. `quantization` ("fp8"): quantize a
-        checkpoint's projections at load (a Hub FP8 checkpoint is FP8 anyway); FP8 needs
-        its GPU kernels, or `reference`: the CPU's definition of the math (fp8.py)."""
+        checkpoint's projections at load (a Hub FP8 checkpoint is FP8 anyway);
+        `kv_cache_dtype` ("fp8"): the model runner's KV cache in e4m3 (kv_cache.py). FP8
+        needs its GPU kernels, or `reference`: the CPU's definition of the math (fp8.py)."""
         cfg = LlamaConfig.from_checkpoint(ckpt)
         if quantization is not None and quantization not in METHODS:
             raise CheckpointError(f"quantization {quantization!r} is not one of {list(METHODS)}")
-        cfg = dataclasses.replace(cfg, quantization=quantization or cfg.quantization)
+        check_kv_cache_dtype(kv_cache_dtype)
+        cfg = dataclasses.replace(
+            cfg, quantization=quantization or cfg.quantization, kv_cache_dtype=kv_cache_dtype
+        )
+        if kv_cache_dtype:
+            check_device(device, reference)
         if cfg.quantization:
             if cfg.moe is not None or tp > 1:
                 raise CheckpointError("FP8 is for dense models on one GPU so far")
@@ -379,6 +406,8 @@ class LlamaForCausalLM(nn.Module):
         """The model on a checkpoint's tensors (HF names; taken over, not copied, but for
         the fused projections); CheckpointError names what is missing or misshapen."""
         model = cls(cfg, device="meta")
+        for name in [n for n in state if n.endswith(STATIC_SCALES)]:
+            del state[name]  # activations are quantized per token on the fly
         if cfg.quantization:
             normalize_scales(state)  # (a Hub FP8 checkpoint's, before they are fused)
         fuse_projections(state, cfg, source)

@@ -20,6 +20,7 @@ from .block_manager import BlockManager
 from .cuda_graphs import BUCKETS, DecodeGraphs
 from .kernels.attention import prefill_work
 from .kernels.rows import empty_rows
+from .kv_cache import assign_scales, cache_dtype
 from .llama import LlamaForCausalLM
 from .mixed_graphs import BUCKETS as MIXED_BUCKETS
 from .mixed_graphs import MixedGraphs
@@ -92,7 +93,9 @@ class ModelRunner:
         self.block_size = block_size
         self.device = model.lm_head.weight.device
         cfg = model.cfg
-        dtype = model.lm_head.weight.dtype
+        # an FP8 cache: half the bytes a token, twice the tokens (kv_cache.py)
+        dtype = cache_dtype(cfg.kv_cache_dtype, model.lm_head.weight.dtype)
+        assign_scales(model, cfg.kv_cache_dtype)
         per_block = (
             2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
         )
@@ -135,7 +138,8 @@ class ModelRunner:
         if pairs:
             src, dst = (torch.tensor(side, device=self.device) for side in zip(*pairs, strict=True))
             for cache in (self.k_cache, self.v_cache):
-                cache[:, dst] = cache[:, src]
+                raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache  # FP8
+                raw[:, dst] = raw[:, src]
 
     def warm_up_tasks(
         self, max_seqs: int, max_batch_tokens: int, graphs: bool = True

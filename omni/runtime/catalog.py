@@ -51,6 +51,7 @@ RANK_CONTROLS_ENV = "OMNI_RANK_CONTROLS"  # ... and each rank's shim control blo
 PARALLEL_ENV = "OMNI_PARALLEL"  # ... and how a mixture of experts is split: "tp" | "ep"
 PARALLEL_MODES = ("tp", "ep")  # each expert's width over the ranks, or whole experts
 QUANTIZATION_ENV = "OMNI_QUANTIZATION"  # ... and what it quantizes its weights to at load
+KV_CACHE_DTYPE_ENV = "OMNI_KV_CACHE_DTYPE"  # ... and its KV cache's element type
 RUNTIMES = {"omni"}  # the engine instances run; the catalog names it so others can follow
 
 
@@ -65,6 +66,7 @@ class Placement:
     tensor_parallel: int = 1  # ranks (processes) the model is split over, in one sandbox
     parallel: str = "tp"  # a mixture of experts over ranks: "ep" shares out whole experts
     quantization: str | None = None  # "fp8": a bf16 checkpoint's projections, at load
+    kv_cache_dtype: str | None = None  # "fp8": the KV cache in e4m3, twice the tokens
 
     @property
     def gpu(self) -> int | None:
@@ -130,6 +132,7 @@ class ModelEntry:
             "tensor_parallel": self.placement.tensor_parallel,
             "parallel": self.placement.parallel,
             "quantization": self.placement.quantization,
+            "kv_cache_dtype": self.placement.kv_cache_dtype,
             "version": self.version,
             "tool_parser": self.tool_parser,
         }
@@ -192,6 +195,7 @@ MODEL_KEYS = {
     "tensor_parallel",
     "parallel",
     "quantization",
+    "kv_cache_dtype",
 }
 GPU_KEYS = {"index", "budget"}
 
@@ -288,7 +292,13 @@ def placement_from(item: dict, where: str, gpus: dict[int, int] | None) -> Place
             raise CatalogError(f"{where}.quantization: {quantization!r} is not 'fp8'")
         if not chosen:
             raise CatalogError(f"{where}.quantization: FP8 needs a GPU ('gpu')")
-    return Placement(chosen, quota, permits, cold, tp, parallel, quantization)
+    kv_cache_dtype = item.get("kv_cache_dtype")
+    if kv_cache_dtype is not None:
+        if kv_cache_dtype != "fp8":
+            raise CatalogError(f"{where}.kv_cache_dtype: {kv_cache_dtype!r} is not 'fp8'")
+        if not chosen:
+            raise CatalogError(f"{where}.kv_cache_dtype: an FP8 cache needs a GPU ('gpu')")
+    return Placement(chosen, quota, permits, cold, tp, parallel, quantization, kv_cache_dtype)
 
 
 def _gpu_indexes(value: object, where: str) -> tuple[int, ...]:

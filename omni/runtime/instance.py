@@ -30,6 +30,7 @@ from omni.cudashim import instance_env as shim_env
 from omni.isolation.sandbox import ExitStatus, Sandbox, SandboxSpec
 
 from .catalog import (
+    KV_CACHE_DTYPE_ENV,
     PARALLEL_ENV,
     QUANTIZATION_ENV,
     RANK_CONTROLS_ENV,
@@ -297,6 +298,8 @@ class Instance:
             env[TOOL_PARSER_ENV] = self.entry.tool_parser
         if self.entry.placement.quantization:
             env[QUANTIZATION_ENV] = self.entry.placement.quantization
+        if self.entry.placement.kv_cache_dtype:
+            env[KV_CACHE_DTYPE_ENV] = self.entry.placement.kv_cache_dtype
         if self.entry.placement.tensor_parallel > 1:
             env[TENSOR_PARALLEL_ENV] = str(self.entry.placement.tensor_parallel)
             env[PARALLEL_ENV] = self.entry.placement.parallel

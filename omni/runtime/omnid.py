@@ -328,6 +328,7 @@ SPEC_KEYS = {
     "tensor_parallel",
     "parallel",
     "quantization",
+    "kv_cache_dtype",
 }
 
 

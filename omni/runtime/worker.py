@@ -25,6 +25,7 @@ from omni.engine.checkpoint import Checkpoint
 from omni.logs import setup_logging
 
 from .catalog import (
+    KV_CACHE_DTYPE_ENV,
     PARALLEL_ENV,
     QUANTIZATION_ENV,
     RANK_CONTROLS_ENV,
@@ -63,9 +64,14 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
         if tp > 1:
             start_ranks(ckpt, tp, on_gpu, experts)
         gate = YieldGate.from_env()
-        quantization = os.environ.get(QUANTIZATION_ENV) or None
         model = LlamaForCausalLM.load(
-            ckpt, device, dtype, tp=tp, experts=experts, quantization=quantization
+            ckpt,
+            device,
+            dtype,
+            tp=tp,
+            experts=experts,
+            quantization=os.environ.get(QUANTIZATION_ENV) or None,
+            kv_cache_dtype=os.environ.get(KV_CACHE_DTYPE_ENV) or None,
         )
         engine = Engine(model, TextTokenizer(ckpt), before_step=gate)
         engine.warm_up(when_idle=True)  # serve at once; compile between requests
@@ -179,7 +185,10 @@ def follow_rank(
     join(rank, tp, init, on_gpu)
     device, dtype = (f"cuda:{rank}", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
     ckpt = Checkpoint.open(Path(model_dir))
-    model = LlamaForCausalLM.load(ckpt, device, dtype, tp, rank, experts)
+    kv_cache_dtype = os.environ.get(KV_CACHE_DTYPE_ENV) or None  # (rank 0's environment)
+    model = LlamaForCausalLM.load(
+        ckpt, device, dtype, tp, rank, experts, kv_cache_dtype=kv_cache_dtype
+    )
     runner = ModelRunner(model)
     if not on_gpu and os.environ.get(CONTROL_ENV):
         account_on_shim(runner.memory_bytes())

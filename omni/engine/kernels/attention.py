@@ -8,6 +8,10 @@ K/V are already in the cache (rope_and_cache writes them first).
 Decode (one query per sequence) splits each sequence's context across programs
 and merges the partial results by their log-sum-exp; the query heads that share
 a KV head are packed into one tile, so the dot products run on tensor cores.
+
+An FP8 cache (e4m3) holds each value divided by its KV head's scale (kv_scales:
+[2, kv_heads] fp32, K's then V's; kv_cache.py): the kernels read it in the model's dtype
+and fold the scales into the logits' scale and the output.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fp8 import FP8
 from .hardware import sm_count
 from .rows import empty_rows
 
@@ -26,9 +31,15 @@ NEG_INF = tl.constexpr(-1.0e30)  # finite: a fully masked row gives 0, not NaN
 PREFILL_BLOCK_M = 64  # queries a prefill program takes
 
 
-def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale):
-    """q: [tokens, q_heads, dim]; caches: [blocks, block_size, kv_heads, dim]."""
+def paged_attention_ref(
+    q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, kv_scales=None
+):
+    """q: [tokens, q_heads, dim]; caches: [blocks, block_size, kv_heads, dim], values
+    times `kv_scales` [2, kv_heads] where given (an FP8 cache)."""
     out = torch.empty_like(q)
+    k_scale = v_scale = None
+    if kv_scales is not None:
+        k_scale, v_scale = (s.float()[:, None] for s in kv_scales)  # [kv, 1, 1] as below
     block_size = k_cache.shape[1]
     for b in range(seq_lens.shape[0]):
         length = int(seq_lens[b])
@@ -37,6 +48,8 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_
         blocks = block_tables[b, :n_blocks].long()
         k = k_cache[blocks].flatten(0, 1)[:length].transpose(0, 1).float()  # [kv, L, d]
         v = v_cache[blocks].flatten(0, 1)[:length].transpose(0, 1).float()
+        if kv_scales is not None:
+            k, v = k * k_scale[:, None], v * v_scale[:, None]
         q_pos = torch.arange(length - (qe - qs), length, device=q.device)
         mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]
         attn = torch.nn.functional.scaled_dot_product_attention(
@@ -55,11 +68,25 @@ def paged_attention_ref(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_
 ANY_BATCH = ["max_blocks", "block_tables_ptr", "seq_lens_ptr"]
 
 
+@triton.jit
+def _head_scales(kv_scale_ptr, kh, n_kv_heads, scale, KV_FP8: tl.constexpr):
+    """(the logits' scale, V's scale) of KV head kh: an FP8 cache's K scale folds into
+    the former; a cache in the model's dtype has none (1: the bits of no scale at all)."""
+    if KV_FP8:
+        qk_scale = scale * tl.load(kv_scale_ptr + kh)
+        v_scale = tl.load(kv_scale_ptr + n_kv_heads + kh)
+    else:
+        qk_scale = scale
+        v_scale = 1.0
+    return qk_scale, v_scale
+
+
 @triton.jit(do_not_specialize=[*ANY_BATCH, "cu_q_ptr", "work_ptr", "counts_ptr"])
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    kv_scale_ptr,
     out_ptr,
     block_tables_ptr,
     seq_lens_ptr,
@@ -74,6 +101,7 @@ def _prefill_kernel(
     DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     w = tl.program_id(0)  # an entry of the work list: (row, query block)
     h = tl.program_id(1)
@@ -85,6 +113,7 @@ def _prefill_kernel(
         length = tl.load(seq_lens_ptr + b)
         first_pos = length - q_len
         kh = h // GROUP
+        qk_scale, v_scale = _head_scales(kv_scale_ptr, kh, n_kv_heads, scale, KV_FP8)
         offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_d = tl.arange(0, DIM)
         offs_n = tl.arange(0, BLOCK_SIZE)
@@ -101,8 +130,8 @@ def _prefill_kernel(
         for start in range(0, hi, BLOCK_SIZE):
             block = tl.load(block_tables_ptr + b * max_blocks + start // BLOCK_SIZE)
             rows = (block * BLOCK_SIZE + offs_n) * n_kv_heads + kh
-            k = tl.load(k_cache_ptr + rows[:, None] * DIM + offs_d[None, :])
-            s = tl.dot(q, tl.trans(k)) * scale
+            k = tl.load(k_cache_ptr + rows[:, None] * DIM + offs_d[None, :]).to(q.dtype)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
             key_pos = start + offs_n
             visible = (key_pos[None, :] <= q_pos[:, None]) & (key_pos[None, :] < length)
             s = tl.where(visible, s, NEG_INF)
@@ -111,15 +140,27 @@ def _prefill_kernel(
             p = tl.where(visible, p, 0.0)
             alpha = tl.exp(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(v_cache_ptr + rows[:, None] * DIM + offs_d[None, :])
+            v = tl.load(v_cache_ptr + rows[:, None] * DIM + offs_d[None, :]).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        if KV_FP8:
+            out = out * v_scale
         tl.store(
             out_ptr + q_rows[:, None] * DIM + offs_d[None, :],
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None],
         )
+
+
+def _scales_or_any(kv_scales: torch.Tensor | None, cache: torch.Tensor) -> torch.Tensor:
+    """The scales' pointer, or (no FP8 cache: never read) any tensor in its place; an FP8
+    cache without its scales would read as values off by them, so it is refused."""
+    if kv_scales is None:
+        if cache.dtype == FP8:
+            raise ValueError("an FP8 KV cache needs its kv_scales")
+        return cache
+    return kv_scales
 
 
 def prefill_work(q_lens: Iterable[int], first_row: int = 0, block_m: int = PREFILL_BLOCK_M):
@@ -142,12 +183,13 @@ def paged_prefill(
     counts: torch.Tensor | None = None,
     block_m: int = PREFILL_BLOCK_M,
     out: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ):
     """Rows of `q` that are prompt chunks (see the module's docstring), through `work`
     ([entries, 2] int32, prefill_work's list on the device: the grid's size) of which
     the first `counts[1]` (a device tensor) are real; without them, every row's
     (built here, which waits for the device). `out`: where to write ([tokens, q_heads,
-    dim], contiguous), else a new tensor."""
+    dim], contiguous), else a new tensor. `kv_scales`: an FP8 cache's (module docstring)."""
     _, n_q, dim = q.shape
     n_kv, block_size = k_cache.shape[2], k_cache.shape[1]
     if work is None:
@@ -163,6 +205,7 @@ def paged_prefill(
         q.contiguous(),
         k_cache,
         v_cache,
+        _scales_or_any(kv_scales, k_cache),
         out,
         block_tables,
         seq_lens,
@@ -177,6 +220,7 @@ def paged_prefill(
         DIM=dim,
         BLOCK_SIZE=block_size,
         BLOCK_M=block_m,
+        KV_FP8=kv_scales is not None,
     )
     return out
 
@@ -208,6 +252,7 @@ def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    kv_scale_ptr,
     part_ptr,
     lse_ptr,
     block_tables_ptr,
@@ -225,9 +270,11 @@ def _decode_split_kernel(
     TILE: tl.constexpr,
     MAX_S: tl.constexpr,
     MIN_TILES: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     b = tl.program_id(0)
     kh = tl.program_id(1)
+    qk_scale, v_scale = _head_scales(kv_scale_ptr, kh, n_kv_heads, scale, KV_FP8)
     programs = tl.num_programs(2)
     live = b < tl.load(counts_ptr)  # rows past the step's decodes: a graph's padding
     length = tl.load(seq_lens_ptr + b, mask=live, other=1)
@@ -258,8 +305,8 @@ def _decode_split_kernel(
                 k_cache_ptr + rows[:, None] * DIM + offs_d[None, :],
                 mask=visible[:, None],
                 other=0.0,
-            )
-            s = tl.dot(q, tl.trans(k)) * scale
+            ).to(q.dtype)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
             s = tl.where(visible[None, :], s, NEG_INF)
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             p = tl.where(visible[None, :], tl.exp(s - m_new[:, None]), 0.0)
@@ -269,10 +316,12 @@ def _decode_split_kernel(
                 v_cache_ptr + rows[:, None] * DIM + offs_d[None, :],
                 mask=visible[:, None],
                 other=0.0,
-            )
+            ).to(q.dtype)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
         part = acc / tl.maximum(l_i, 1e-30)[:, None]
+        if KV_FP8:
+            part = part * v_scale
         lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), NEG_INF)
         slot = (b * n_q_heads + heads) * split_stride + split
         tl.store(part_ptr + slot[:, None] * DIM + offs_d[None, :], part, mask=head_ok[:, None])
@@ -338,12 +387,14 @@ def paged_decode(
     out: torch.Tensor | None = None,
     rows: int | None = None,
     counts: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ):
     """q: [tokens, q_heads, dim]; its first `rows` (default: all) are sequences' one new
     token each (already in the cache), of which the first `counts[0]` (a device tensor;
     default: all `rows`) are real: a CUDA graph launches for the most a step can have.
     `programs` per (sequence, KV head) changes the speed only, never the output. `out`:
-    where to write (like q, contiguous; other rows untouched), else a new tensor."""
+    where to write (like q, contiguous; other rows untouched), else a new tensor.
+    `kv_scales`: an FP8 cache's (module docstring)."""
     tokens, n_q, dim = q.shape
     batch = tokens if rows is None else rows
     n_kv, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -359,6 +410,7 @@ def paged_decode(
         q.contiguous(),
         k_cache,
         v_cache,
+        _scales_or_any(kv_scales, k_cache),
         part,
         lse,
         block_tables,
@@ -373,6 +425,7 @@ def paged_decode(
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         DIM=dim,
         BLOCK_SIZE=block_size,
+        KV_FP8=kv_scales is not None,
         **SPLIT_LAUNCH,
         **layout,
     )

@@ -3,7 +3,9 @@ for Qwen3, with the per-head RMS norm of q and k before it: two kernels fewer a 
 
 Cache layout (per layer): [num_blocks, block_size, kv_heads, head_dim]; token t
 goes to slot `slot_mapping[t]` = block * block_size + offset (negative: skip).
-Rotate-half convention, as in HF Llama.
+Rotate-half convention, as in HF Llama. An FP8 cache (kv_cache.py) gets each rotated k
+and each v rounded to the model's dtype, divided by its head's scale, saturated to
+e4m3's range and rounded to e4m3: the reference's steps.
 """
 
 from __future__ import annotations
@@ -12,10 +14,17 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fp8 import FP8, FP8_MAX
 
-def rope_and_cache_ref(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping, norms=None):
+E4M3_MAX = tl.constexpr(FP8_MAX)
+
+
+def rope_and_cache_ref(
+    q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping, norms=None, kv_scales=None
+):
     """Returns rotated q; writes rotated k and v into the caches at their slots. `norms`:
-    (q weight, k weight, eps) of a per-head RMS norm applied to q and k first."""
+    (q weight, k weight, eps) of a per-head RMS norm applied to q and k first;
+    `kv_scales`: [2, kv_heads], an FP8 cache's."""
     if norms is not None:
         from .norm import rms_norm_ref
 
@@ -33,29 +42,55 @@ def rope_and_cache_ref(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapp
     keep = slot_mapping >= 0
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    if kv_scales is not None:
+        k_rot, v = (
+            (x.float() / s.float()[None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+            for x, s in zip((k_rot, v), kv_scales, strict=True)
+        )
     flat_k[slot_mapping[keep]] = k_rot[keep]
     flat_v[slot_mapping[keep]] = v[keep]
     return q_out
 
 
 @triton.jit
+def _to_cache(x, dst_ptr, scale, mask, SCALED: tl.constexpr):
+    """Store x (in the model's dtype) at dst; SCALED: an FP8 cache's, divided by its head's
+    `scale` ([heads, 1]) and saturated first."""
+    if SCALED:
+        x = tl.clamp(x.to(tl.float32) / scale, -E4M3_MAX, E4M3_MAX)
+    tl.store(dst_ptr, x.to(dst_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rotate_half_into(
-    src_ptr, dst_ptr, mask, cos, sin, HALF: tl.constexpr, w_ptr, j, eps, NORM: tl.constexpr
+    src_ptr,
+    dst_ptr,
+    mask,
+    cos,
+    sin,
+    HALF: tl.constexpr,
+    w_ptr,
+    j,
+    eps,
+    NORM: tl.constexpr,
+    scale,
+    SCALED: tl.constexpr,
 ):
     """dst[..., :HALF], dst[..., HALF:] = x1 cos - x2 sin, x2 cos + x1 sin (x = src; the
-    pointers address a [heads, HALF] block of first halves). NORM: x is first each head's
-    RMS norm times w_ptr's weights, rounded to the output type as the norm kernel's is."""
+    pointers address a [heads, HALF] block of first halves), in src's dtype, then as
+    _to_cache stores it. NORM: x is first each head's RMS norm times w_ptr's weights,
+    rounded to src's dtype as the norm kernel's is."""
     x1 = tl.load(src_ptr, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
-    out_ty = dst_ptr.dtype.element_ty
+    ty = src_ptr.dtype.element_ty
     if NORM:
         rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps)
         w1 = tl.load(w_ptr + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(w_ptr + HALF + j, mask=j < HALF, other=0.0).to(tl.float32)[None, :]
-        x1 = (x1 * rstd[:, None] * w1).to(out_ty).to(tl.float32)
-        x2 = (x2 * rstd[:, None] * w2).to(out_ty).to(tl.float32)
-    tl.store(dst_ptr, (x1 * cos - x2 * sin).to(out_ty), mask=mask)
-    tl.store(dst_ptr + HALF, (x2 * cos + x1 * sin).to(out_ty), mask=mask)
+        x1 = (x1 * rstd[:, None] * w1).to(ty).to(tl.float32)
+        x2 = (x2 * rstd[:, None] * w2).to(ty).to(tl.float32)
+    _to_cache((x1 * cos - x2 * sin).to(ty), dst_ptr, scale, mask, SCALED)
+    _to_cache((x2 * cos + x1 * sin).to(ty), dst_ptr + HALF, scale, mask, SCALED)
 
 
 HEADS = 8  # heads a program rotates: one angle computation serves them all
@@ -74,6 +109,7 @@ def _rope_cache_kernel(
     inv_freq_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    kv_scale_ptr,
     slot_ptr,
     q_norm_ptr,
     k_norm_ptr,
@@ -87,6 +123,7 @@ def _rope_cache_kernel(
     BLOCK: tl.constexpr,
     HEADS: tl.constexpr,
     NORM: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Program (token, group): HEADS query heads, or HEADS key/value heads after the
     query groups."""
@@ -103,23 +140,39 @@ def _rope_cache_kernel(
         mask = (h < n_q_heads)[:, None] & (j < HALF)[None, :]
         src = q_ptr + t * q_row + h[:, None] * dim + j[None, :]
         dst = q_out_ptr + (t * n_q_heads + h[:, None]) * dim + j[None, :]
-        _rotate_half_into(src, dst, mask, cos, sin, HALF, q_norm_ptr, j, eps, NORM)
+        _rotate_half_into(src, dst, mask, cos, sin, HALF, q_norm_ptr, j, eps, NORM, 1.0, False)
     else:
         slot = tl.load(slot_ptr + t)
         if slot >= 0:
             h = (group - q_groups) * HEADS + tl.arange(0, HEADS)
             mask = (h < n_kv_heads)[:, None] & (j < HALF)[None, :]
             cached = (slot * n_kv_heads + h[:, None]) * dim + j[None, :]
+            k_scale = 1.0
+            v_scale = 1.0
+            if KV_FP8:
+                head_ok = h < n_kv_heads
+                k_scale = tl.load(kv_scale_ptr + h, mask=head_ok, other=1.0)[:, None]
+                v_scale = tl.load(kv_scale_ptr + n_kv_heads + h, mask=head_ok, other=1.0)[:, None]
             k_src = k_ptr + t * k_row + h[:, None] * dim + j[None, :]
             _rotate_half_into(
-                k_src, k_cache_ptr + cached, mask, cos, sin, HALF, k_norm_ptr, j, eps, NORM
+                k_src,
+                k_cache_ptr + cached,
+                mask,
+                cos,
+                sin,
+                HALF,
+                k_norm_ptr,
+                j,
+                eps,
+                NORM,
+                k_scale,
+                KV_FP8,
             )
             v_src = v_ptr + t * v_row + h[:, None] * dim + j[None, :]
-            v_ty = v_cache_ptr.dtype.element_ty
             v1 = tl.load(v_src, mask=mask, other=0.0)
             v2 = tl.load(v_src + HALF, mask=mask, other=0.0)
-            tl.store(v_cache_ptr + cached, v1.to(v_ty), mask=mask)
-            tl.store(v_cache_ptr + cached + HALF, v2.to(v_ty), mask=mask)
+            _to_cache(v1, v_cache_ptr + cached, v_scale, mask, KV_FP8)
+            _to_cache(v2, v_cache_ptr + cached + HALF, v_scale, mask, KV_FP8)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -128,10 +181,15 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
 
 
-def rope_and_cache(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping, norms=None):
+def rope_and_cache(
+    q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping, norms=None, kv_scales=None
+):
     """q, k, v: [tokens, heads, head_dim], each row's heads packed; rows may be strided
     (views into one fused projection: no copies). `norms`: (q weight, k weight, eps) of a
-    per-head RMS norm of q and k, applied in the same kernel."""
+    per-head RMS norm of q and k, applied in the same kernel. `kv_scales`: [2, kv_heads],
+    an FP8 cache's (module docstring)."""
+    if (kv_scales is not None) != (k_cache.dtype == FP8):
+        raise ValueError("an FP8 KV cache, and only one, takes kv_scales")
     n_tokens, n_q, dim = q.shape
     n_kv = k.shape[1]
     q, k, v = _rows(q), _rows(k), _rows(v)
@@ -147,6 +205,7 @@ def rope_and_cache(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping,
         inv_freq,
         k_cache,
         v_cache,
+        inv_freq if kv_scales is None else kv_scales,  # (unread without KV_FP8)
         slot_mapping,
         norms[0] if norms else inv_freq,  # (unread without NORM)
         norms[1] if norms else inv_freq,
@@ -160,5 +219,6 @@ def rope_and_cache(q, k, v, positions, inv_freq, k_cache, v_cache, slot_mapping,
         BLOCK=triton.next_power_of_2(half),
         HEADS=HEADS,
         NORM=norms is not None,
+        KV_FP8=kv_scales is not None,
     )
     return q_out

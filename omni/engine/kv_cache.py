@@ -1,0 +1,71 @@
+"""The KV cache's element type: the model's dtype, or FP8 (e4m3) with a scale per KV head.
+
+FP8 halves the cache's bytes, so the same memory holds twice the tokens. A value is stored
+divided by its head's scale, and that scale comes from a bound on what the head can ever
+hold, worked out from the layer's weights:
+- the layer's input is RMS-normed, so it has length sqrt(hidden) before the norm's
+  weights g; a projection row w then gives |w . (g x)| <= ||w g|| sqrt(hidden)
+  (Cauchy-Schwarz), plus the row's bias;
+- the rotary embedding turns pairs of K's rows and keeps their length;
+- Qwen3's per-head norm bounds each of K's pairs by sqrt(head_dim) max |g_k|.
+So nothing saturates, and no calibration text or first request decides the scales: a
+model always gets the same ones (a Hub checkpoint's calibrated k_scale / v_scale are not
+needed). The bound's slack costs next to nothing: e4m3 keeps its 3 mantissa bits over
+the 2^15 below its largest value.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .checkpoint import CheckpointError
+from .fp8 import FP8, FP8_MAX
+
+KV_CACHE_DTYPES = ("fp8",)  # what `kv_cache_dtype` may name (None: the model's dtype)
+# above the bound: the bf16 rounding of the normed input and, in an FP8 model, its
+# per-token e4m3 rounding (2^-4 at most) can each nudge a value past it
+MARGIN = 1.125
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str | None) -> None:
+    if kv_cache_dtype is not None and kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise CheckpointError(
+            f"kv_cache_dtype {kv_cache_dtype!r} is not one of {list(KV_CACHE_DTYPES)}"
+        )
+
+
+def cache_dtype(kv_cache_dtype: str | None, model_dtype: torch.dtype) -> torch.dtype:
+    return FP8 if kv_cache_dtype == "fp8" else model_dtype
+
+
+def head_bounds(attn, norm_weight: torch.Tensor) -> torch.Tensor:
+    """[2, kv_heads] fp32: the most any rotated K, and any V, of each of this attention's
+    KV heads can be in absolute value (module docstring)."""
+    proj = attn.qkv_proj
+    w = proj.weight.float()
+    if hasattr(proj, "weight_scale"):  # FP8 weights: their values are weight * scale
+        w = w * proj.weight_scale.float()[:, None]
+    rows = (w * norm_weight.float()[None, :]).norm(dim=1) * math.sqrt(w.shape[1])
+    if proj.bias is not None:
+        rows = rows + proj.bias.float().abs()
+    heads, dim = attn.kv_dim // attn.cfg.head_dim, attn.cfg.head_dim
+    k_rows = rows[attn.q_dim : attn.q_dim + attn.kv_dim].view(heads, dim)
+    v_rows = rows[attn.q_dim + attn.kv_dim :].view(heads, dim)
+    if attn.cfg.qk_norm:
+        k = (attn.k_norm.weight.float().abs().max() * math.sqrt(dim)).expand(heads)
+    else:
+        half = dim // 2
+        k = (k_rows[:, :half] ** 2 + k_rows[:, half:] ** 2).sqrt().amax(dim=1)
+    return torch.stack([k, v_rows.amax(dim=1)])
+
+
+def assign_scales(model, kv_cache_dtype: str | None) -> None:
+    """Give each layer's attention its FP8 cache's scales (`kv_scales`), or none."""
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.kv_scales = None
+        if kv_cache_dtype == "fp8":
+            bounds = head_bounds(attn, layer.input_layernorm.weight)
+            attn.kv_scales = (bounds * MARGIN / FP8_MAX).clamp(min=1e-12).contiguous()
