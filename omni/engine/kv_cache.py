@@ -27,6 +27,7 @@ KV_CACHE_DTYPES = ("fp8",)  # what `kv_cache_dtype` may name (None: the model's 
 # above the bound: the bf16 rounding of the normed input and, in an FP8 model, its
 # per-token e4m3 rounding (2^-4 at most) can each nudge a value past it
 MARGIN = 1.125
+ROWS_AT_ONCE = 1024  # weight rows widened to fp32 at a time: scratch the pool is not short of
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str | None) -> None:
@@ -44,10 +45,11 @@ def head_bounds(attn, norm_weight: torch.Tensor) -> torch.Tensor:
     """[2, kv_heads] fp32: the most any rotated K, and any V, of each of this attention's
     KV heads can be in absolute value (module docstring)."""
     proj = attn.qkv_proj
-    w = proj.weight.float()
+    g = norm_weight.float()[None, :]
+    rows = torch.cat([(w.float() * g).norm(dim=1) for w in proj.weight.split(ROWS_AT_ONCE)])
     if hasattr(proj, "weight_scale"):  # FP8 weights: their values are weight * scale
-        w = w * proj.weight_scale.float()[:, None]
-    rows = (w * norm_weight.float()[None, :]).norm(dim=1) * math.sqrt(w.shape[1])
+        rows = rows * proj.weight_scale.float().abs()
+    rows = rows * math.sqrt(proj.weight.shape[1])
     if proj.bias is not None:
         rows = rows + proj.bias.float().abs()
     heads, dim = attn.kv_dim // attn.cfg.head_dim, attn.cfg.head_dim
@@ -61,6 +63,7 @@ def head_bounds(attn, norm_weight: torch.Tensor) -> torch.Tensor:
     return torch.stack([k, v_rows.amax(dim=1)])
 
 
+@torch.no_grad()  # (the norms' weights are parameters: a graph would keep every product)
 def assign_scales(model, kv_cache_dtype: str | None) -> None:
     """Give each layer's attention its FP8 cache's scales (`kv_scales`), or none."""
     for layer in model.model.layers:
@@ -69,3 +72,5 @@ def assign_scales(model, kv_cache_dtype: str | None) -> None:
         if kv_cache_dtype == "fp8":
             bounds = head_bounds(attn, layer.input_layernorm.weight)
             attn.kv_scales = (bounds * MARGIN / FP8_MAX).clamp(min=1e-12).contiguous()
+    if kv_cache_dtype == "fp8" and model.lm_head.weight.is_cuda:
+        torch.cuda.empty_cache()  # the pool is sized from the memory the driver sees free

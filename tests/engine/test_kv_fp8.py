@@ -198,3 +198,12 @@ def test_an_fp8_cache_on_the_gpu_is_batch_invariant_and_near_bf16(arch, tmp_path
     _, alone = greedy_steps(fp8, prompts[:1], 8, forced=[t[:1] for t in tokens])
     for a, b in zip(alone, got, strict=True):
         assert torch.equal(a[0], b[0])
+
+
+def test_the_scales_hold_no_graph(tmp_path):
+    """The scales are plain tensors: a graph back to the weights would keep a widened copy
+    of every layer's projection alive (6 GiB on Llama-3-8B: the pool was short by it)."""
+    _, ckpt = tiny_checkpoint(tmp_path, ARCHES["llama"]())
+    runner = ModelRunner(LlamaForCausalLM.load(ckpt, kv_cache_dtype="fp8", reference=True))
+    scales = runner.model.model.layers[0].self_attn.kv_scales
+    assert scales.grad_fn is None and not scales.requires_grad
