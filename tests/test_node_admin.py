@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from omni.runtime.catalog import CatalogError, load_config
 from tests.checkpoints import tiny_llama
 from tests.conftest import wait_until
 from tests.nodes import Omnid
@@ -130,3 +131,43 @@ def test_an_invalid_config_keeps_omnid_from_starting(tmp_path):
     node = omnid(tmp_path, "[[gpus]]\nindex = 0\nbudget = 'plenty'\n")
     assert node.proc.wait(timeout=60) == 2
     assert "gpus[0].budget: 'plenty' is not a size" in node.log_path.read_text()
+
+
+def test_a_speculating_model_reports_its_acceptance_in_metrics(tmp_path, model_dirs):
+    """`speculative` in the model's table reaches its engine; the verify steps' counters
+    come back through the instance's health to omnid's /metrics and /v1/instances."""
+    a, _ = model_dirs
+    config = f'[[models]]\nname = "a"\npath = "{a}"\nspeculative = {{method = "ngram", k = 3}}\n'
+    node = omnid(tmp_path, config)
+    try:
+        node.wait_ready(["a"])
+        prompt = " ".join(["t1 t2 t3 t4"] * 6)  # a repeating text: n-grams to propose
+        body = {"model": "a", "prompt": prompt, "max_tokens": 40, "temperature": 0}
+        r = httpx.post(f"{node.base_url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+
+        def counted() -> dict | None:
+            spec = node.instances()["a"].get("speculative") or {}
+            return spec if spec.get("spec_steps", 0) > 0 else None
+
+        spec = wait_until(counted, 30, "the instance's speculative counters")
+        assert spec["spec_proposed_tokens"] >= spec["spec_accepted_tokens"]
+        metrics = httpx.get(f"{node.base_url}/metrics").text
+        line = next(m for m in metrics.splitlines() if m.startswith('omni_spec_steps{model="a"}'))
+        assert float(line.split()[-1]) == spec["spec_steps"]
+    finally:
+        stop(node)
+
+
+def test_a_bad_speculative_table_is_refused(tmp_path):
+    path = tmp_path / "omnid.toml"
+    for table, message in (
+        ("{method = 'eagle9'}", "'eagle9' is not one of"),
+        ("{k = 0}", "k must be 1 to 16"),
+        ("{k = '4'}", "k must be an integer"),
+        ("{depth = 2}", "unknown key 'depth'"),
+        ("4", "a table"),
+    ):
+        path.write_text(f"[[models]]\nname = 'x'\npath = '/x'\nspeculative = {table}\n")
+        with pytest.raises(CatalogError, match=message):
+            load_config(path)

@@ -129,6 +129,19 @@ class BlockManager:
             self.blocks[block].ref_count = 1
             owner.block_table.append(block)
 
+    def reserve(self, owner: BlockOwner, n_tokens: int) -> bool:
+        """Room for `n_tokens` of `owner` (more than it holds: a speculative step's proposed
+        tokens, which may be rejected; their blocks then serve its next tokens). False,
+        and nothing taken, if the free blocks are too few."""
+        needed = -(-n_tokens // self.block_size) - len(owner.block_table)
+        if needed > self.num_free:
+            return False
+        for _ in range(needed):
+            block = self._take()
+            self.blocks[block].ref_count = 1
+            owner.block_table.append(block)
+        return True
+
     def fork(self, parent: BlockOwner, child: BlockOwner) -> list[tuple[int, int]] | None:
         """Give `child` the KV of its tokens, which `parent` has computed: the full blocks
         are shared (held once more; nobody writes a full block), a partial last block is

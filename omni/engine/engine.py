@@ -29,9 +29,17 @@ from .grammar import Constraint, Grammars, GrammarSpec
 from .kernels import builds
 from .llama import LlamaForCausalLM
 from .model_runner import ModelRunner, Prepared, Previous
-from .sampling import SamplingParams, make_generator, sample
+from .sampling import SamplingParams, make_generator, probabilities, sample, shape
 from .scheduler import Batch, Scheduler
 from .sequence import PLACEHOLDER, Sequence, Status
+from .speculative import (
+    AdaptiveK,
+    SpecConfig,
+    SpecStats,
+    accept_greedy,
+    accept_sampled,
+    ngram_proposal,
+)
 from .stops import StopMatcher
 from .tokenizer import StreamDecoder, TextTokenizer
 from .tp_runner import LeaderRunner
@@ -126,8 +134,12 @@ class Engine:
         max_batch_tokens: int | None = None,
         max_seqs: int | None = None,
         before_step: Callable[[], None] | None = None,
+        speculative: SpecConfig | None = None,
     ):
         self.model = model
+        self.speculative = speculative  # speculative.py; None: off
+        self.spec_stats = SpecStats()
+        self._spec_k: dict[int, AdaptiveK] = {}  # seq_id -> its k
         self.before_step = before_step  # e.g. yield the GPU to a hotter instance
         self.tokenizer = tokenizer
         self._grammars: Grammars | None = None
@@ -195,6 +207,7 @@ class Engine:
             "waiting": len(sched.waiting),
             "idle_work": len(self._idle_work),
             "kernel_builds": builds.BUILDS.count,  # Triton builds so far, warm-up included
+            **(self.spec_stats.as_dict() if self.speculative else {}),
         }
 
     @property
@@ -338,6 +351,7 @@ class Engine:
     def _finish(self, state: _Active, out: StepOutput) -> None:
         self.scheduler.finish(state.seq)  # frees its blocks at once
         self._active.pop(state.seq.seq_id, None)
+        self._spec_k.pop(state.seq.seq_id, None)
         state.emit(out)
 
     def _step(self) -> None:
@@ -348,6 +362,8 @@ class Engine:
             batch = self.scheduler.schedule()
             if batch is None:
                 self._land()
+                return
+            if self._speculates(batch) and self._speculative_step(batch):
                 return
             logits = self._launch(batch)
         sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
@@ -360,7 +376,7 @@ class Engine:
             # next step at once (its inputs are this step's picks, on the device).
             landed = self._take_landed()
             masking = self._advance_grammars(landed, sampling)
-            pipelined = all(self._on_device(s) for s in sampling)
+            pipelined = all(self._on_device(s) for s in sampling) and not self._may_propose(batch)
             if pipelined:  # the next step, ready before this one's pick
                 self.scheduler.update(batch, {s.seq_id: PLACEHOLDER for s in sampling})
                 after = self.scheduler.schedule()
@@ -379,7 +395,8 @@ class Engine:
         else:
             step = self._launch_greedy(logits, sampling)
             self._land()  # the last step's tokens, while the GPU runs this one
-            if all(self._on_device(s) for s in sampling):
+            # (not while the next step may speculate: its proposals need these tokens)
+            if all(self._on_device(s) for s in sampling) and not self._may_propose(batch):
                 self.scheduler.update(batch, {s.seq_id: PLACEHOLDER for s in sampling})
                 self._in_flight = step
                 return
@@ -402,6 +419,125 @@ class Engine:
             child.seq.token_ids.append(token)
         landed = [(self._active[seq_id], token) for seq_id, token in new_tokens.items()]
         self._deliver_accepted(landed + children)
+
+    # ------------------------------------------------------------ speculative decoding
+
+    def _speculates(self, batch: Batch) -> bool:
+        """Whether `batch` may be a speculative step: decodes only, few enough of them,
+        every newest token on the host (then the step after a step of such a batch
+        waits for its tokens, rather than be launched ahead with them on the device)."""
+        spec = self.speculative
+        if spec is None or len(batch.seqs) > spec.max_batch:
+            return False
+        for seq in batch.seqs:
+            state = self._active.get(seq.seq_id)
+            if seq.is_prefilling or state is None:
+                return False
+            if state.forks or seq.token_ids[-1] == PLACEHOLDER:
+                return False
+        return True
+
+    def _may_propose(self, batch: Batch) -> bool:
+        """Whether the step after `batch` (its sequences one token on) may propose: then
+        it waits for this step's tokens rather than be launched ahead of them."""
+        if not self._speculates(batch):
+            return False
+        k = self.speculative.k
+        return any(
+            self._spec_k[s.seq_id].k_at(s.num_generated + 1) if s.seq_id in self._spec_k else k
+            for s in batch.seqs
+        )
+
+    def _proposals(self, batch: Batch) -> list[list[int]]:
+        """Each sequence's proposed tokens, within its max_tokens, the context, and the
+        free blocks (reserved here)."""
+        spec, out = self.speculative, []
+        for seq in batch.seqs:
+            k = self._spec_k.setdefault(seq.seq_id, AdaptiveK(spec.k)).k_at(seq.num_generated)
+            room = min(seq.max_tokens - seq.num_generated, self.max_context - len(seq.token_ids))
+            guess = ngram_proposal(seq.token_ids, min(k, room - 1), spec.ngram_max, spec.ngram_min)
+            constraint = self._constraint(seq)
+            if guess and constraint is not None:  # only what its grammar allows can be kept
+                guess = guess[: constraint.valid_prefix(guess)]
+            if guess and not self.scheduler.blocks.reserve(seq, len(seq.token_ids) + len(guess)):
+                guess = []
+            out.append(guess)
+        return out
+
+    def _speculative_step(self, batch: Batch) -> bool:
+        """Run `batch` as a verify step: each sequence's newest token and its proposals,
+        one row each; keep what the target model agrees with, stream it. False: nothing
+        was proposed (the caller runs a plain step)."""
+        proposals = self._proposals(batch)
+        if not any(proposals):
+            return False
+        if self.before_step is not None:
+            self.before_step()
+        pairs = list(zip(batch.seqs, proposals, strict=True))
+        rows = [[seq.token_ids[-1], *guess] for seq, guess in pairs]
+        logits = self.runner.run_rows(batch.seqs, rows)
+        picks = logits.argmax(-1).tolist()  # (rows needing no more: only these travel)
+        stats, first = self.spec_stats, 0
+        stats.steps += 1
+        for seq, guess in pairs:
+            state = self._active.get(seq.seq_id)
+            span, first = slice(first, first + len(guess) + 1), first + len(guess) + 1
+            if state is None:
+                continue
+            generated = seq.num_generated
+            mine = None if self._device_pick(state) else logits[span].float().cpu()
+            tokens = self._verify(state, mine, picks[span], guess)
+            accepted = len(tokens) - 1
+            self._spec_k[seq.seq_id].update(len(guess), accepted, generated)
+            stats.rows += 1
+            stats.proposed += len(guess)
+            stats.accepted += accepted
+            stats.emitted += len(tokens)
+            self.scheduler.advance(seq, tokens)
+            for i, token in enumerate(tokens):
+                if state.request.params.logprobs is not None:
+                    state.logprob = self._logprob(mine[i], token, state.request.params.logprobs)
+                if state.constraint is not None:
+                    state.constraint.accept(token)  # (its row was masked: it is allowed)
+                self._deliver(state, token)
+                if seq.seq_id not in self._active:
+                    break  # finished (EOS, a stop, max_tokens): the rest is dropped
+                if state.constraint is not None and state.constraint.done:
+                    self._finish(state, state.output(state.stops.flush(), [], "stop"))
+                    break
+        return True
+
+    def _verify(
+        self, state: _Active, logits: torch.Tensor | None, picks: list[int], guess: list[int]
+    ) -> list[int]:
+        """The tokens one sequence's verify rows emit: the target's picks (greedy) or
+        rejection sampling, each row shaped as plain decoding would shape it there.
+        `picks`: each row's argmax (all a plain greedy request needs, `logits` None)."""
+        if logits is None:
+            return accept_greedy(picks, guess)
+        params, seq = state.request.params, state.seq
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        output = seq.token_ids[seq.num_prompt_tokens :]
+        if state.constraint is not None:  # each row masked where the grammar is there
+            logits = state.constraint.mask_along(logits.clone(), guess)
+        rows = []
+        for i in range(len(guess) + 1):
+            so_far = output + guess[:i]
+            # min_tokens holds back the end; under a grammar, the grammar decides it
+            early = len(so_far) < params.min_tokens and state.constraint is None
+            rows.append(shape(logits[i], params, prompt, so_far, state.eos if early else set()))
+        if params.greedy:
+            return accept_greedy([int(r.argmax()) for r in rows], guess)
+        return accept_sampled([probabilities(r, params) for r in rows], guess, state.generator)
+
+    @staticmethod
+    def _logprob(logits: torch.Tensor, token: int, top: int):
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        best = torch.topk(logprobs, top) if top else None
+        alternatives = (
+            list(zip(best.indices.tolist(), best.values.tolist(), strict=True)) if best else []
+        )
+        return token, float(logprobs[token]), alternatives
 
     def _launch(self, batch: Batch, inputs: Prepared | None = None) -> torch.Tensor:
         """Run `batch`'s model step (not waiting for the GPU); a decoding sequence's newest

@@ -222,6 +222,30 @@ class Constraint:
         if not self._matcher.accept_token(token):
             raise GrammarError(f"token {token} is not allowed here")
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, from here, the grammar allows in a row (its place is
+        left where it was)."""
+        n = 0
+        while n < len(tokens) and not self._matcher.is_terminated():
+            if not self._matcher.accept_token(tokens[n]):
+                break
+            n += 1
+        if n:
+            self._matcher.rollback(n)
+        return n
+
+    def mask_along(self, rows: torch.Tensor, tokens: list[int]) -> torch.Tensor:
+        """Rows of logits [len(tokens) + 1, vocab] (a speculative step's, on the CPU), each
+        masked for the grammar's place after tokens[:i] (which it must allow); in place,
+        and the grammar's place is left where it was."""
+        for i, row in enumerate(rows):
+            self.mask(row)
+            if i < len(tokens):
+                self.accept(tokens[i])
+        if tokens:
+            self._matcher.rollback(len(tokens))
+        return rows
+
     @property
     def done(self) -> bool:
         """The grammar is complete and its stop token accepted."""

@@ -263,6 +263,45 @@ class ModelRunner:
         )
         return self.upload(host)
 
+    def prepare_rows(self, seqs: list[Sequence], tokens: list[list[int]]) -> Prepared:
+        """A decode step of several rows per sequence (speculative.py's verify step):
+        `tokens[i]` continues seqs[i] from its first uncomputed position (its newest
+        token, then proposed ones, whose blocks are reserved). Each row is a decode row
+        of its own length, computed exactly as decoding that position alone would be,
+        and every row samples."""
+        bs = self.block_size
+        ids, positions, slots, seq_lens, table_rows = [], [], [], [], []
+        for seq, row_tokens in zip(seqs, tokens, strict=True):
+            start, table = seq.num_computed, seq.block_table
+            for i, token in enumerate(row_tokens):
+                pos = start + i
+                ids.append(token)
+                positions.append(pos)
+                slots.append(table[pos // bs] * bs + pos % bs)
+                seq_lens.append(pos + 1)
+                table_rows.append(table)
+        rows, width = len(ids), max(len(t) for t in table_rows)
+        tables = np.zeros((rows, width), dtype=np.int32)
+        for row, table in zip(tables, table_rows, strict=True):
+            row[: len(table)] = table
+        longs = [ids, positions, slots, list(range(rows)), [], []]
+        ints = [seq_lens, list(range(rows + 1)), tables.ravel(), [rows, 0], []]
+        host = HostInputs(
+            longs=np.concatenate([np.asarray(p, dtype=np.int64) for p in longs]),
+            long_sizes=[len(p) for p in longs],
+            ints=np.concatenate([np.asarray(p, dtype=np.int32) for p in ints]),
+            int_sizes=[len(p) for p in ints],
+            rows=rows,
+            width=width,
+            num_decodes=rows,
+        )
+        return self.upload(host)
+
+    @torch.inference_mode()
+    def run_rows(self, seqs: list[Sequence], tokens: list[list[int]]) -> torch.Tensor:
+        """Logits of every row of prepare_rows' step, in order."""
+        return self.run_inputs(self.prepare_rows(seqs, tokens), None)
+
     def upload(self, host: HostInputs) -> Prepared:
         """The host inputs on the device, in two copies from pinned memory (they do not
         wait for the GPU)."""

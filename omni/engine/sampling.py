@@ -92,22 +92,25 @@ def apply_bias(logits: torch.Tensor, bias: dict[int, float], banned: set[int]) -
     return logits
 
 
-def sample(
+def shape(
     logits: torch.Tensor,
     params: SamplingParams,
-    generator: torch.Generator,
     prompt: list[int] = (),
     output: list[int] = (),
     banned: set[int] = frozenset(),
-) -> int:
-    """Pick the next token from one row of logits [vocab]; `prompt` and `output` are the
-    tokens so far, for the penalties; `banned` may not be picked (min_tokens)."""
+) -> torch.Tensor:
+    """One row of logits [vocab] as the request's penalties, bias and banned tokens leave
+    it (the row itself when it has none)."""
     if params.penalized:
         logits = apply_penalties(logits, params, list(prompt), list(output))
     if params.logit_bias or banned:
         logits = apply_bias(logits, params.logit_bias, banned)
-    if params.greedy:
-        return int(torch.argmax(logits))
+    return logits
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy request draws from (fp32, on the CPU): temperature,
+    then top-k, min-p and top-p, of a row shape() left."""
     logits = logits.float().cpu() / params.temperature
     if params.top_k > 0:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
@@ -121,4 +124,20 @@ def sample(
         drop = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) >= params.top_p * probs.sum()
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return probs
+
+
+def sample(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator,
+    prompt: list[int] = (),
+    output: list[int] = (),
+    banned: set[int] = frozenset(),
+) -> int:
+    """Pick the next token from one row of logits [vocab]; `prompt` and `output` are the
+    tokens so far, for the penalties; `banned` may not be picked (min_tokens)."""
+    logits = shape(logits, params, prompt, output, banned)
+    if params.greedy:
+        return int(torch.argmax(logits))
+    return int(torch.multinomial(probabilities(logits, params), 1, generator=generator))

@@ -149,6 +149,13 @@ class Scheduler:
             if seq.seq_id in new_tokens:
                 seq.token_ids.append(new_tokens[seq.seq_id])
 
+    def advance(self, seq: Sequence, tokens: list[int]) -> None:
+        """After a speculative step: `tokens` (accepted proposals, then the target's own
+        token) join `seq`; all but the last have their K/V computed."""
+        seq.num_computed = len(seq.token_ids) + len(tokens) - 1
+        seq.token_ids.extend(tokens)
+        self.blocks.register_full_blocks(seq, seq.num_computed)
+
     def finish(self, seq: Sequence) -> None:
         """Done or aborted: its blocks are free at once."""
         if seq.status is Status.RUNNING:

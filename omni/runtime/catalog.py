@@ -52,6 +52,8 @@ PARALLEL_ENV = "OMNI_PARALLEL"  # ... and how a mixture of experts is split: "tp
 PARALLEL_MODES = ("tp", "ep")  # each expert's width over the ranks, or whole experts
 QUANTIZATION_ENV = "OMNI_QUANTIZATION"  # ... and what it quantizes its weights to at load
 KV_CACHE_DTYPE_ENV = "OMNI_KV_CACHE_DTYPE"  # ... and its KV cache's element type
+SPECULATIVE_ENV = "OMNI_SPECULATIVE"  # ... and how it speculates (JSON of the table)
+SPECULATIVE_KEYS = {"method", "k", "max_batch", "ngram_max", "ngram_min"}
 RUNTIMES = {"omni"}  # the engine instances run; the catalog names it so others can follow
 
 
@@ -67,6 +69,7 @@ class Placement:
     parallel: str = "tp"  # a mixture of experts over ranks: "ep" shares out whole experts
     quantization: str | None = None  # "fp8": a bf16 checkpoint's projections, at load
     kv_cache_dtype: str | None = None  # "fp8": the KV cache in e4m3, twice the tokens
+    speculative: tuple[tuple[str, object], ...] = ()  # speculative decoding's settings
 
     @property
     def gpu(self) -> int | None:
@@ -133,6 +136,7 @@ class ModelEntry:
             "parallel": self.placement.parallel,
             "quantization": self.placement.quantization,
             "kv_cache_dtype": self.placement.kv_cache_dtype,
+            "speculative": dict(self.placement.speculative) or None,
             "version": self.version,
             "tool_parser": self.tool_parser,
         }
@@ -196,6 +200,7 @@ MODEL_KEYS = {
     "parallel",
     "quantization",
     "kv_cache_dtype",
+    "speculative",
 }
 GPU_KEYS = {"index", "budget"}
 
@@ -298,7 +303,28 @@ def placement_from(item: dict, where: str, gpus: dict[int, int] | None) -> Place
             raise CatalogError(f"{where}.kv_cache_dtype: {kv_cache_dtype!r} is not 'fp8'")
         if not chosen:
             raise CatalogError(f"{where}.kv_cache_dtype: an FP8 cache needs a GPU ('gpu')")
-    return Placement(chosen, quota, permits, cold, tp, parallel, quantization, kv_cache_dtype)
+    speculative = _speculative(item.get("speculative"), where)
+    return Placement(
+        chosen, quota, permits, cold, tp, parallel, quantization, kv_cache_dtype, speculative
+    )
+
+
+def _speculative(value: object, where: str) -> tuple[tuple[str, object], ...]:
+    """A model's `speculative` table, checked as the engine will read it."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise CatalogError(f"{where}.speculative: a table, e.g. {{method = 'ngram', k = 4}}")
+    extra = set(value) - SPECULATIVE_KEYS
+    if extra:
+        raise CatalogError(f"{where}.speculative: unknown key {sorted(extra)[0]!r}")
+    from omni.engine.spec_config import SpecConfig  # (no torch)
+
+    try:
+        SpecConfig(**value)
+    except (TypeError, ValueError) as exc:
+        raise CatalogError(f"{where}.{exc}") from None
+    return tuple(sorted(value.items()))
 
 
 def _gpu_indexes(value: object, where: str) -> tuple[int, ...]:

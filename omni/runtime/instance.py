@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import json
 import logging
 import os
 import sys
@@ -34,6 +35,7 @@ from .catalog import (
     PARALLEL_ENV,
     QUANTIZATION_ENV,
     RANK_CONTROLS_ENV,
+    SPECULATIVE_ENV,
     TENSOR_PARALLEL_ENV,
     TOOL_PARSER_ENV,
     ModelEntry,
@@ -146,6 +148,7 @@ class Instance:
         self.state = State.STOPPED
         self.started_at: float | None = None  # when it last became ready
         self.restarts = 0
+        self.engine_stats: dict = {}  # speculative decoding's counters, from its health
         self.last_exit: str | None = None
         self.retry_at: float | None = None  # monotonic time of the next start, in backoff
         self._ready = asyncio.Event()
@@ -272,6 +275,7 @@ class Instance:
             "path": str(self.entry.path),
             **(self.tenant.to_json() if self.tenant else {}),
             **({"ranks": self._ranks_json()} if len(self.tenants) > 1 else {}),
+            **({"speculative": self.engine_stats} if self.engine_stats else {}),
         }
 
     def _ranks_json(self) -> list[dict]:
@@ -300,6 +304,8 @@ class Instance:
             env[QUANTIZATION_ENV] = self.entry.placement.quantization
         if self.entry.placement.kv_cache_dtype:
             env[KV_CACHE_DTYPE_ENV] = self.entry.placement.kv_cache_dtype
+        if self.entry.placement.speculative:
+            env[SPECULATIVE_ENV] = json.dumps(dict(self.entry.placement.speculative))
         if self.entry.placement.tensor_parallel > 1:
             env[TENSOR_PARALLEL_ENV] = str(self.entry.placement.tensor_parallel)
             env[PARALLEL_ENV] = self.entry.placement.parallel
@@ -442,8 +448,12 @@ class Instance:
             async with self.session.get(
                 self.url("/health"), timeout=aiohttp.ClientTimeout(total=self.HEALTH_TIMEOUT_S)
             ) as resp:
-                return resp.status == 200
-        except (aiohttp.ClientError, TimeoutError, OSError):
+                if resp.status != 200:
+                    return False
+                body = await resp.json()
+                self.engine_stats = {k: v for k, v in body.items() if k.startswith("spec_")}
+                return True
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
             return False
 
     async def _check_health(self) -> None:

@@ -18,6 +18,13 @@ log = logging.getLogger(__name__)
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+SPEC_GAUGES = {  # the engine's speculative counters (speculative.SpecStats)
+    "spec_steps": "Speculative (verify) steps the instance ran",
+    "spec_proposed_tokens": "Tokens proposed for verification",
+    "spec_accepted_tokens": "Proposed tokens the model accepted",
+    "spec_acceptance": "Accepted over proposed tokens",
+    "spec_tokens_per_step": "Tokens a sequence gains per verify step",
+}
 SWAP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -51,18 +58,26 @@ class NodeCollector(Collector):
         restarts = GaugeMetricFamily(
             "omni_instance_restarts", "Restarts since omnid started", labels=["model"]
         )
+        # speculative decoding, as of the instance's last health check (2 s at most)
+        spec = {
+            key: GaugeMetricFamily(f"omni_{key}", help_text, labels=["model"])
+            for key, help_text in SPEC_GAUGES.items()
+        }
         for inst in self._instances():
             info = inst.to_json()
             name = info["name"]
             state.add_metric([name, info["state"]], 1)
             in_flight.add_metric([name], info["in_flight"])
             restarts.add_metric([name], info["restarts"])
+            for key, value in (info.get("speculative") or {}).items():
+                if key in spec:
+                    spec[key].add_metric([name], value)
             if "residency" in info:
                 residency.add_metric([name, info["residency"]], 1)
                 for rank in info.get("ranks") or [info]:  # a multi-GPU instance: each GPU
                     used.add_metric([name, str(rank["gpu"])], rank["used_bytes"])
                     quota.add_metric([name, str(rank["gpu"])], rank["quota_bytes"])
-        yield from (state, residency, used, quota, in_flight, restarts)
+        yield from (state, residency, used, quota, in_flight, restarts, *spec.values())
 
         budget = GaugeMetricFamily(
             "omni_gpu_budget_bytes", "GPU memory budget for instances", labels=["gpu"]

@@ -329,6 +329,7 @@ SPEC_KEYS = {
     "parallel",
     "quantization",
     "kv_cache_dtype",
+    "speculative",
 }
 
 

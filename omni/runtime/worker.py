@@ -11,6 +11,7 @@ import asyncio
 import atexit
 import contextlib
 import ctypes
+import json
 import logging
 import os
 import signal
@@ -29,6 +30,7 @@ from .catalog import (
     PARALLEL_ENV,
     QUANTIZATION_ENV,
     RANK_CONTROLS_ENV,
+    SPECULATIVE_ENV,
     TENSOR_PARALLEL_ENV,
     TOOL_PARSER_ENV,
 )
@@ -73,7 +75,11 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
             quantization=os.environ.get(QUANTIZATION_ENV) or None,
             kv_cache_dtype=os.environ.get(KV_CACHE_DTYPE_ENV) or None,
         )
-        engine = Engine(model, TextTokenizer(ckpt), before_step=gate)
+        from omni.engine.spec_config import SpecConfig
+
+        spec = os.environ.get(SPECULATIVE_ENV)
+        speculative = SpecConfig(**json.loads(spec)) if spec else None
+        engine = Engine(model, TextTokenizer(ckpt), before_step=gate, speculative=speculative)
         engine.warm_up(when_idle=True)  # serve at once; compile between requests
         if not on_gpu and os.environ.get(CONTROL_ENV):
             account_on_shim(engine.memory_bytes())

@@ -85,3 +85,32 @@ def test_64_concurrent_requests_match_one_at_a_time(models, tmp_path):
         for a, b in zip(together, alone, strict=True)
     ]
     assert same == 64, f"{same}/64 identical; first differing token per request: {first_diff}"
+
+
+def test_speculative_greedy_outputs_are_plain_decodings_bits(models, tmp_path):
+    """n-gram speculation on the GPU (verify rows through the decode graphs): each
+    request's tokens alone and 8 together are the tokens plain decoding gives."""
+    from omni.engine.engine import Engine
+    from omni.engine.sampling import SamplingParams
+    from omni.engine.spec_config import SpecConfig
+
+    _, ours = models
+    tok = text_tokenizer(tmp_path, LLAMA3_8B.vocab_size)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 128256, (40,), generator=gen).tolist() * 3 for _ in range(8)]
+    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
+    plain = Engine(ours, tok, num_blocks=1024)
+    try:
+        want = [tokens(r) for r in run_requests(plain, prompts, params, 600)]
+    finally:
+        plain.shutdown()
+    spec = Engine(ours, tok, num_blocks=1024, speculative=SpecConfig(k=4))
+    try:
+        alone = [tokens(run_requests(spec, [p], params, 600)[0]) for p in prompts]
+        together = [tokens(r) for r in run_requests(spec, prompts, params, 600)]
+        stats = spec.stats()
+    finally:
+        spec.shutdown()
+    print(stats)
+    assert stats["spec_steps"] > 0
+    assert alone == want and together == want

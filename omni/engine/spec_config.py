@@ -1,0 +1,29 @@
+"""What a model's `speculative` table may say (speculative.py does the work). Without torch:
+omnid checks a catalog against it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+METHODS = ("ngram",)
+MAX_K = 16
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    method: str = "ngram"
+    k: int = 4  # the most tokens proposed for a sequence at a step
+    max_batch: int = 32  # decoding sequences above which a step does not speculate
+    ngram_max: int = 4  # the longest n-gram matched (the longest that matches wins)
+    ngram_min: int = 1
+
+    def __post_init__(self):
+        for key in ("k", "max_batch", "ngram_max", "ngram_min"):
+            if type(getattr(self, key)) is not int:
+                raise ValueError(f"speculative.{key} must be an integer")
+        if self.method not in METHODS:
+            raise ValueError(f"speculative.method {self.method!r} is not one of {list(METHODS)}")
+        if not 1 <= self.k <= MAX_K:
+            raise ValueError(f"speculative.k must be 1 to {MAX_K}, not {self.k}")
+        if self.max_batch < 1 or not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("speculative: max_batch >= 1 and 1 <= ngram_min <= ngram_max")
