@@ -485,7 +485,8 @@ class Engine:
             if state is None:
                 continue
             generated = seq.num_generated
-            mine = None if self._device_pick(state) else logits[span].float().cpu()
+            plain_pick = self._device_pick(state) and state.constraint is None
+            mine = None if plain_pick else logits[span].float().cpu()
             tokens = self._verify(state, mine, picks[span], guess)
             accepted = len(tokens) - 1
             self._spec_k[seq.seq_id].update(len(guess), accepted, generated)

@@ -216,3 +216,25 @@ def test_structured_outputs_speculate_within_their_grammar(engines, temperature)
     if temperature == 0.0:
         (want,) = run_requests(plain, [prompt], params)
         assert tokens(got) == tokens(want)
+
+
+def test_a_grammar_overrides_what_the_model_would_pick(engines):
+    """The grammar allows only values the model would not choose unmasked: every verify
+    row is picked from its masked logits, as plain decoding picks."""
+    from omni.engine.grammar import GrammarSpec
+
+    plain, spec = engines
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"enum": ["zebra quartz", "zebra quince"]}},
+        "required": ["colour"],
+    }
+    prompt = chat(
+        plain,
+        'Not "zebra quartz", not "zebra quince": what colour is the sky? '
+        'Answer in JSON: {"colour": ...}.',
+    )
+    params = SamplingParams(max_tokens=40, temperature=0.0, grammar=GrammarSpec.json_schema(schema))
+    (want,), (got,) = run_requests(plain, [prompt], params), run_requests(spec, [prompt], params)
+    assert got[-1].finish_reason == "stop" and tokens(got) == tokens(want)
+    assert "zebra" in "".join(s.text for s in got)
