@@ -476,6 +476,7 @@ class Engine:
         pairs = list(zip(batch.seqs, proposals, strict=True))
         rows = [[seq.token_ids[-1], *guess] for seq, guess in pairs]
         logits = self.runner.run_rows(batch.seqs, rows)
+        self._mask_greedy_rows(logits, pairs)
         picks = logits.argmax(-1).tolist()  # (rows needing no more: only these travel)
         stats, first = self.spec_stats, 0
         stats.steps += 1
@@ -485,8 +486,7 @@ class Engine:
             if state is None:
                 continue
             generated = seq.num_generated
-            plain_pick = self._device_pick(state) and state.constraint is None
-            mine = None if plain_pick else logits[span].float().cpu()
+            mine = None if self._device_pick(state) else logits[span].float().cpu()
             tokens = self._verify(state, mine, picks[span], guess)
             accepted = len(tokens) - 1
             self._spec_k[seq.seq_id].update(len(guess), accepted, generated)
@@ -507,6 +507,22 @@ class Engine:
                     self._finish(state, state.output(state.stops.flush(), [], "stop"))
                     break
         return True
+
+    def _mask_greedy_rows(self, logits: torch.Tensor, pairs) -> None:
+        """Mask, on the device, the verify rows of the greedy sequences under a grammar
+        (each for its place after the proposals before it), as plain decoding masks its
+        rows: their argmax is then their pick."""
+        bitmask, rows, first = None, [], 0
+        for seq, guess in pairs:
+            state = self._active.get(seq.seq_id)
+            if state is not None and state.constraint is not None and self._device_pick(state):
+                if bitmask is None:
+                    bitmask = self.grammars._bitmask_rows(len(logits))
+                state.constraint.fill_along(bitmask, first, guess)
+                rows.extend(range(first, first + len(guess) + 1))
+            first += len(guess) + 1
+        if rows:
+            self.grammars.apply_masks(logits, bitmask, rows)
 
     def _verify(
         self, state: _Active, logits: torch.Tensor | None, picks: list[int], guess: list[int]

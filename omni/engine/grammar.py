@@ -234,6 +234,16 @@ class Constraint:
             self._matcher.rollback(n)
         return n
 
+    def fill_along(self, bitmask: torch.Tensor, first_row: int, tokens: list[int]) -> None:
+        """Rows first_row.. of `bitmask`: the grammar's masks after tokens[:i], i = 0 to
+        len(tokens) (which it must allow); its place is left where it was."""
+        for i in range(len(tokens) + 1):
+            self._matcher.fill_next_token_bitmask(bitmask, first_row + i)
+            if i < len(tokens):
+                self.accept(tokens[i])
+        if tokens:
+            self._matcher.rollback(len(tokens))
+
     def mask_along(self, rows: torch.Tensor, tokens: list[int]) -> torch.Tensor:
         """Rows of logits [len(tokens) + 1, vocab] (a speculative step's, on the CPU), each
         masked for the grammar's place after tokens[:i] (which it must allow); in place,
