@@ -549,10 +549,14 @@ class Engine:
 
     @staticmethod
     def _logprob(logits: torch.Tensor, token: int, top: int):
+        """(token, its logprob, the `top` most likely with theirs) of one row of the
+        model's logits, before any shaping or mask."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         best = torch.topk(logprobs, top) if top else None
         alternatives = (
-            list(zip(best.indices.tolist(), best.values.tolist(), strict=True)) if best else []
+            list(zip(best.indices.tolist(), best.values.tolist(), strict=True))
+            if best is not None
+            else []
         )
         return token, float(logprobs[token]), alternatives
 
@@ -717,14 +721,7 @@ class Engine:
                 allowed = state.constraint.mask(logits.float().clone())
             token = sample(allowed, params, state.generator, prompt, output, banned)
         if params.logprobs is not None:  # of the model's distribution, before sampling
-            logprobs = torch.log_softmax(logits.float(), dim=-1)
-            top = torch.topk(logprobs, params.logprobs) if params.logprobs else None
-            alternatives = (
-                list(zip(top.indices.tolist(), top.values.tolist(), strict=True))
-                if top is not None
-                else []
-            )
-            state.logprob = (token, float(logprobs[token]), alternatives)
+            state.logprob = self._logprob(logits, token, params.logprobs)
         return token
 
     def _deliver(self, state: _Active, token: int) -> None:

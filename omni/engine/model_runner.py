@@ -57,6 +57,28 @@ class HostInputs:
     width: int  # block-table columns
     num_decodes: int
 
+    @classmethod
+    def pack(cls, longs: list, ints: list, table_shape: tuple[int, int], num_decodes: int):
+        """From the parts, in the order upload() splits them: (ids, positions, slots,
+        sample_at, fill_at, fill_rows) and (seq_lens, cu_seqlens_q, tables, counts, work)."""
+        return cls(
+            longs=np.concatenate([np.asarray(p, dtype=np.int64) for p in longs]),
+            long_sizes=[len(p) for p in longs],
+            ints=np.concatenate([np.asarray(p, dtype=np.int32) for p in ints]),
+            int_sizes=[len(p) for p in ints],
+            rows=table_shape[0],
+            width=table_shape[1],
+            num_decodes=num_decodes,
+        )
+
+
+def block_tables(tables: list[list[int]]) -> np.ndarray:
+    """Rows' block tables as one int32 array, each row zero-padded to the widest."""
+    out = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+    for row, table in zip(out, tables, strict=True):
+        row[: len(table)] = table
+    return out
+
 
 @dataclass
 class Prepared:
@@ -244,24 +266,12 @@ class ModelRunner:
         # (a wait for the step in flight)
         ends = np.cumsum(counts)
         sample_at = [int(ends[i]) - 1 for i in range(len(seqs)) if batch.samples(i)]
-        b, width = len(seqs), max(len(s.block_table) for s in seqs)
-        tables = np.zeros((b, width), dtype=np.int32)
-        for row, seq in zip(tables, seqs, strict=True):
-            row[: len(seq.block_table)] = seq.block_table
+        tables = block_tables([s.block_table for s in seqs])
         work = np.asarray(prefill_work(counts[num_decodes:], num_decodes), dtype=np.int32)
         longs = [ids, positions, slots, sample_at, fill_at, fill_rows]
         ints = [seq_lens, np.concatenate(([0], ends)), tables.ravel()]
         ints += [[num_decodes, len(work)], work.ravel()]
-        host = HostInputs(
-            longs=np.concatenate([np.asarray(p, dtype=np.int64) for p in longs]),
-            long_sizes=[len(p) for p in longs],
-            ints=np.concatenate([np.asarray(p, dtype=np.int32) for p in ints]),
-            int_sizes=[len(p) for p in ints],
-            rows=b,
-            width=width,
-            num_decodes=num_decodes,
-        )
-        return self.upload(host)
+        return self.upload(HostInputs.pack(longs, ints, tables.shape, num_decodes))
 
     def prepare_rows(self, seqs: list[Sequence], tokens: list[list[int]]) -> Prepared:
         """A decode step of several rows per sequence (speculative.py's verify step):
@@ -280,22 +290,10 @@ class ModelRunner:
                 slots.append(table[pos // bs] * bs + pos % bs)
                 seq_lens.append(pos + 1)
                 table_rows.append(table)
-        rows, width = len(ids), max(len(t) for t in table_rows)
-        tables = np.zeros((rows, width), dtype=np.int32)
-        for row, table in zip(tables, table_rows, strict=True):
-            row[: len(table)] = table
+        rows, tables = len(ids), block_tables(table_rows)
         longs = [ids, positions, slots, list(range(rows)), [], []]
         ints = [seq_lens, list(range(rows + 1)), tables.ravel(), [rows, 0], []]
-        host = HostInputs(
-            longs=np.concatenate([np.asarray(p, dtype=np.int64) for p in longs]),
-            long_sizes=[len(p) for p in longs],
-            ints=np.concatenate([np.asarray(p, dtype=np.int32) for p in ints]),
-            int_sizes=[len(p) for p in ints],
-            rows=rows,
-            width=width,
-            num_decodes=rows,
-        )
-        return self.upload(host)
+        return self.upload(HostInputs.pack(longs, ints, tables.shape, rows))
 
     @torch.inference_mode()
     def run_rows(self, seqs: list[Sequence], tokens: list[list[int]]) -> torch.Tensor:

@@ -291,22 +291,23 @@ def placement_from(item: dict, where: str, gpus: dict[int, int] | None) -> Place
         raise CatalogError(
             f"{where}.parallel: 'ep' needs several ranks (a list of GPUs, or tensor_parallel)"
         )
-    quantization = item.get("quantization")
-    if quantization is not None:
-        if quantization != "fp8":
-            raise CatalogError(f"{where}.quantization: {quantization!r} is not 'fp8'")
-        if not chosen:
-            raise CatalogError(f"{where}.quantization: FP8 needs a GPU ('gpu')")
-    kv_cache_dtype = item.get("kv_cache_dtype")
-    if kv_cache_dtype is not None:
-        if kv_cache_dtype != "fp8":
-            raise CatalogError(f"{where}.kv_cache_dtype: {kv_cache_dtype!r} is not 'fp8'")
-        if not chosen:
-            raise CatalogError(f"{where}.kv_cache_dtype: an FP8 cache needs a GPU ('gpu')")
+    quantization = _fp8_only(item, "quantization", where, "FP8 needs a GPU", chosen)
+    kv_cache_dtype = _fp8_only(item, "kv_cache_dtype", where, "an FP8 cache needs a GPU", chosen)
     speculative = _speculative(item.get("speculative"), where)
     return Placement(
         chosen, quota, permits, cold, tp, parallel, quantization, kv_cache_dtype, speculative
     )
+
+
+def _fp8_only(item: dict, key: str, where: str, no_gpu: str, gpus: tuple) -> str | None:
+    """A key whose one value is "fp8", which only a GPU model may ask for."""
+    value = item.get(key)
+    if value is not None:
+        if value != "fp8":
+            raise CatalogError(f"{where}.{key}: {value!r} is not 'fp8'")
+        if not gpus:
+            raise CatalogError(f"{where}.{key}: {no_gpu} ('gpu')")
+    return value
 
 
 def _speculative(value: object, where: str) -> tuple[tuple[str, object], ...]:
