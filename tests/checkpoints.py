@@ -73,3 +73,62 @@ def tiny_llama(path: Path) -> Path:
     for f in path.iterdir():  # transformers writes weights 0600; sandboxes read as other
         f.chmod(0o644)
     return path
+
+
+def eagle3_head(path: Path, target: LlamaConfig, draft_vocab: int, seed: int = 0) -> Path:
+    """A random EAGLE-3 head for `target` in the published format (config.json with
+    `draft_vocab_size`; fc, midlayer.*, norm, lm_head, d2t, t2d), its draft vocabulary a
+    random subset of the target's."""
+    import json
+
+    from safetensors.torch import save_file
+
+    gen = torch.Generator().manual_seed(seed)
+    h, heads, kv = target.hidden_size, target.num_heads, target.num_kv_heads
+    hd, inter = target.head_dim, target.intermediate_size
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.02).to(torch.bfloat16)
+
+    kept = torch.randperm(target.vocab_size, generator=gen)[:draft_vocab].sort().values
+    t2d = torch.zeros(target.vocab_size, dtype=torch.bool)
+    t2d[kept] = True
+    tensors = {
+        "fc.weight": w(h, 3 * h),
+        "midlayer.hidden_norm.weight": 1 + w(h),
+        "midlayer.input_layernorm.weight": 1 + w(h),
+        "midlayer.post_attention_layernorm.weight": 1 + w(h),
+        "midlayer.self_attn.q_proj.weight": w(heads * hd, 2 * h),
+        "midlayer.self_attn.k_proj.weight": w(kv * hd, 2 * h),
+        "midlayer.self_attn.v_proj.weight": w(kv * hd, 2 * h),
+        "midlayer.self_attn.o_proj.weight": w(h, heads * hd),
+        "midlayer.mlp.gate_proj.weight": w(inter, h),
+        "midlayer.mlp.up_proj.weight": w(inter, h),
+        "midlayer.mlp.down_proj.weight": w(h, inter),
+        "norm.weight": 1 + w(h),
+        "lm_head.weight": w(draft_vocab, h),
+        "d2t": kept - torch.arange(draft_vocab),  # target id = draft id + d2t[draft id]
+        "t2d": t2d,
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": inter,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "head_dim": hd,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": target.rms_norm_eps,
+        "rope_theta": target.rope_theta,
+        "max_position_embeddings": target.max_position,
+        "vocab_size": target.vocab_size,
+        "draft_vocab_size": draft_vocab,
+        "torch_dtype": "bfloat16",
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    for f in path.iterdir():
+        f.chmod(0o644)
+    return path

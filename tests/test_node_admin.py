@@ -13,7 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from omni.engine.checkpoint import CheckpointError
 from omni.runtime.catalog import CatalogError, load_config
+from omni.runtime.omnid import entry_from_spec
 from tests.checkpoints import tiny_llama
 from tests.conftest import wait_until
 from tests.nodes import Omnid
@@ -157,6 +159,70 @@ def test_a_speculating_model_reports_its_acceptance_in_metrics(tmp_path, model_d
         assert float(line.split()[-1]) == spec["spec_steps"]
     finally:
         stop(node)
+
+
+def test_a_draft_model_named_in_the_config_drafts_inside_the_sandbox(tmp_path, model_dirs):
+    """`speculative = {method = "draft", model = "b"}`: the instance of "a" loads b's
+    checkpoint (bound read-only into its sandbox) as its draft, and answers what "a"
+    alone answers."""
+    a, b = model_dirs
+    config = (
+        f'[[models]]\nname = "a"\npath = "{a}"\n'
+        'speculative = {method = "draft", model = "b", k = 3}\n'
+        f'[[models]]\nname = "b"\npath = "{b}"\n'
+        f'[[models]]\nname = "plain"\npath = "{a}"\n'
+    )
+    node = omnid(tmp_path, config)
+    try:
+        node.wait_ready(["a", "b", "plain"])
+        texts = {}
+        for name in ("a", "plain"):
+            body = {"model": name, "prompt": "t5 t6 t7", "max_tokens": 30, "temperature": 0}
+            r = httpx.post(f"{node.base_url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            texts[name] = r.json()["choices"][0]["text"]
+        assert texts["a"] == texts["plain"] and len(texts["a"].split()) == 30
+        spec = wait_until(
+            lambda: (node.instances()["a"].get("speculative") or {}).get("spec_steps") or None,
+            30,
+            "the draft's verify steps",
+        )
+        assert spec > 0
+    finally:
+        stop(node)
+
+
+def test_a_draft_is_named_by_path_or_by_a_models_entry(tmp_path, model_dirs):
+    a, b = model_dirs
+    path = tmp_path / "omnid.toml"
+    path.write_text(
+        f'[[models]]\nname = "a"\npath = "{a}"\n'
+        'speculative = {method = "draft", model = "b"}\n'
+        f'[[models]]\nname = "b"\npath = "{b}"\n'
+    )
+    (entry, _) = load_config(path).models
+    assert dict(entry.placement.speculative) == {"method": "draft", "path": str(b.resolve())}
+    assert entry.placement.draft_path == b.resolve()
+    for table, message in (
+        ("{method = 'draft', model = 'zz'}", "speculative.model 'zz' is no \\[\\[models\\]\\]"),
+        ("{method = 'draft', model = 'a'}", "cannot be its own draft"),
+        ("{method = 'ngram', model = 'b'}", "only with method = 'draft'"),
+        ("{method = 'draft'}", "needs its checkpoint's absolute path"),
+        ("{method = 'eagle3', path = 'rel/dir'}", "needs its checkpoint's absolute path"),
+        ("{method = 'ngram', path = '/x'}", "'ngram' loads no weights"),
+    ):
+        path.write_text(
+            f'[[models]]\nname = "a"\npath = "{a}"\nspeculative = {table}\n'
+            f'[[models]]\nname = "b"\npath = "{b}"\n'
+        )
+        with pytest.raises(CatalogError, match=message):
+            load_config(path)
+    spec = {"path": str(a), "speculative": {"method": "eagle3", "path": str(tmp_path)}}
+    with pytest.raises(CheckpointError, match="an EAGLE-3 head"):
+        entry_from_spec("x", spec)
+    spec["speculative"] = {"method": "draft", "model": "b"}
+    with pytest.raises(CatalogError, match="give the draft checkpoint's 'path'"):
+        entry_from_spec("x", spec)
 
 
 def test_a_bad_speculative_table_is_refused(tmp_path):

@@ -29,17 +29,11 @@ from .grammar import Constraint, Grammars, GrammarSpec
 from .kernels import builds
 from .llama import LlamaForCausalLM
 from .model_runner import ModelRunner, Prepared, Previous
+from .proposers import Proposer, draft_bytes_per_block, make_proposer
 from .sampling import SamplingParams, make_generator, probabilities, sample, shape
 from .scheduler import Batch, Scheduler
 from .sequence import PLACEHOLDER, Sequence, Status
-from .speculative import (
-    AdaptiveK,
-    SpecConfig,
-    SpecStats,
-    accept_greedy,
-    accept_sampled,
-    ngram_proposal,
-)
+from .speculative import AdaptiveK, SpecConfig, SpecStats, accept_greedy, accept_sampled
 from .stops import StopMatcher
 from .tokenizer import StreamDecoder, TextTokenizer
 from .tp_runner import LeaderRunner
@@ -135,7 +129,9 @@ class Engine:
         max_seqs: int | None = None,
         before_step: Callable[[], None] | None = None,
         speculative: SpecConfig | None = None,
+        draft=None,
     ):
+        """`draft`: the weights `speculative` drafts with (proposers.load_draft's)."""
         self.model = model
         self.speculative = speculative  # speculative.py; None: off
         self.spec_stats = SpecStats()
@@ -147,7 +143,9 @@ class Engine:
         self.max_context = model.cfg.max_position
         # split over ranks (tensor_parallel.py), this is rank 0: its runner leads the others
         runner = LeaderRunner if model.cfg.tp > 1 else ModelRunner
-        self.runner = runner(model, block_size, num_blocks)
+        # a draft's cache takes as many blocks as the target's, from the same memory
+        draft_bytes = draft_bytes_per_block(speculative, draft, block_size)
+        self.runner = runner(model, block_size, num_blocks, companion_bytes_per_block=draft_bytes)
         on_gpu = self.runner.device.type == "cuda"
         if on_gpu:
             builds.install()  # count (and, once warm, log) the steps that wait for Triton
@@ -156,6 +154,15 @@ class Engine:
             max_batch_tokens or (8192 if on_gpu else 512),
             max_seqs=max_seqs or (512 if on_gpu else 256),
         )
+        self.proposer: Proposer | None = None
+        if speculative is not None:
+            self.proposer = make_proposer(
+                speculative,
+                draft,
+                self.runner,
+                self.scheduler.blocks,
+                self.scheduler.max_batch_tokens,
+            )
         self._in_flight: _InFlight | None = None
         # a step launched by the last one, right after its pick (grammar steps)
         self._launched: tuple[Batch, torch.Tensor] | None = None
@@ -176,12 +183,15 @@ class Engine:
         request is running, so a server can take requests straight after loading (the
         first one waits for one piece at most, a fraction of a second)."""
         sched = self.scheduler
+        runners = [self.runner]
+        if self.proposer is not None and hasattr(self.proposer, "runner"):
+            runners.append(self.proposer.runner)  # a draft's own steps
         if when_idle:
-            self.when_idle(
-                self.runner.warm_up_tasks(sched.max_seqs, sched.max_batch_tokens, graphs)
-            )
+            for runner in runners:
+                self.when_idle(runner.warm_up_tasks(sched.max_seqs, sched.max_batch_tokens, graphs))
         else:
-            self.runner.warm_up(sched.max_seqs, sched.max_batch_tokens, graphs)
+            for runner in runners:
+                runner.warm_up(sched.max_seqs, sched.max_batch_tokens, graphs)
             builds.mark_warm()
 
     def when_idle(self, tasks: list[Callable[[], None]]) -> None:
@@ -194,8 +204,8 @@ class Engine:
         return self.runner.num_blocks * self.runner.block_size
 
     def memory_bytes(self) -> int:
-        """What the model holds: weights and the KV-cache pool."""
-        return self.runner.memory_bytes()
+        """What the model holds: weights and the KV-cache pool (a draft's too)."""
+        return self.runner.memory_bytes() + (self.proposer.memory_bytes() if self.proposer else 0)
 
     def stats(self) -> dict:
         """A snapshot for health checks and tests (read without the worker's lock)."""
@@ -352,6 +362,8 @@ class Engine:
         self.scheduler.finish(state.seq)  # frees its blocks at once
         self._active.pop(state.seq.seq_id, None)
         self._spec_k.pop(state.seq.seq_id, None)
+        if self.proposer is not None:
+            self.proposer.release(state.seq.seq_id)
         state.emit(out)
 
     def _step(self) -> None:
@@ -450,18 +462,20 @@ class Engine:
 
     def _proposals(self, batch: Batch) -> list[list[int]]:
         """Each sequence's proposed tokens, within its max_tokens, the context, and the
-        free blocks (reserved here)."""
-        spec, out = self.speculative, []
+        free blocks (reserved here, before a draft writes its K/V there)."""
+        spec, ks = self.speculative, []
         for seq in batch.seqs:
             k = self._spec_k.setdefault(seq.seq_id, AdaptiveK(spec.k)).k_at(seq.num_generated)
             room = min(seq.max_tokens - seq.num_generated, self.max_context - len(seq.token_ids))
-            guess = ngram_proposal(seq.token_ids, min(k, room - 1), spec.ngram_max, spec.ngram_min)
+            k = max(0, min(k, room - 1))
+            if k and not self.scheduler.blocks.reserve(seq, len(seq.token_ids) + k):
+                k = 0
+            ks.append(k)
+        out = self.proposer.propose(batch.seqs, ks)
+        for i, seq in enumerate(batch.seqs):
             constraint = self._constraint(seq)
-            if guess and constraint is not None:  # only what its grammar allows can be kept
-                guess = guess[: constraint.valid_prefix(guess)]
-            if guess and not self.scheduler.blocks.reserve(seq, len(seq.token_ids) + len(guess)):
-                guess = []
-            out.append(guess)
+            if out[i] and constraint is not None:  # only what its grammar allows can be kept
+                out[i] = out[i][: constraint.valid_prefix(out[i])]
         return out
 
     def _speculative_step(self, batch: Batch) -> bool:
@@ -476,6 +490,7 @@ class Engine:
         pairs = list(zip(batch.seqs, proposals, strict=True))
         rows = [[seq.token_ids[-1], *guess] for seq, guess in pairs]
         logits = self.runner.run_rows(batch.seqs, rows)
+        self.proposer.observe(batch.seqs, [len(r) for r in rows])
         self._mask_greedy_rows(logits, pairs)
         picks = logits.argmax(-1).tolist()  # (rows needing no more: only these travel)
         stats, first = self.spec_stats, 0
@@ -568,9 +583,12 @@ class Engine:
             self.before_step()
         previous = self._in_flight
         rows = {s.seq_id: i for i, s in enumerate(previous.seqs)} if previous else {}
-        return self.runner.run(
+        logits = self.runner.run(
             batch, previous=Previous(previous.on_device, rows) if previous else None, inputs=inputs
         )
+        if self.proposer is not None:  # (an EAGLE head keeps the step's features)
+            self.proposer.observe(batch.seqs, batch.num_tokens)
+        return logits
 
     def _fork(self, parent: _Active) -> list[_Active]:
         """The request's other sequences, started on the parent's computed prompt: its

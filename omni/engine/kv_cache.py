@@ -66,6 +66,8 @@ def head_bounds(attn, norm_weight: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()  # (the norms' weights are parameters: a graph would keep every product)
 def assign_scales(model, kv_cache_dtype: str | None) -> None:
     """Give each layer's attention its FP8 cache's scales (`kv_scales`), or none."""
+    if kv_cache_dtype is None:
+        return  # (the scales start as None)
     for layer in model.model.layers:
         attn = layer.self_attn
         attn.kv_scales = None

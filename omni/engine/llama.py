@@ -210,14 +210,20 @@ def projection(cfg: LlamaConfig, in_features: int, out_features: int, bias: bool
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig, layer: int, device=None):
+    def __init__(self, cfg: LlamaConfig, layer: int, device=None, in_features: int | None = None):
+        """`in_features`: the width of its input, if not the hidden size (EAGLE-3's layer
+        reads an embedding and a feature side by side)."""
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.q_dim, self.kv_dim = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         # q, k and v in one matmul: one launch and one pass over x instead of three (the
         # checkpoint's q_proj/k_proj/v_proj are stacked at load, see fuse_projections).
         self.qkv_proj = projection(
-            cfg, cfg.hidden_size, self.q_dim + 2 * self.kv_dim, cfg.attention_bias, device
+            cfg,
+            in_features or cfg.hidden_size,
+            self.q_dim + 2 * self.kv_dim,
+            cfg.attention_bias,
+            device,
         )
         self.o_proj = projection(cfg, self.q_dim, cfg.hidden_size, False, device)
         if cfg.qk_norm:
@@ -322,12 +328,15 @@ class LlamaForCausalLM(nn.Module):
         rows = cfg.vocab_size // cfg.tp
         self.lm_head = Linear(cfg.hidden_size, rows, bias=False, device=device)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.taps = None  # eagle3.HiddenTaps: inner hidden states an EAGLE-3 head reads
 
     @torch.inference_mode()
     def hidden_states(self, input_ids, step, k_cache, v_cache) -> torch.Tensor:
         """Final hidden states of `input_ids` (flat, several sequences), per the step."""
         x, residual = self.embed(input_ids), None
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
+            if self.taps is not None:
+                self.taps.record(i, x, residual)
             x, residual = layer(x, residual, step, k_cache, v_cache, self.inv_freq)
         x, _ = self.model.norm(x, residual)
         return x

@@ -107,20 +107,33 @@ class StepInputs:
         return self.num_decodes == self.seq_lens.shape[0]
 
 
+def kv_bytes_per_block(model, block_size: int) -> int:
+    """What one block of `model`'s KV cache takes (K and V, every layer)."""
+    cfg = model.cfg
+    # an FP8 cache: half the bytes a token, twice the tokens (kv_cache.py)
+    dtype = cache_dtype(cfg.kv_cache_dtype, model.lm_head.weight.dtype)
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
 class ModelRunner:
     def __init__(
-        self, model: LlamaForCausalLM, block_size: int = 16, num_blocks: int | None = None
+        self,
+        model: LlamaForCausalLM,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        companion_bytes_per_block: int = 0,
+        graphs: bool = True,
     ):
+        """`companion_bytes_per_block`: another cache that holds as many blocks (a draft
+        model's, indexed by the same block tables) shares the memory the pool is sized
+        from. `graphs`: CUDA graphs for its steps (where the device has them)."""
         self.model = model
         self.block_size = block_size
         self.device = model.lm_head.weight.device
         cfg = model.cfg
-        # an FP8 cache: half the bytes a token, twice the tokens (kv_cache.py)
         dtype = cache_dtype(cfg.kv_cache_dtype, model.lm_head.weight.dtype)
         assign_scales(model, cfg.kv_cache_dtype)
-        per_block = (
-            2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
-        )
+        per_block = kv_bytes_per_block(model, block_size) + companion_bytes_per_block
         self.num_blocks = num_blocks or max(1, self._cache_bytes() // per_block)
         if cfg.tp > 1:  # every rank holds the same blocks: the fewest any can
             n = torch.tensor([self.num_blocks], device=self.device)
@@ -133,7 +146,7 @@ class ModelRunner:
         # (OMNI_CUDA_GRAPHS=0: neither)
         self.graphs: DecodeGraphs | None = None
         self.mixed: MixedGraphs | None = None
-        if self.device.type == "cuda" and os.environ.get("OMNI_CUDA_GRAPHS", "1") != "0":
+        if graphs and self.device.type == "cuda" and os.environ.get("OMNI_CUDA_GRAPHS", "1") != "0":
             max_tokens = min(cfg.max_position, self.num_blocks * block_size)
             max_blocks = -(-max_tokens // block_size)
             self.graphs = DecodeGraphs(model, self.k_cache, self.v_cache, max_blocks)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft", "eagle3")
+WITH_WEIGHTS = ("draft", "eagle3")  # proposers that load a checkpoint (`path`)
 MAX_K = 16
 
 
@@ -16,6 +17,9 @@ class SpecConfig:
     max_batch: int = 32  # decoding sequences above which a step does not speculate
     ngram_max: int = 4  # the longest n-gram matched (the longest that matches wins)
     ngram_min: int = 1
+    # "draft": a causal LM's checkpoint with the target's tokenizer; "eagle3": an EAGLE-3
+    # head's checkpoint (the published format: fc, midlayer, norm, lm_head, d2t, t2d)
+    path: str = ""
 
     def __post_init__(self):
         for key in ("k", "max_batch", "ngram_max", "ngram_min"):
@@ -27,3 +31,11 @@ class SpecConfig:
             raise ValueError(f"speculative.k must be 1 to {MAX_K}, not {self.k}")
         if self.max_batch < 1 or not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("speculative: max_batch >= 1 and 1 <= ngram_min <= ngram_max")
+        if not isinstance(self.path, str):
+            raise ValueError("speculative.path must be a string")
+        if self.method in WITH_WEIGHTS and not self.path.startswith("/"):
+            raise ValueError(
+                f"speculative.path: method {self.method!r} needs its checkpoint's absolute path"
+            )
+        if self.method not in WITH_WEIGHTS and self.path:
+            raise ValueError(f"speculative.path: method {self.method!r} loads no weights")

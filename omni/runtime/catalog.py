@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import tomllib
 from collections.abc import Iterator
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from omni.api.toolcalls import PARSERS
-from omni.engine.checkpoint import Checkpoint
+from omni.engine.checkpoint import Checkpoint, CheckpointError
 from omni.isolation.sandbox import Limits
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -53,7 +54,7 @@ PARALLEL_MODES = ("tp", "ep")  # each expert's width over the ranks, or whole ex
 QUANTIZATION_ENV = "OMNI_QUANTIZATION"  # ... and what it quantizes its weights to at load
 KV_CACHE_DTYPE_ENV = "OMNI_KV_CACHE_DTYPE"  # ... and its KV cache's element type
 SPECULATIVE_ENV = "OMNI_SPECULATIVE"  # ... and how it speculates (JSON of the table)
-SPECULATIVE_KEYS = {"method", "k", "max_batch", "ngram_max", "ngram_min"}
+SPECULATIVE_KEYS = {"method", "k", "max_batch", "ngram_max", "ngram_min", "path", "model"}
 RUNTIMES = {"omni"}  # the engine instances run; the catalog names it so others can follow
 
 
@@ -70,6 +71,12 @@ class Placement:
     quantization: str | None = None  # "fp8": a bf16 checkpoint's projections, at load
     kv_cache_dtype: str | None = None  # "fp8": the KV cache in e4m3, twice the tokens
     speculative: tuple[tuple[str, object], ...] = ()  # speculative decoding's settings
+
+    @property
+    def draft_path(self) -> Path | None:
+        """The checkpoint a draft model or EAGLE-3 head is read from (in its sandbox too)."""
+        path = dict(self.speculative).get("path")
+        return Path(path) if path else None
 
     @property
     def gpu(self) -> int | None:
@@ -106,6 +113,11 @@ class ModelEntry:
                 f"model name {name!r} is invalid: use 1-64 letters, digits, '.', '_' or '-'"
             )
         ckpt = Checkpoint.open(Path(path).resolve())  # CheckpointError names the file
+        spec = dict(placement.speculative)
+        if spec.get("method") == "draft":  # the draft must be a model too
+            Checkpoint.open(spec["path"])
+        elif spec.get("method") == "eagle3" and not Path(spec["path"], "config.json").is_file():
+            raise CheckpointError(f"{Path(spec['path'], 'config.json')}: missing (an EAGLE-3 head)")
         return cls(
             name,
             ckpt.path,
@@ -321,11 +333,39 @@ def _speculative(value: object, where: str) -> tuple[tuple[str, object], ...]:
         raise CatalogError(f"{where}.speculative: unknown key {sorted(extra)[0]!r}")
     from omni.engine.spec_config import SpecConfig  # (no torch)
 
+    settings = dict(value)
+    if "model" in settings:  # a draft named by its [[models]] entry: resolve_drafts
+        if not isinstance(settings["model"], str) or "path" in settings:
+            raise CatalogError(f"{where}.speculative.model: a model's name, instead of 'path'")
+        if settings.get("method") != "draft":
+            raise CatalogError(f"{where}.speculative.model: only with method = 'draft'")
+        settings["path"] = "/"  # (stands in for the entry's path while checking the rest)
     try:
-        SpecConfig(**value)
+        SpecConfig(**{k: v for k, v in settings.items() if k != "model"})
     except (TypeError, ValueError) as exc:
         raise CatalogError(f"{where}.{exc}") from None
     return tuple(sorted(value.items()))
+
+
+def resolve_drafts(models: list[ModelConfig], where: str) -> list[ModelConfig]:
+    """Models whose draft is named (`speculative.model`) given that entry's path."""
+    paths = {m.name: m.path for m in models}
+    out = []
+    for m in models:
+        spec = dict(m.placement.speculative)
+        if "model" in spec:
+            name = spec.pop("model")
+            if name not in paths:
+                raise CatalogError(
+                    f"{where}: model {m.name!r}: speculative.model {name!r} is no [[models]] entry"
+                )
+            if name == m.name:
+                raise CatalogError(f"{where}: model {m.name!r} cannot be its own draft")
+            spec["path"] = str(Path(paths[name]).resolve())
+            placement = dataclasses.replace(m.placement, speculative=tuple(sorted(spec.items())))
+            m = dataclasses.replace(m, placement=placement)
+        out.append(m)
+    return out
 
 
 def _gpu_indexes(value: object, where: str) -> tuple[int, ...]:
@@ -415,7 +455,7 @@ def load_config(path: Path) -> NodeConfig:
         )
     return NodeConfig(
         default_models=defaults,
-        models=out,
+        models=resolve_drafts(out, str(path)),
         gpus=gpus,
         listen=_listen(data["listen"], path) if "listen" in data else None,
         state_dir=Path(data["state_dir"]) if "state_dir" in data else None,

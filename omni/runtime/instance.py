@@ -321,6 +321,8 @@ class Instance:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))  # rank r: the r-th
             libs = [Path(p) for p in env.get("LD_LIBRARY_PATH", "").split(":") if p]
             extra_ro = (self.gpu.shim_library.parent, *(p for p in libs if p.is_dir()))
+        if self.entry.placement.draft_path is not None:  # a draft model's, an EAGLE head's
+            extra_ro = (*extra_ro, self.entry.placement.draft_path)
         return SandboxSpec(
             self.name,
             argv,

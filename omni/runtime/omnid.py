@@ -182,6 +182,8 @@ class Node:
             )
         if self.isolated:
             check_readable_by_others(entry.path)
+            if entry.placement.draft_path is not None:
+                check_readable_by_others(entry.placement.draft_path)
         gpu = self._gpu_placement(entry)
         inst = Instance(entry, self.socket_dir, self.sandbox_factory, gpu=gpu)
         for pool, tenant in zip(gpu.pools if gpu else (), inst.tenants, strict=True):
@@ -346,6 +348,11 @@ def entry_from_spec(name, spec: dict, origin: str = "admin") -> ModelEntry:
         raise CatalogError("'version' must be a string of at most 64 characters")
     limits = limits_from(spec, "model")
     placement = placement_from(spec, "model", None)
+    if "model" in dict(placement.speculative):
+        raise CatalogError(
+            "speculative.model: names a draft among the config's [[models]]; here, give "
+            "the draft checkpoint's 'path'"
+        )
     tool_parser = tool_parser_from(spec, "model")
     return ModelEntry.from_path(name, path, origin, limits, placement, version, tool_parser)
 

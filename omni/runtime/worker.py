@@ -75,11 +75,15 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
             quantization=os.environ.get(QUANTIZATION_ENV) or None,
             kv_cache_dtype=os.environ.get(KV_CACHE_DTYPE_ENV) or None,
         )
+        from omni.engine.proposers import load_draft
         from omni.engine.spec_config import SpecConfig
 
         spec = os.environ.get(SPECULATIVE_ENV)
         speculative = SpecConfig(**json.loads(spec)) if spec else None
-        engine = Engine(model, TextTokenizer(ckpt), before_step=gate, speculative=speculative)
+        draft = load_draft(speculative, model, ckpt.path)
+        engine = Engine(
+            model, TextTokenizer(ckpt), before_step=gate, speculative=speculative, draft=draft
+        )
         engine.warm_up(when_idle=True)  # serve at once; compile between requests
         if not on_gpu and os.environ.get(CONTROL_ENV):
             account_on_shim(engine.memory_bytes())

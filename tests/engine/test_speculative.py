@@ -238,3 +238,248 @@ def test_a_grammar_overrides_what_the_model_would_pick(engines):
     (want,), (got,) = run_requests(plain, [prompt], params), run_requests(spec, [prompt], params)
     assert got[-1].finish_reason == "stop" and tokens(got) == tokens(want)
     assert "zebra" in "".join(s.text for s in got)
+
+
+# ------------------------------------------------------------------ draft models, EAGLE-3
+
+
+def layers_of(src, dst, keep: list[int]):
+    """A checkpoint of `src`'s model with only the layers `keep` (a weaker draft of it:
+    the same tokenizer, proposals it gets wrong often)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, dst / f)
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = len(keep)
+    (dst / "config.json").write_text(json.dumps(config))
+    state = {}
+    for name, tensor in load_file(src / "model.safetensors").items():
+        if name.startswith("model.layers."):
+            i = int(name.split(".")[2])
+            if i not in keep:
+                continue
+            name = name.replace(f"model.layers.{i}.", f"model.layers.{keep.index(i)}.")
+        state[name] = tensor
+    save_file(state, str(dst / "model.safetensors"))
+    return dst
+
+
+def speculating(model, ckpt, spec: SpecConfig) -> Engine:
+    from omni.engine.proposers import load_draft
+
+    draft = load_draft(spec, model, ckpt.path)
+    return Engine(model, TextTokenizer(ckpt), max_batch_tokens=256, speculative=spec, draft=draft)
+
+
+@pytest.fixture(scope="module")
+def smollm2(text_model_dir):
+    ckpt = Checkpoint.open(text_model_dir)
+    return LlamaForCausalLM.load(ckpt), ckpt
+
+
+def test_a_draft_model_keeps_its_cache_in_the_targets_blocks(smollm2, engines):
+    """The model as its own draft: every proposal is what the target picks, so anything
+    wrong in the draft's K/V (its catch-up after a verify step, its rollback, a prefix
+    block it trusts) shows as a rejected proposal. A prompt's blocks cached by a request
+    that never speculated hold no draft K/V: the draft computes them; cached by one that
+    did, it reuses them."""
+    model, ckpt = smollm2
+    plain, _ = engines
+    spec = speculating(model, ckpt, SpecConfig(method="draft", k=4, path=str(ckpt.path)))
+    try:
+        prompts = [chat(plain, t) for t in TASKS]
+        params = SamplingParams(max_tokens=40, temperature=0.0)
+        want = [tokens(s) for s in run_requests(plain, prompts, params)]
+        run_requests(spec, prompts[:1], SamplingParams(max_tokens=1))  # caches the prompt
+        assert spec.proposer.caught_up_tokens == 0
+        got = [tokens(s) for s in run_requests(spec, prompts, params)]
+        assert got == want
+        stats = spec.stats()
+        assert stats["spec_acceptance"] > 0.97 and stats["spec_tokens_per_step"] > 4, stats
+        assert spec.proposer.caught_up_tokens > sum(len(p) for p in prompts)  # all computed
+        before, accepted = spec.proposer.caught_up_tokens, stats["spec_accepted_tokens"]
+        assert tokens(run_requests(spec, prompts[:1], params)[0]) == want[0]
+        assert spec.proposer.caught_up_tokens - before < len(prompts[0]) // 2  # reused
+        again = spec.stats()
+        rate = (again["spec_accepted_tokens"] - accepted) / (
+            again["spec_proposed_tokens"] - stats["spec_proposed_tokens"]
+        )
+        assert rate > 0.97, again
+    finally:
+        spec.shutdown()
+
+
+def test_a_weaker_draft_model_changes_no_token(smollm2, engines, tmp_path):
+    """A draft of the model's first 12 layers proposes what the target often refuses:
+    the outputs, alone and batched, greedy and seeded, stay plain decoding's."""
+    model, ckpt = smollm2
+    plain, _ = engines
+    draft_dir = layers_of(ckpt.path, tmp_path / "draft", list(range(12)))
+    spec = speculating(model, ckpt, SpecConfig(method="draft", k=3, path=str(draft_dir)))
+    try:
+        prompts = [chat(plain, t) for t in TASKS]
+        greedy = SamplingParams(max_tokens=30, temperature=0.0)
+        want = [tokens(s) for s in run_requests(plain, prompts, greedy)]
+        assert [tokens(s) for s in run_requests(spec, prompts, greedy)] == want
+        assert tokens(run_requests(spec, prompts[2:], greedy)[0]) == want[2]
+        stats = spec.stats()
+        assert (
+            stats["spec_steps"] > 0
+            and stats["spec_proposed_tokens"] > stats["spec_accepted_tokens"]
+        )
+        seeded = SamplingParams(max_tokens=20, temperature=0.8, seed=5)
+        first = tokens(run_requests(spec, prompts[:1], seeded)[0])
+        assert tokens(run_requests(spec, prompts[:1], seeded)[0]) == first
+    finally:
+        spec.shutdown()
+
+
+def test_a_draft_with_another_tokenizer_is_refused(smollm2, tmp_path):
+    import json
+    import shutil
+
+    from omni.engine.checkpoint import CheckpointError
+    from omni.engine.proposers import load_draft
+
+    model, ckpt = smollm2
+    other = layers_of(ckpt.path, tmp_path / "other", [0])
+    data = json.loads((other / "tokenizer.json").read_text())
+    vocab = data["model"]["vocab"]
+    a, b = list(vocab)[100:102]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (other / "tokenizer.json").write_text(json.dumps(data))
+    spec = SpecConfig(method="draft", path=str(other))
+    with pytest.raises(CheckpointError, match="needs the model's tokenizer"):
+        load_draft(spec, model, ckpt.path)
+    shutil.rmtree(other)
+    with pytest.raises(CheckpointError, match="not a directory"):
+        load_draft(spec, model, ckpt.path)
+
+
+def rope(x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of [tokens, heads, dim] at positions 0.. (rotate-half form)."""
+    angles = torch.arange(x.shape[0])[:, None].float() * inv_freq[None]
+    cos, sin = (
+        torch.cat([angles, angles], -1).cos()[:, None],
+        torch.cat([angles, angles], -1).sin()[:, None],
+    )
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+def eagle3_reference(model, head, taps, tokens_: list[int], k: int) -> list[int]:
+    """EAGLE-3's draft as its paper defines it, dense and from scratch: the target's
+    features at every computed position (one prefill), the layer over positions 0..n-1
+    reading token t + 1 and feature t, then k tokens, each feeding the layer's output
+    back as the next position's feature."""
+    import torch.nn.functional as F
+
+    from omni.engine.model_runner import ModelRunner, SoloSequence
+
+    n = len(tokens_) - 1
+    SoloSequence(ModelRunner(model, 16, num_blocks=64)).extend(tokens_[:-1])
+    features = head.fc(taps.buffer[:n].clone())
+    ids, out, cfg = list(tokens_[1:]), [], head.cfg
+    qd, kd = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    for _ in range(k):
+        m = len(ids)
+        e = model.embed(torch.tensor(ids))
+        x = torch.cat([head.input_layernorm(e), head.hidden_norm(features)], -1)
+        q, kk, v = (x @ head.self_attn.qkv_proj.weight.T).split([qd, kd, kd], -1)
+        q = rope(q.view(m, cfg.num_heads, -1), head.inv_freq)
+        kk = rope(kk.view(m, cfg.num_kv_heads, -1), head.inv_freq)
+        v = v.view(m, cfg.num_kv_heads, -1)
+        group = cfg.num_heads // cfg.num_kv_heads
+        kk, v = kk.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        a = F.scaled_dot_product_attention(
+            q.transpose(0, 1), kk.transpose(0, 1), v.transpose(0, 1), is_causal=True
+        )
+        h = features + a.transpose(0, 1).reshape(m, -1) @ head.self_attn.o_proj.weight.T
+        h = h + head.mlp(head.post_attention_layernorm(h))
+        draft = int(head.lm_head(head.norm(h[-1:])).argmax(-1))
+        out.append(draft + int(head.d2t[draft]))
+        ids.append(out[-1])
+        features = torch.cat([features, h[-1:]])
+    return out
+
+
+@pytest.fixture(scope="module")
+def eagle_head(smollm2, tmp_path_factory):
+    from tests.checkpoints import eagle3_head
+
+    model, _ = smollm2
+    return eagle3_head(tmp_path_factory.mktemp("eagle3"), model.cfg, draft_vocab=4096)
+
+
+def test_eagle3_drafts_as_the_paper_defines_them(smollm2, engines, eagle_head):
+    """An EAGLE-3 head in the published format, random: its proposals inside the engine
+    (features kept from prefill, decode and verify steps, caught up after each, draft
+    K/V in the target's blocks) against the dense reference at the same tokens. The
+    target is steered onto plain decoding's tokens (the proposals replaced by them, so
+    every verify row is accepted and its features used); the output stays plain
+    decoding's."""
+    model, ckpt = smollm2
+    plain, _ = engines
+    spec = speculating(model, ckpt, SpecConfig(method="eagle3", k=3, path=str(eagle_head)))
+    head, taps = spec.proposer.draft, spec.proposer.taps
+    try:
+        with torch.no_grad():
+            head.lm_head.weight.mul_(50)  # clear winners: no near-ties between two sums
+        prompt = chat(plain, TASKS[2])
+        params = SamplingParams(max_tokens=24, temperature=0.0)
+        want = tokens(run_requests(plain, [prompt], params)[0])
+        calls, propose = [], spec.proposer.propose
+
+        def steered(seqs, ks):
+            drafts = propose(seqs, ks)
+            calls.extend((list(s.token_ids), d) for s, d in zip(seqs, drafts, strict=True) if d)
+            done = [len(s.token_ids) - len(prompt) for s in seqs]
+            return [want[d : d + len(g)] for d, g in zip(done, drafts, strict=True)]
+
+        spec.proposer.propose = steered
+        assert tokens(run_requests(spec, [prompt], params)[0]) == want
+        assert spec.stats()["spec_acceptance"] == 1.0 and len(calls) >= 4
+        for toks, drafted in calls:
+            assert drafted == eagle3_reference(model, head, taps, toks, len(drafted))
+            assert all(0 <= t < model.cfg.vocab_size for t in drafted)
+    finally:
+        spec.shutdown()
+
+
+def test_eagle3_speculation_changes_no_token(smollm2, engines, eagle_head):
+    model, ckpt = smollm2
+    plain, _ = engines
+    spec = speculating(model, ckpt, SpecConfig(method="eagle3", k=4, path=str(eagle_head)))
+    try:
+        prompts = [chat(plain, t) for t in TASKS]
+        params = SamplingParams(max_tokens=30, temperature=0.0)
+        want = [tokens(s) for s in run_requests(plain, prompts, params)]
+        assert [tokens(s) for s in run_requests(spec, prompts, params)] == want
+        assert spec.stats()["spec_steps"] > 0
+    finally:
+        spec.shutdown()
+
+
+def test_an_eagle3_head_for_another_model_is_refused(smollm2, tmp_path):
+    import json
+
+    from omni.engine.checkpoint import CheckpointError
+    from omni.engine.eagle3 import load_eagle3
+    from tests.checkpoints import eagle3_head
+
+    model, _ = smollm2
+    path = eagle3_head(tmp_path / "h", model.cfg, draft_vocab=64)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "vocab_size": 1000}))
+    with pytest.raises(CheckpointError, match="vocabulary of 1000 tokens"):
+        load_eagle3(path, model)
+    (path / "config.json").write_text(json.dumps({**config, "intermediate_size": 7}))
+    with pytest.raises(CheckpointError, match=r"mlp\.gate_up_proj\.weight has shape"):
+        load_eagle3(path, model)
+    with pytest.raises(CheckpointError, match=r"config\.json: missing"):
+        load_eagle3(tmp_path, model)
