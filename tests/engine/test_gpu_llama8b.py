@@ -87,12 +87,31 @@ def test_64_concurrent_requests_match_one_at_a_time(models, tmp_path):
     assert same == 64, f"{same}/64 identical; first differing token per request: {first_diff}"
 
 
-def test_speculative_greedy_outputs_are_plain_decodings_bits(models, tmp_path):
-    """n-gram speculation on the GPU (verify rows through the decode graphs): each
-    request's tokens alone and 8 together are the tokens plain decoding gives."""
+def speculating(ours, method: str, tmp_path):
+    """(SpecConfig, draft) for each proposer: n-grams; the model as its own draft (the
+    GPU's kernels are batch-invariant, so it must accept every proposal); a random
+    EAGLE-3 head of the published format and the model's shape."""
+    from omni.engine.eagle3 import load_eagle3
+    from omni.engine.spec_config import SpecConfig
+    from tests.checkpoints import eagle3_head
+
+    if method == "ngram":
+        return SpecConfig(k=4), None
+    if method == "draft":
+        return SpecConfig(method="draft", k=4, path="/the-model-itself"), ours
+    head_dir = eagle3_head(tmp_path / "eagle3", LLAMA3_8B, draft_vocab=32000)
+    head, taps = load_eagle3(head_dir, ours)
+    ours.taps = taps
+    return SpecConfig(method="eagle3", k=4, path=str(head_dir)), (head, taps)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft", "eagle3"])
+def test_speculative_greedy_outputs_are_plain_decodings_bits(models, tmp_path, method):
+    """Speculation on the GPU (verify rows through the decode graphs; a draft's steps
+    through its own): each request's tokens alone and 8 together are the tokens plain
+    decoding gives."""
     from omni.engine.engine import Engine
     from omni.engine.sampling import SamplingParams
-    from omni.engine.spec_config import SpecConfig
 
     _, ours = models
     tok = text_tokenizer(tmp_path, LLAMA3_8B.vocab_size)
@@ -104,13 +123,52 @@ def test_speculative_greedy_outputs_are_plain_decodings_bits(models, tmp_path):
         want = [tokens(r) for r in run_requests(plain, prompts, params, 600)]
     finally:
         plain.shutdown()
-    spec = Engine(ours, tok, num_blocks=1024, speculative=SpecConfig(k=4))
+    config, draft = speculating(ours, method, tmp_path)
+    spec = Engine(ours, tok, num_blocks=1024, speculative=config, draft=draft)
     try:
         alone = [tokens(run_requests(spec, [p], params, 600)[0]) for p in prompts]
         together = [tokens(r) for r in run_requests(spec, prompts, params, 600)]
         stats = spec.stats()
     finally:
         spec.shutdown()
-    print(stats)
+        ours.taps = None
+    print(method, stats)
     assert stats["spec_steps"] > 0
     assert alone == want and together == want
+    if method == "draft":
+        assert stats["spec_acceptance"] > 0.9  # (near-ties of random logits may flip)
+
+
+def test_hidden_taps_in_a_cuda_graph_are_the_eager_steps(models):
+    """An EAGLE-3 head's features: what a decode step's graph replay leaves in the taps
+    is, bit for bit, what the same step run eagerly leaves."""
+    from omni.engine.eagle3 import HiddenTaps
+    from omni.engine.model_runner import ModelRunner
+    from omni.engine.scheduler import Batch
+    from omni.engine.sequence import Sequence
+
+    _, ours = models
+    ours.taps = taps = HiddenTaps((2, 16, 29), LLAMA3_8B.hidden_size, torch.bfloat16, "cuda")
+    taps.fit(64)
+    try:
+        runner = ModelRunner(ours, 16, num_blocks=256)
+        gen = torch.Generator().manual_seed(5)
+        seqs = []
+        for i in range(6):
+            prompt = torch.randint(0, 128256, (30 + 7 * i,), generator=gen).tolist()
+            seq = Sequence(token_ids=prompt, block_table=list(range(8 * i, 8 * i + 8)))
+            runner.run(Batch([seq], [len(prompt)]))
+            seq.num_computed = len(prompt)
+            seq.token_ids.append(int(torch.randint(0, 128256, (1,), generator=gen)))
+            seqs.append(seq)
+        batch = Batch(seqs, [1] * len(seqs))
+        runner.run(batch)  # decode-only: the graph of its bucket (captured here)
+        assert runner.graphs is not None and runner.graphs.graphs
+        replayed = taps.buffer[: len(seqs)].clone()
+        taps.buffer.zero_()
+        ids, step = runner.prepare(batch)
+        ours.hidden_states(ids, step, runner.k_cache, runner.v_cache)  # eager
+        assert torch.equal(taps.buffer[: len(seqs)], replayed)
+        assert replayed.abs().sum() > 0
+    finally:
+        ours.taps = None
