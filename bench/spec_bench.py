@@ -125,6 +125,7 @@ def model_proposers(model, runner, args) -> dict[str, dict[int, dict[int, float]
     from omni.engine.eagle3 import load_eagle3
     from omni.engine.llama import LlamaForCausalLM
     from omni.engine.proposers import DraftProposer, Eagle3Proposer
+    from omni.engine.spec_config import SpecConfig
     from tests.checkpoints import eagle3_head
 
     root = Path(args.ckpt_root)
@@ -143,11 +144,15 @@ def model_proposers(model, runner, args) -> dict[str, dict[int, dict[int, float]
     draft_dir, _ = eb.write_checkpoint(root, draft_cfg, 1, 1)
     w = model.lm_head.weight
     draft = LlamaForCausalLM.load(Checkpoint.open(draft_dir), w.device, w.dtype)
+
+    def spec(method: str) -> SpecConfig:
+        return SpecConfig(method=method, k=max(KS), max_batch=max(BATCHES), path="/bench")
+
     out = {}
     try:
         for name, make in (
-            ("eagle3", lambda b: Eagle3Proposer(head, taps, runner, b)),
-            ("draft-1b", lambda b: DraftProposer(draft, runner, b)),
+            ("eagle3", lambda b: Eagle3Proposer(spec("eagle3"), head, taps, runner, b)),
+            ("draft-1b", lambda b: DraftProposer(spec("draft"), draft, runner, b)),
         ):
             blocks = BlockManager(runner.num_blocks, runner.block_size)
             proposer = make(blocks)

@@ -83,8 +83,18 @@ class Eagle3Head(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.embed_tokens: nn.Embedding | None = None  # its own, where the checkpoint has one
         self._target: tuple[LlamaForCausalLM, ...] = ()  # (not a submodule: not its weights)
-        self.features: torch.Tensor | None = None  # [tokens, hidden]: set before each step
-        self.last_hidden: torch.Tensor | None = None  # the last step's sampled rows, pre-norm
+        # A step's features: `features`, or (None) the first rows of `feature_rows`, which
+        # a CUDA graph of its decode steps reads in place; its sampled rows' outputs (the
+        # next step's features) land in `hidden_rows` alike.
+        self.features: torch.Tensor | None = None
+        self.feature_rows: torch.Tensor | None = None
+        self.hidden_rows: torch.Tensor | None = None
+
+    def static_rows(self, rows: int) -> None:
+        """Allocate feature_rows and hidden_rows for steps of up to `rows` tokens."""
+        w = self.fc.weight
+        self.feature_rows = torch.zeros(rows, self.cfg.hidden_size, dtype=w.dtype, device=w.device)
+        self.hidden_rows = torch.zeros_like(self.feature_rows)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
@@ -96,6 +106,8 @@ class Eagle3Head(nn.Module):
         """The layer's output (before the final norm: it is the next draft step's
         feature) at each token, from `self.features` at the same tokens."""
         features = self.features
+        if features is None:
+            features = self.feature_rows[: ids.shape[0]]
         x = torch.cat([self.input_layernorm(self.embed(ids)), self.hidden_norm(features)], -1)
         attn = self.self_attn(x, step, k_cache, v_cache, self.inv_freq)
         h, residual = self.post_attention_layernorm(attn, features)
@@ -104,7 +116,7 @@ class Eagle3Head(nn.Module):
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits of the sampled rows (kept: the next step's features)."""
-        self.last_hidden = hidden
+        self.hidden_rows[: hidden.shape[0]].copy_(hidden)
         return self.lm_head(self.norm(hidden)).float()
 
 

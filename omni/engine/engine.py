@@ -183,15 +183,17 @@ class Engine:
         request is running, so a server can take requests straight after loading (the
         first one waits for one piece at most, a fraction of a second)."""
         sched = self.scheduler
-        runners = [self.runner]
-        if self.proposer is not None and hasattr(self.proposer, "runner"):
-            runners.append(self.proposer.runner)  # a draft's own steps
+        drafting = []  # a draft's own steps, after the model's
+        if self.proposer is not None:
+            drafting = self.proposer.warm_up_tasks(sched.max_batch_tokens, graphs)
         if when_idle:
-            for runner in runners:
-                self.when_idle(runner.warm_up_tasks(sched.max_seqs, sched.max_batch_tokens, graphs))
+            self.when_idle(
+                self.runner.warm_up_tasks(sched.max_seqs, sched.max_batch_tokens, graphs) + drafting
+            )
         else:
-            for runner in runners:
-                runner.warm_up(sched.max_seqs, sched.max_batch_tokens, graphs)
+            self.runner.warm_up(sched.max_seqs, sched.max_batch_tokens, graphs)
+            for task in drafting:
+                task()
             builds.mark_warm()
 
     def when_idle(self, tasks: list[Callable[[], None]]) -> None:

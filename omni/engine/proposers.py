@@ -20,7 +20,9 @@ deterministic proposer: rejection sampling keeps the target's distribution exact
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -28,6 +30,7 @@ import torch
 
 from .block_manager import BlockManager
 from .checkpoint import Checkpoint, CheckpointError
+from .cuda_graphs import BUCKETS, DecodeGraphs
 from .eagle3 import load_eagle3
 from .llama import LlamaForCausalLM
 from .model_runner import ModelRunner, Previous, kv_bytes_per_block
@@ -57,6 +60,9 @@ class Proposer(Protocol):
     def memory_bytes(self) -> int:
         """Device memory the proposer holds beyond the target's."""
 
+    def warm_up_tasks(self, max_batch_tokens: int, graphs: bool) -> list[Callable[[], None]]:
+        """The proposer's own compiles and graph captures (Engine.warm_up)."""
+
 
 class NgramProposer:
     def __init__(self, spec: SpecConfig):
@@ -75,6 +81,9 @@ class NgramProposer:
     def memory_bytes(self) -> int:
         return 0
 
+    def warm_up_tasks(self, max_batch_tokens: int, graphs: bool) -> list[Callable[[], None]]:
+        return []
+
 
 @dataclass
 class _Track:
@@ -92,9 +101,10 @@ class ModelProposer:
 
     SHIFT = 0
 
-    def __init__(self, draft, target: ModelRunner, blocks: BlockManager, graphs: bool = True):
+    def __init__(self, spec: SpecConfig, draft, target: ModelRunner, blocks: BlockManager):
+        self.spec = spec
         self.draft = draft
-        self.runner = ModelRunner(draft, target.block_size, target.num_blocks, graphs=graphs)
+        self.runner = ModelRunner(draft, target.block_size, target.num_blocks)
         self.blocks = blocks  # the target's: its tables index this cache too
         self.vocab = target.model.cfg.vocab_size
         self._tracks: dict[int, _Track] = {}
@@ -163,6 +173,10 @@ class ModelProposer:
     def memory_bytes(self) -> int:
         """The draft's own weights and its cache (weights it shares are the target's)."""
         return self.runner.memory_bytes()
+
+    def warm_up_tasks(self, max_batch_tokens: int, graphs: bool) -> list[Callable[[], None]]:
+        """Its steps hold at most max_batch sequences (more do not speculate)."""
+        return self.runner.warm_up_tasks(self.spec.max_batch, max_batch_tokens, graphs)
 
     # ------------------------------------------------------------------------ bookkeeping
 
@@ -241,8 +255,12 @@ class Eagle3Proposer(ModelProposer):
 
     SHIFT = 1
 
-    def __init__(self, head, taps, target: ModelRunner, blocks: BlockManager):
-        super().__init__(head, target, blocks, graphs=False)
+    def __init__(self, spec: SpecConfig, head, taps, target: ModelRunner, blocks: BlockManager):
+        super().__init__(spec, head, target, blocks)
+        # its decode steps replay graphs that read features in place (Eagle3Head); its
+        # other steps (catching up on several tokens) run eagerly
+        self.runner.mixed = None
+        head.static_rows(BUCKETS[-1])
         self.taps = taps
         self._pending: dict[int, list[tuple[int, torch.Tensor]]] = {}  # seq -> (start, rows)
         self._pending_rows = 0
@@ -304,11 +322,31 @@ class Eagle3Proposer(ModelProposer):
         return out
 
     def _before(self, views: list[Sequence], previous_rows: list[int] | None) -> None:
+        head = self.draft
         if previous_rows is None:
-            self.draft.features = torch.cat([self._features(v) for v in views])
+            features = torch.cat([self._features(v) for v in views])
         else:
-            rows = torch.tensor(previous_rows, device=self.draft.last_hidden.device)
-            self.draft.features = self.draft.last_hidden.index_select(0, rows)
+            rows = torch.tensor(previous_rows, device=head.hidden_rows.device)
+            features = head.hidden_rows.index_select(0, rows)
+        if len(features) <= len(head.feature_rows):  # in place, where a graph reads them
+            head.feature_rows[: len(features)].copy_(features)
+            head.features = None
+        else:
+            head.features = features
+
+    def warm_up_tasks(self, max_batch_tokens: int, graphs: bool) -> list[Callable[[], None]]:
+        """Its decode graphs, up to max_batch sequences (its other steps are eager)."""
+        if self.runner.graphs is None or not graphs:
+            return []
+        buckets = [b for b in BUCKETS if b < self.spec.max_batch]
+        buckets.append(DecodeGraphs.bucket(self.spec.max_batch) or BUCKETS[-1])
+
+        def capture(b: int) -> None:
+            self.draft.features = None  # the graph reads feature_rows
+            with torch.inference_mode():
+                self.runner.graphs.capture(b)
+
+        return [partial(capture, b) for b in buckets]
 
 
 def load_draft(spec: SpecConfig | None, target: LlamaForCausalLM, target_dir: Path | None = None):
@@ -352,12 +390,12 @@ def make_proposer(
 ) -> Proposer:
     """The proposer `spec` names; `draft`: what load_draft loaded for it."""
     if spec.method == "draft":
-        return DraftProposer(draft, target, blocks)
+        return DraftProposer(spec, draft, target, blocks)
     if spec.method == "eagle3":
         head, taps = draft
         # a step's features: the largest prefill step, or a verify step's rows
         taps.fit(max(max_step_tokens, spec.max_batch * (spec.k + 1)))
-        return Eagle3Proposer(head, taps, target, blocks)
+        return Eagle3Proposer(spec, head, taps, target, blocks)
     return NgramProposer(spec)
 
 

@@ -172,3 +172,46 @@ def test_hidden_taps_in_a_cuda_graph_are_the_eager_steps(models):
         assert replayed.abs().sum() > 0
     finally:
         ours.taps = None
+
+
+def test_eagle3_decode_graphs_propose_what_eager_steps_propose(models, tmp_path):
+    """The head's draft steps replay CUDA graphs that read their features in place:
+    the tokens they propose are those of the same steps run eagerly."""
+    from omni.engine.block_manager import BlockManager
+    from omni.engine.model_runner import ModelRunner
+    from omni.engine.proposers import Eagle3Proposer
+    from omni.engine.scheduler import Batch
+    from omni.engine.sequence import Sequence
+
+    _, ours = models
+    config, (head, taps) = speculating(ours, "eagle3", tmp_path)
+    taps.fit(1024)
+    try:
+        runner = ModelRunner(ours, 16, num_blocks=256)
+        proposals = []
+        for graphs in (True, False):
+            blocks = BlockManager(runner.num_blocks, runner.block_size)
+            proposer = Eagle3Proposer(config, head, taps, runner, blocks)
+            if not graphs:
+                proposer.runner.graphs = None
+            gen = torch.Generator().manual_seed(9)
+            seqs = []
+            for i in range(5):
+                seq = Sequence(
+                    token_ids=torch.randint(0, 128256, (50 + 9 * i,), generator=gen).tolist()
+                )
+                blocks.allocate(seq)
+                blocks.reserve(seq, len(seq.token_ids) + 8)
+                seqs.append(seq)
+            counts = [len(s.token_ids) - 1 for s in seqs]
+            runner.run(Batch(seqs, counts))
+            proposer.observe(seqs, counts)
+            for seq, n in zip(seqs, counts, strict=True):
+                seq.num_computed = n
+            proposals.append(proposer.propose(seqs, [6, 1, 3, 6, 2]))
+            if graphs:
+                assert proposer.runner.graphs.graphs  # the draft steps replayed graphs
+        assert proposals[0] == proposals[1]
+        assert [len(p) for p in proposals[0]] == [6, 1, 3, 6, 2]
+    finally:
+        ours.taps = None
