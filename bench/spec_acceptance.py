@@ -8,6 +8,11 @@ that restate given records (under the schema's grammar). Per kind and k: the sha
 proposed tokens accepted, tokens a sequence gains per verify step, and whether every
 output is the one plain decoding gives. Prints a table and writes
 bench/results/spec-acceptance-<device>.json.
+
+`--draft-layers N`: a draft model instead of n-grams (spec-acceptance-draft-<device>.json).
+SmolLM2-135M is the smallest model of its tokenizer, so no real draft exists for it; the
+stand-in is its own first N layers with its norm and head (untrained as a draft: a lower
+bound of what a trained draft accepts). `--draft PATH` takes a real one.
 """
 
 from __future__ import annotations
@@ -148,6 +153,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--k", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--max-tokens", type=int, default=160)
+    ap.add_argument("--draft", help="a draft model's checkpoint (its tokenizer: SmolLM2's)")
+    ap.add_argument("--draft-layers", type=int, help="SmolLM2's first N layers as the draft")
     args = ap.parse_args()
     path = text_model_dir(REPO / ".cache" / "test-data")
     if path is None:
@@ -156,6 +163,23 @@ def main() -> None:
     on_gpu = torch.cuda.is_available()
     device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
     model = LlamaForCausalLM.load(ckpt, device, dtype)
+    draft_path = args.draft
+    if args.draft_layers:
+        import tempfile
+
+        from tests.checkpoints import pruned_llama
+
+        keep = list(range(args.draft_layers))
+        draft_path = str(pruned_llama(path, Path(tempfile.mkdtemp()) / "draft", keep))
+    method = "draft" if draft_path else "ngram"
+
+    def speculating(k: int):
+        from omni.engine.proposers import load_draft
+
+        config = SpecConfig(method=method, k=k, path=draft_path or "")
+        draft = load_draft(config, model, path)
+        return Engine(model, TextTokenizer(ckpt), speculative=config, draft=draft)
+
     plain = Engine(model, TextTokenizer(ckpt))
     if on_gpu:
         plain.warm_up(graphs=True)
@@ -163,7 +187,7 @@ def main() -> None:
     figures: dict[str, dict] = {}
     try:
         for k in args.k:
-            spec = Engine(model, TextTokenizer(ckpt), speculative=SpecConfig(k=k))
+            spec = speculating(k)
             if on_gpu:
                 spec.warm_up(graphs=True)
             warm(spec, args.max_tokens)
@@ -185,8 +209,13 @@ def main() -> None:
             f"{f['speedup'] or 0:>9.2f}"
         )
     tag = device_tag() if on_gpu else "cpu"
-    data = {"model": "SmolLM2-135M-Instruct", "method": "ngram", "max_tokens": args.max_tokens}
-    print(f"wrote {write_result(f'spec-acceptance-{tag}', data | {'figures': figures})}")
+    data = {"model": "SmolLM2-135M-Instruct", "method": method, "max_tokens": args.max_tokens}
+    if args.draft_layers:
+        data["draft"] = f"SmolLM2-135M-Instruct's first {args.draft_layers} of 30 layers"
+    elif draft_path:
+        data["draft"] = draft_path
+    name = "spec-acceptance" + ("-draft" if draft_path else "") + f"-{tag}"
+    print(f"wrote {write_result(name, data | {'figures': figures})}")
 
 
 if __name__ == "__main__":

@@ -132,3 +132,29 @@ def eagle3_head(path: Path, target: LlamaConfig, draft_vocab: int, seed: int = 0
     for f in path.iterdir():
         f.chmod(0o644)
     return path
+
+
+def pruned_llama(src: Path, dst: Path, keep: list[int]) -> Path:
+    """A checkpoint of `src`'s model with only the layers `keep` (a weaker draft of it:
+    the same tokenizer, proposals it gets wrong often)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(src / f, dst / f)
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = len(keep)
+    (dst / "config.json").write_text(json.dumps(config))
+    state = {}
+    for name, tensor in load_file(src / "model.safetensors").items():
+        if name.startswith("model.layers."):
+            i = int(name.split(".")[2])
+            if i not in keep:
+                continue
+            name = name.replace(f"model.layers.{i}.", f"model.layers.{keep.index(i)}.")
+        state[name] = tensor
+    save_file(state, str(dst / "model.safetensors"))
+    return dst

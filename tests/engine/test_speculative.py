@@ -19,6 +19,7 @@ from omni.engine.speculative import (
     ngram_proposal,
 )
 from omni.engine.tokenizer import TextTokenizer
+from tests.checkpoints import pruned_llama
 
 from .runs import run_requests, tokens
 
@@ -243,32 +244,6 @@ def test_a_grammar_overrides_what_the_model_would_pick(engines):
 # ------------------------------------------------------------------ draft models, EAGLE-3
 
 
-def layers_of(src, dst, keep: list[int]):
-    """A checkpoint of `src`'s model with only the layers `keep` (a weaker draft of it:
-    the same tokenizer, proposals it gets wrong often)."""
-    import json
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
-    dst.mkdir()
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / f, dst / f)
-    config = json.loads((src / "config.json").read_text())
-    config["num_hidden_layers"] = len(keep)
-    (dst / "config.json").write_text(json.dumps(config))
-    state = {}
-    for name, tensor in load_file(src / "model.safetensors").items():
-        if name.startswith("model.layers."):
-            i = int(name.split(".")[2])
-            if i not in keep:
-                continue
-            name = name.replace(f"model.layers.{i}.", f"model.layers.{keep.index(i)}.")
-        state[name] = tensor
-    save_file(state, str(dst / "model.safetensors"))
-    return dst
-
-
 def speculating(model, ckpt, spec: SpecConfig) -> Engine:
     from omni.engine.proposers import load_draft
 
@@ -319,7 +294,7 @@ def test_a_weaker_draft_model_changes_no_token(smollm2, engines, tmp_path):
     the outputs, alone and batched, greedy and seeded, stay plain decoding's."""
     model, ckpt = smollm2
     plain, _ = engines
-    draft_dir = layers_of(ckpt.path, tmp_path / "draft", list(range(12)))
+    draft_dir = pruned_llama(ckpt.path, tmp_path / "draft", list(range(12)))
     spec = speculating(model, ckpt, SpecConfig(method="draft", k=3, path=str(draft_dir)))
     try:
         prompts = [chat(plain, t) for t in TASKS]
@@ -347,7 +322,7 @@ def test_a_draft_with_another_tokenizer_is_refused(smollm2, tmp_path):
     from omni.engine.proposers import load_draft
 
     model, ckpt = smollm2
-    other = layers_of(ckpt.path, tmp_path / "other", [0])
+    other = pruned_llama(ckpt.path, tmp_path / "other", [0])
     data = json.loads((other / "tokenizer.json").read_text())
     vocab = data["model"]["vocab"]
     a, b = list(vocab)[100:102]
