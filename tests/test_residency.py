@@ -267,3 +267,41 @@ def test_a_gate_lets_the_step_go_as_soon_as_the_flag_drops(tmp_path):
     with pytest.raises(ValueError, match="not a GPU yield flag"):
         (tmp_path / "junk").write_bytes(b"\0" * 12)
         YieldGate(tmp_path / "junk")
+
+
+def test_an_idle_cold_instance_goes_out_before_the_next_cold_request_needs_its_room():
+    """Budget 3: the hot set is the two most wanted. A colder instance idle for
+    evict_idle_s goes out on its own (the next cold request then waits for its own
+    swap-in only); the hot ones stay, and nothing goes while the room left fits any."""
+
+    async def main():
+        pool, t, _ = await pool_with(["hot", "warm", "c1", "c2"], 3)
+        pool.evict_idle_s = 0.05
+        for _ in range(6):
+            await request(pool, t["hot"])
+            await request(pool, t["warm"])
+        await request(pool, t["c1"])
+        assert t["c1"].state is Residency.RESIDENT  # not yet: idle for less than 50 ms
+        await asyncio.sleep(0.2)
+        states = {n: x.state for n, x in t.items()}
+        moves_before = t["c2"].swaps_out
+        await request(pool, t["c2"])  # its room is free: no swap-out on its way in
+        return t, states, moves_before
+
+    t, states, moves_before = asyncio.run(main())
+    assert states["c1"] is Residency.SWAPPED
+    assert states["hot"] is Residency.RESIDENT and states["warm"] is Residency.RESIDENT
+    assert t["hot"].swaps_out == 1 and t["warm"].swaps_out == 1  # their cold starts only
+    assert t["c1"].swaps_out == 2 and t["c2"].swaps_in == 1 and moves_before == 1
+
+
+def test_an_idle_instance_stays_while_the_room_left_fits_any_other():
+    async def main():
+        pool, t, _ = await pool_with(["a", "b"], 2)
+        pool.evict_idle_s = 0.05
+        await request(pool, t["a"])
+        await asyncio.sleep(0.2)
+        return t
+
+    t = asyncio.run(main())
+    assert t["a"].state is Residency.RESIDENT and t["a"].swaps_out == 1  # its cold start

@@ -42,6 +42,11 @@ log = logging.getLogger(__name__)
 
 SWAP_HISTORY = 100  # recent swaps kept per instance for the admin API
 DEMAND_HALF_LIFE_S = 30.0  # how fast a model's past requests stop protecting it
+# An instance outside the hot set that has served nothing for this long goes out on its
+# own, while the GPU is free and only if a colder arrival would need its room: the next
+# cold request then waits for its own swap-in only, not for a swap-out first (on the
+# H100 a 2.5 GiB quota went out in 140-270 ms and came in in 70 ms).
+EVICT_IDLE_S = 0.2
 
 
 class Residency(enum.StrEnum):
@@ -186,8 +191,10 @@ class GpuPool:
         max_waiting: int = 256,
         observer: SwapObserver | None = None,
         yield_max_s: float = 0.0,
+        evict_idle_s: float = EVICT_IDLE_S,
     ):
         self.index = index
+        self.evict_idle_s = evict_idle_s  # 0: instances go out only to make room
         self.yield_max_s = yield_max_s  # 0: instances never yield to hotter ones
         self.budget_bytes = budget_bytes
         self.swap_timeout_s = swap_timeout_s
@@ -278,6 +285,7 @@ class GpuPool:
             self._update_yields()
             if tenant.in_flight == 0:
                 self._notify_soon()
+                self._evict_when_idle(tenant)
 
     def _update_yields(self) -> None:
         """While one of the hot set serves, every colder instance yields its steps: the
@@ -310,6 +318,36 @@ class GpuPool:
         task = asyncio.create_task(notify())
         self._notifies.add(task)
         task.add_done_callback(self._notifies.discard)
+
+    def _evict_when_idle(self, tenant: Tenant) -> None:
+        """Swap `tenant` out `evict_idle_s` from now if it is still idle then, outside the
+        hot set, and its room is needed by a colder arrival (see EVICT_IDLE_S); its swap
+        takes the lock after every waiting swap-in."""
+        if self.evict_idle_s <= 0:
+            return
+        used_at = tenant.last_used
+
+        async def evict() -> None:
+            await asyncio.sleep(self.evict_idle_s)
+            SWAP_PRIORITY.set(-math.inf)  # this task's own context
+            async with self._cond:
+                if tenant.state is not Residency.RESIDENT or tenant.in_flight:
+                    return
+                if tenant.last_used != used_at or tenant in self._hot_set(time.monotonic()):
+                    return
+                if self._room_for_any():
+                    return
+                with contextlib.suppress(ApiError):  # a failed swap restarts it
+                    await self._swap(tenant, "out")
+
+        task = asyncio.create_task(evict())
+        self._notifies.add(task)
+        task.add_done_callback(self._notifies.discard)
+
+    def _room_for_any(self) -> bool:
+        """Whether any instance that is out fits the budget without a swap-out."""
+        out = [t.quota_bytes for t in self.tenants.values() if t.state is Residency.SWAPPED]
+        return self.charged_bytes + max(out, default=0) <= self.budget_bytes
 
     async def _bring_in(self, tenant: Tenant, deadline: float) -> None:
         if self.waiting >= self.max_waiting:
