@@ -84,7 +84,11 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
         engine = Engine(
             model, TextTokenizer(ckpt), before_step=gate, speculative=speculative, draft=draft
         )
-        engine.warm_up(when_idle=True)  # serve at once; compile between requests
+        # Serve at once and compile between requests, unless omnid may swap this instance:
+        # it moves only idle instances, and idle-time warm-up is GPU work. Run on memory
+        # that went to the host, it would page it back behind omnid's budget, and the TMA
+        # linear kernels cannot fault pages in at all (CUDA error 700 at the next swap).
+        engine.warm_up(when_idle=not (on_gpu and os.environ.get(CONTROL_ENV)))
         if not on_gpu and os.environ.get(CONTROL_ENV):
             account_on_shim(engine.memory_bytes())
         TextGenRoutes(engine, name, os.environ.get(TOOL_PARSER_ENV)).add_to(app)
