@@ -191,9 +191,15 @@ class Engine:
                 self.runner.warm_up_tasks(sched.max_seqs, sched.max_batch_tokens, graphs) + drafting
             )
         else:
-            self.runner.warm_up(sched.max_seqs, sched.max_batch_tokens, graphs)
-            for task in drafting:
-                task()
+            tasks = self.runner.warm_up_tasks(sched.max_seqs, sched.max_batch_tokens, graphs)
+            for task in tasks + drafting:
+                try:
+                    task()
+                except torch.OutOfMemoryError:  # a step this quota cannot hold: not warmed
+                    log.warning("warm-up step skipped: out of GPU memory", exc_info=True)
+                    torch.cuda.empty_cache()
+            if self.runner.device.type == "cuda":
+                torch.cuda.synchronize(self.runner.device)
             builds.mark_warm()
 
     def when_idle(self, tasks: list[Callable[[], None]]) -> None:
