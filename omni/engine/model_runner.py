@@ -207,8 +207,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _warm_step(self, n: int, max_seqs: int) -> None:
-        """A prefill step of n tokens that writes nothing to the cache (slots -1)."""
-        width = self.graphs.tables.shape[1] if self.graphs else 1
+        """A prefill step of n tokens that writes nothing to the cache (slots -1). Its
+        block table covers the n tokens (all block 0): attention reads a block id for
+        every 16 of them, and one read past a narrower table (n over the model's context,
+        or no graphs) faulted the GPU (CUDA error 700, which no later call survives)."""
+        width = max(self.graphs.tables.shape[1] if self.graphs else 1, -(-n // self.block_size))
         work = prefill_work([n])
         i32 = {"dtype": torch.int32, "device": self.device}
         step = StepInputs(
