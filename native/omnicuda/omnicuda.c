@@ -267,28 +267,18 @@ typedef CUresult (*cuMemAllocManaged_t)(CUdeviceptr *, size_t, unsigned int);
 typedef CUresult (*cuMemAdvise_v2_t)(CUdeviceptr, size_t, int, CUmemLocation);
 typedef CUresult (*cuCtxGetCurrent_t)(CUcontext *);
 typedef CUresult (*cuCtxGetDevice_t)(CUdevice *);
-typedef CUresult (*cuStreamSynchronize_t)(CUstream);
-typedef CUresult (*cuMemPrefetchAsync_v2_t)(CUdeviceptr, size_t, CUmemLocation, unsigned int,
-                                            CUstream);
 
-/* Prefer the caller's GPU for new unified memory and map its pages there now, and
- * remember the context the swap thread will move it in. Pages of unified memory are
- * otherwise mapped at their first touch, by a fault; loads through Hopper's TMA engine
- * cannot take such a fault (CUDA error 700), and a TMA linear kernel reads rows of a
- * buffer nothing has written yet. (While the instance is on the host, new memory stays
- * unmapped: the swap-in maps it with the rest.) */
+/* Prefer the caller's GPU for new unified memory, and remember the context the
+ * swap thread will move it in. */
 static void place_on_gpu(CUdeviceptr ptr, size_t size) {
     CUdevice dev = 0;
     cuCtxGetDevice_t get_dev = (cuCtxGetDevice_t)driver("cuCtxGetDevice");
     if (get_dev) get_dev(&dev);
-    CUmemLocation loc = {CU_MEM_LOCATION_TYPE_DEVICE, dev};
     cuMemAdvise_v2_t advise = (cuMemAdvise_v2_t)driver("cuMemAdvise_v2");
-    if (advise) advise(ptr, size, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, loc);
-    cuMemPrefetchAsync_v2_t prefetch = (cuMemPrefetchAsync_v2_t)driver("cuMemPrefetchAsync_v2");
-    cuStreamSynchronize_t sync = (cuStreamSynchronize_t)driver("cuStreamSynchronize");
-    int on_gpu = __atomic_load_n(&g_ctl->residency, __ATOMIC_ACQUIRE) == OMNI_RES_GPU;
-    if (on_gpu && prefetch && sync && prefetch(ptr, size, loc, 0, NULL) == CUDA_SUCCESS)
-        sync(NULL);
+    if (advise) {
+        CUmemLocation loc = {CU_MEM_LOCATION_TYPE_DEVICE, dev};
+        advise(ptr, size, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, loc);
+    }
     if (!__atomic_load_n(&g_ctx, __ATOMIC_ACQUIRE)) {
         cuCtxGetCurrent_t get_ctx = (cuCtxGetCurrent_t)driver("cuCtxGetCurrent");
         CUcontext ctx = NULL;
@@ -378,6 +368,7 @@ static CUresult hook_cuMemFree(CUdeviceptr dptr) {
 }
 
 typedef CUresult (*cuMemFreeAsync_t)(CUdeviceptr, CUstream);
+typedef CUresult (*cuStreamSynchronize_t)(CUstream);
 static CUresult hook_cuMemFreeAsync(CUdeviceptr dptr, CUstream stream) {
     if (t_depth) return REAL(H_cuMemFreeAsync, cuMemFreeAsync_t)(dptr, stream);
     if (untrack(dptr) & FLAG_MANAGED) {
@@ -664,6 +655,9 @@ EXPORT void *dlsym(void *handle, const char *symbol) {
 
 typedef CUresult (*cuCtxSetCurrent_t)(CUcontext);
 typedef CUresult (*cuStreamCreate_t)(CUstream *, unsigned int);
+typedef CUresult (*cuMemPrefetchAsync_v2_t)(CUdeviceptr, size_t, CUmemLocation, unsigned int,
+                                            CUstream);
+
 /* Move every live unified allocation to `target` (GPU or host) and wait for it. */
 static CUresult move_all(uint32_t target, uint64_t *moved) {
     cuCtxSetCurrent_t set_ctx = (cuCtxSetCurrent_t)driver("cuCtxSetCurrent");

@@ -111,23 +111,16 @@ def test_swap_out_and_in_prefetch_every_live_allocation(fake, tmp_path):
         ptrs, free, total = proc.stdout.readline().rsplit(" ", 2)
         ptrs = ptrs.split()
         assert (int(free), int(total)) == (64 * MiB - sum(sizes), 64 * MiB)
-        # each allocation's pages are mapped on the GPU as it is made, and waited for
-        # (loads through the TMA engine cannot fault a page in)
-        allocated = log.read_text()
-        mapped = re.findall(r"^prefetch (\S+) (\d+) device$", allocated, re.M)
-        assert sorted(mapped) == sorted(zip(ptrs, map(str, sizes), strict=True))
-        assert allocated.count("cuStreamSynchronize") == len(sizes)
         out = swap_out(block, timeout_s=10)
         assert out.bytes == sum(sizes) and block.residency == Residency.HOST
-        swaps = log.read_text()[len(allocated) :]
-        moved_out = re.findall(r"^prefetch (\S+) (\d+) host$", swaps, re.M)
-        assert sorted(moved_out) == sorted(mapped)
+        moved_out = re.findall(r"^prefetch (\S+) (\d+) host$", log.read_text(), re.M)
+        assert sorted(moved_out) == sorted(zip(ptrs, map(str, sizes), strict=True))
         back = swap_in(block, timeout_s=10)
         assert back.bytes == sum(sizes) and block.residency == Residency.GPU
-        swaps = log.read_text()[len(allocated) :]
-        moved_in = re.findall(r"^prefetch (\S+) (\d+) device$", swaps, re.M)
+        moved_in = re.findall(r"^prefetch (\S+) (\d+) device$", log.read_text(), re.M)
         assert sorted(moved_in) == sorted(moved_out)
-        assert swaps.count("cuStreamSynchronize") >= 2  # each move waited for its copies
+        text = log.read_text()
+        assert text.count("cuStreamSynchronize") >= 2  # each move waited for its copies
         assert block._ctl.ack_seq == 2 and block._ctl.last_swap_error == 0
     finally:
         proc.communicate("done\n", timeout=10)
@@ -142,7 +135,7 @@ def test_swap_only_moves_what_is_still_allocated(fake, tmp_path):
     try:
         ptrs = proc.stdout.readline().split()[:2]
         assert swap_out(block, timeout_s=10).bytes == 2 * MiB
-        moved = re.findall(r"^prefetch (\S+) \d+ host$", log.read_text(), re.M)
+        moved = re.findall(r"^prefetch (\S+) ", log.read_text(), re.M)
         assert moved == [ptrs[1]]
     finally:
         proc.communicate("done\n", timeout=10)
