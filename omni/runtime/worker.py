@@ -85,9 +85,8 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
             model, TextTokenizer(ckpt), before_step=gate, speculative=speculative, draft=draft
         )
         # Serve at once and compile between requests, unless omnid may swap this instance:
-        # it moves only idle instances, and idle-time warm-up is GPU work. Run on memory
-        # that went to the host, it would page it back behind omnid's budget, and the TMA
-        # linear kernels cannot fault pages in at all (CUDA error 700 at the next swap).
+        # it moves only idle instances, and idle-time warm-up is GPU work, which on memory
+        # gone to the host would page it back behind omnid's budget.
         engine.warm_up(when_idle=not (on_gpu and os.environ.get(CONTROL_ENV)))
         if not on_gpu and os.environ.get(CONTROL_ENV):
             account_on_shim(engine.memory_bytes())
