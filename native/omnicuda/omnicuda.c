@@ -658,6 +658,20 @@ typedef CUresult (*cuStreamCreate_t)(CUstream *, unsigned int);
 typedef CUresult (*cuMemPrefetchAsync_v2_t)(CUdeviceptr, size_t, CUmemLocation, unsigned int,
                                             CUstream);
 
+/* Copies of one move are spread over this many streams, in chunks of SWAP_CHUNK
+ * bytes (OMNI_SWAP_STREAMS overrides). A 2.3 GiB torch process on the H100 (one
+ * 1.3 GiB tensor and 27 of 40 MiB), median of six moves each way: to the host
+ * 307 / 264 / 244 / 181 ms with 1 / 4 / 8 / 16 streams, back 103 / 85 / 77 / 77 ms. */
+#define SWAP_STREAMS 16
+#define MAX_SWAP_STREAMS 16
+#define SWAP_CHUNK (64ull << 20)
+
+static int swap_streams(void) {
+    const char *env = getenv("OMNI_SWAP_STREAMS");
+    int n = env ? atoi(env) : SWAP_STREAMS;
+    return n < 1 ? 1 : n > MAX_SWAP_STREAMS ? MAX_SWAP_STREAMS : n;
+}
+
 /* Move every live unified allocation to `target` (GPU or host) and wait for it. */
 static CUresult move_all(uint32_t target, uint64_t *moved) {
     cuCtxSetCurrent_t set_ctx = (cuCtxSetCurrent_t)driver("cuCtxSetCurrent");
@@ -669,25 +683,35 @@ static CUresult move_all(uint32_t target, uint64_t *moved) {
     CUcontext ctx = __atomic_load_n(&g_ctx, __ATOMIC_ACQUIRE);
     if (!set_ctx || !get_dev || !mk_stream || !sync || !prefetch || !ctx)
         return CUDA_ERROR_NOT_SUPPORTED;
-    static __thread CUstream stream;
+    static __thread CUstream streams[MAX_SWAP_STREAMS];
+    int n_streams = swap_streams();
     CUresult rc = set_ctx(ctx);
     CUdevice dev = 0;
     if (rc == CUDA_SUCCESS) rc = get_dev(&dev);
-    if (rc == CUDA_SUCCESS && !stream) rc = mk_stream(&stream, CU_STREAM_NON_BLOCKING);
+    for (int s = 0; s < n_streams && rc == CUDA_SUCCESS; s++)
+        if (!streams[s]) rc = mk_stream(&streams[s], CU_STREAM_NON_BLOCKING);
     if (rc != CUDA_SUCCESS) return rc;
     CUmemLocation loc = target == OMNI_RES_HOST ? (CUmemLocation){CU_MEM_LOCATION_TYPE_HOST, 0}
                                                 : (CUmemLocation){CU_MEM_LOCATION_TYPE_DEVICE, dev};
     *moved = 0;
+    uint64_t chunks = 0;
     pthread_mutex_lock(&g_lock); /* allocations wait while we enqueue; cheap */
     for (uint64_t i = 0; g_table && i < TABLE_SIZE && rc == CUDA_SUCCESS; i++) {
         if (!g_table[i].key || !(g_table[i].size & FLAG_MANAGED)) continue;
         size_t size = g_table[i].size & ~FLAG_MANAGED;
         if (advise) advise(g_table[i].key, size, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, loc);
-        rc = prefetch(g_table[i].key, size, loc, 0, stream);
+        for (size_t off = 0; off < size && rc == CUDA_SUCCESS; off += SWAP_CHUNK) {
+            size_t n = size - off < SWAP_CHUNK ? size - off : SWAP_CHUNK;
+            rc = prefetch(g_table[i].key + off, n, loc, 0, streams[chunks++ % n_streams]);
+        }
         *moved += size;
     }
     pthread_mutex_unlock(&g_lock);
-    CUresult sync_rc = sync(stream);
+    CUresult sync_rc = CUDA_SUCCESS;
+    for (int s = 0; s < n_streams; s++) {
+        CUresult r = sync(streams[s]);
+        if (sync_rc == CUDA_SUCCESS) sync_rc = r;
+    }
     return rc != CUDA_SUCCESS ? rc : sync_rc;
 }
 
