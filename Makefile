@@ -7,9 +7,9 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.omni-installed
 
-.PHONY: setup serve test lint clean systemd-tools etcd-server
+.PHONY: setup serve test lint clean systemd-tools etcd-server chromium
 
-setup: $(STAMP)
+setup: $(STAMP) chromium
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,6 +42,15 @@ etcd-server:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 			apt-get install -y -qq --no-install-recommends etcd-server >/dev/null) || \
 		echo "make: could not install etcd-server; the cluster-state tests will be skipped" >&2
+
+# The dashboards' browser tests drive Debian's Chromium through Playwright, which never
+# downloads a browser: install it where missing (not root, offline or not Debian: those
+# tests skip and say why).
+chromium:
+	@command -v chromium >/dev/null || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -qq --no-install-recommends chromium >/dev/null) || \
+		echo "make: could not install chromium; the dashboards' browser tests will be skipped" >&2
 
 test: lint systemd-tools etcd-server
 	$(VENV)/bin/pytest

@@ -71,7 +71,7 @@ class Permit:
         """Give the permit back; later calls do nothing."""
         if not self.released:
             self.released = True
-            self._queue._release()
+            self._queue._release(self.tenant)
 
     def correct_cost(self, actual: float) -> None:
         """Charge the tenant the real cost once known, instead of the estimate it paid."""
@@ -120,6 +120,7 @@ class FairQueue:
         self._counter: dict[str, float] = {}  # virtual token counter per tenant
         self._vtime = 0.0  # latest dispatch's virtual start: where tenants re-enter
         self._served: dict[str, float] = {}
+        self._held: dict[str, int] = {}  # permits in use per tenant (the dashboard's share)
         self._shed = dict.fromkeys(SHED_REASONS, 0)
         self._recent: deque[tuple[float, float]] = deque()  # (when, cost) of dispatches
 
@@ -179,6 +180,10 @@ class FairQueue:
     def queued_by_tenant(self) -> dict[str, int]:
         return {t: len(q) for t, q in self._queues.items() if q}
 
+    def held_by_tenant(self) -> dict[str, int]:
+        """Permits in use per tenant."""
+        return {t: n for t, n in self._held.items() if n}
+
     @property
     def shed_counts(self) -> dict[str, int]:
         return dict(self._shed)
@@ -219,6 +224,7 @@ class FairQueue:
         self._vtime = max(self._vtime, start)
         self._charge(tenant, cost)
         self._in_use += 1
+        self._held[tenant] = self._held.get(tenant, 0) + 1
         now = self._clock()
         self._recent.append((now, cost))
         self._trim(now)
@@ -229,8 +235,9 @@ class FairQueue:
         self._counter[tenant] = self._counter.get(tenant, 0.0) + cost / self._weight(tenant)
         self._served[tenant] = self._served.get(tenant, 0.0) + cost
 
-    def _release(self) -> None:
+    def _release(self, tenant: str) -> None:
         self._in_use -= 1
+        self._held[tenant] -= 1
         self._dispatch()
 
     def _dispatch(self) -> None:

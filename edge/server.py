@@ -37,6 +37,7 @@ from omni.api.errors import ApiError, error_middleware, json_response, unavailab
 from omni.api.proxy import UpstreamFailed, relay, relay_headers, report_usage
 from omni.logs import setup_logging
 
+from . import dashboard
 from .admission import Admission, deadline_from, estimate_cost, parse_deadlines
 from .async_jobs import AsyncJobs, fetch
 from .metrics import CONTENT_TYPE, EdgeMetrics
@@ -173,6 +174,7 @@ def edge_app(
     admission = Admission(nodes, tenants, max_queued=max_queued, queueing=queueing)
     retries = RetryBudget()
     metrics = EdgeMetrics(admission, nodes)
+    app[dashboard.VIEW] = dashboard.EdgeView(admission, nodes, metrics)  # its own listener
     jobs = AsyncJobs()
 
     async def start(app: web.Application) -> None:
@@ -434,23 +436,21 @@ async def follow_latency_map(etcd: str, location: str, nodes: NodeSet) -> None:
 
 async def run(args: argparse.Namespace) -> None:
     tenants = Tenants.from_file(args.tenants) if args.tenants else None
-    runner = web.AppRunner(
-        edge_app(
-            args.upstream,
-            args.max_body_bytes,
-            tenants,
-            queueing=args.queueing,
-            max_queued=args.max_queued,
-            early_release=not args.no_early_release,
-            deadlines=args.deadlines,
-            etcd=args.etcd,
-            location=args.location,
-        ),
-        handler_cancellation=True,
-        access_log=None,
+    app = edge_app(
+        args.upstream,
+        args.max_body_bytes,
+        tenants,
+        queueing=args.queueing,
+        max_queued=args.max_queued,
+        early_release=not args.no_early_release,
+        deadlines=args.deadlines,
+        etcd=args.etcd,
+        location=args.location,
     )
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
+    board = await dashboard.serve(app[dashboard.VIEW], args.dashboard)
     log.info(
         "omni-edge listening on http://%s:%d -> %s", args.host, args.port, ", ".join(args.upstream)
     )
@@ -459,6 +459,8 @@ async def run(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if board is not None:
+        await board.cleanup()
     await runner.cleanup()
 
 
@@ -516,9 +518,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=env("OMNI_LOCATION"),
         help="this edge's location: new nodes start at the latency map's round trip to theirs",
     )
+    parser.add_argument(
+        "--dashboard",
+        default=env("OMNI_EDGE_DASHBOARD", dashboard.DEFAULT_BIND),
+        help="HOST:PORT of the read-only dashboard's own listener, loopback unless an "
+        f"address is written out; 'off': none ($OMNI_EDGE_DASHBOARD; {dashboard.DEFAULT_BIND})",
+    )
     args = parser.parse_args(argv)
     try:
         args.deadlines = parse_deadlines(args.deadline_ms)
+        args.dashboard = dashboard.parse(args.dashboard)
     except ValueError as exc:
         parser.error(str(exc))
     if not args.upstream:

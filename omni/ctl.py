@@ -174,6 +174,35 @@ def node(ctx: click.Context) -> None:
 
 
 @main.command()
+@click.option(
+    "--port",
+    type=click.IntRange(0, 65535),
+    default=9181,
+    show_default=True,
+    help="Loopback port to serve it on (0: any free one).",
+)
+@click.pass_context
+def dashboard(ctx: click.Context, port: int) -> None:
+    """Serve omnid's live dashboard on http://127.0.0.1:PORT/ until Ctrl-C: read-only,
+    forwarded to the admin socket."""
+    import asyncio
+
+    from omni import dashboard_proxy
+
+    socket = ctx.obj["admin"].socket
+
+    def ready(url: str) -> None:
+        click.echo(f"omnid's dashboard: {url} (Ctrl-C to stop)", err=True)
+
+    try:
+        asyncio.run(dashboard_proxy.serve(socket, port, ready))
+    except OSError as exc:
+        raise click.ClickException(f"cannot serve the dashboard: {exc}") from None
+    except RuntimeError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+@main.command()
 @click.pass_context
 def drain(ctx: click.Context) -> None:
     """Stop taking requests, let those in flight finish, then stop every instance."""

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from omni.api.live import parse_bind
 from omni.api.toolcalls import PARSERS
 from omni.engine.checkpoint import Checkpoint, CheckpointError
 from omni.isolation.sandbox import Limits
@@ -182,6 +183,7 @@ class NodeConfig:
     swap_timeout_s: float = 30.0
     request_timeout_s: float = 60.0
     gpu_yield_s: float = DEFAULT_GPU_YIELD_S
+    dashboard: tuple[str, int] | None = None  # the dashboard's own (loopback) listener
 
 
 NODE_KEYS = {
@@ -195,6 +197,7 @@ NODE_KEYS = {
     "swap_timeout",
     "request_timeout",
     "gpu_yield",
+    "dashboard",
 }
 MODEL_KEYS = {
     "name",
@@ -464,7 +467,18 @@ def load_config(path: Path) -> NodeConfig:
         swap_timeout_s=_seconds(data, "swap_timeout", str(path), 30.0),
         request_timeout_s=_seconds(data, "request_timeout", str(path), 60.0),
         gpu_yield_s=_gpu_yield(data, path),
+        dashboard=_dashboard(data, path),
     )
+
+
+def _dashboard(data: dict, path: Path) -> tuple[str, int] | None:
+    """`dashboard = "127.0.0.1:9181"` (or a port): loopback unless an address is written out."""
+    if "dashboard" not in data:
+        return None
+    try:
+        return parse_bind(data["dashboard"], f"{path}: 'dashboard'")
+    except ValueError as exc:
+        raise CatalogError(str(exc)) from None
 
 
 def _gpu_yield(data: dict, path: Path) -> float:

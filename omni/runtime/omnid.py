@@ -47,6 +47,7 @@ from omni.isolation.sandbox import ProcessSandbox, SandboxSpec
 from omni.isolation.view import ViewConfig
 from omni.logs import setup_logging
 
+from . import dashboard
 from .catalog import (
     DEFAULT_GPU_YIELD_S,
     CatalogError,
@@ -646,6 +647,7 @@ def admin_app(node: Node) -> web.Application:
     app.router.add_post("/v1/instances/{name}/{direction:swap-out|swap-in}", swap)
     app.router.add_get("/v1/node", node_status)
     app.router.add_post("/v1/node/drain", drain)
+    dashboard.add_routes(app, node)  # read-only: GET /dashboard, /v1/dashboard[/events]
     return app
 
 
@@ -725,6 +727,7 @@ async def run(args: argparse.Namespace) -> None:
     await web.UnixSite(admin, str(admin_path)).start()
     secure_admin_socket(admin_path)
     runners.append(admin)
+    runners += await dashboard.serve(node, config.dashboard)  # the config's own listener
     log.info(
         "omnid listening on http://%s:%d, admin socket %s; models: %s",
         args.host,
