@@ -5,8 +5,9 @@ quota while its memory is on the GPU, so the instances resident on a GPU can
 never use more than its budget, though their quotas together may exceed it
 many times. A request for a swapped-out instance waits (boundedly) while the
 pool swaps out idle instances and swaps the wanted one in. Swaps of one GPU run
-one at a time, the most wanted instance first, and concurrent requests for the
-same cold instance share one swap-in. The victim is the idle instance with the
+one at a time: the hot set's swap-ins first (the hotter the sooner), the others in the
+order they were asked for; concurrent requests for the same cold instance share one
+swap-in. The victim is the idle instance with the
 least recent demand (requests decayed with a half-life, ties to the least
 recently used): plain LRU would evict the busiest model between two of its
 requests whenever a cold one arrives. The hottest instances that fit the budget
@@ -377,7 +378,15 @@ class GpuPool:
             self.waiting -= 1
 
     async def _swap_in_task(self, tenant: Tenant) -> None:
-        SWAP_PRIORITY.set(tenant.demand_now(time.monotonic()))  # this task's own context
+        # (this task's own context) a hot-set instance's swap-in goes first, the hotter
+        # the sooner; the others in the order they were asked for. Ordered by demand, the
+        # least wanted of them starved while the others kept coming: one waited 27 s on
+        # the H100 bench (overcommit-h100-s1.json at 3d2c4a6).
+        # (Priorities, not the lock's arrival order: a swap-in that waits for room waits on
+        # the condition and queues for the lock again, behind later arrivals.)
+        now = time.monotonic()
+        hot = tenant in self._hot_set(now)
+        SWAP_PRIORITY.set(tenant.demand_now(now) if hot else -now)
         async with self._cond:
             if tenant.state is not Residency.SWAPPED:
                 return  # restarted or removed meanwhile
