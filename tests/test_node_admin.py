@@ -225,6 +225,43 @@ def test_a_draft_is_named_by_path_or_by_a_models_entry(tmp_path, model_dirs):
         entry_from_spec("x", spec)
 
 
+def test_a_host_kv_tier_brings_an_evicted_prompt_back(tmp_path, model_dirs):
+    """`kv_host_cache` reaches the engine: with a pool of 8 blocks, other prompts evict the
+    first one's blocks; asked again, it is a prefix hit from host memory (usage's
+    cached_tokens), counted in /v1/instances and /metrics."""
+    a, _ = model_dirs
+    config = f'[[models]]\nname = "a"\npath = "{a}"\nkv_host_cache = "16MiB"\n'
+    node = Omnid(
+        tmp_path, config, "--sandbox", "process", env={"OMNI_KV_CACHE_BYTES": str(8 << 13)}
+    )
+    try:
+        node.wait_ready(["a"])
+
+        def complete(prompt: str) -> dict:
+            body = {"model": "a", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+            r = httpx.post(f"{node.base_url}/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            return r.json()["usage"]
+
+        first = " ".join(f"t{i}" for i in range(1, 50))
+        assert complete(first)["prompt_tokens_details"]["cached_tokens"] == 0
+        for k in range(3):  # 49 tokens each: the 8-block pool cannot keep the first too
+            complete(" ".join(f"t{50 + 20 * k + i % 20}" for i in range(49)))
+        usage = complete(first)
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 32, usage
+
+        def counted() -> dict | None:
+            tier = node.instances()["a"].get("kv_host") or {}
+            return tier if tier.get("kv_host_restored_blocks", 0) > 0 else None
+
+        tier = wait_until(counted, 30, "the instance's host-tier counters")
+        metrics = httpx.get(f"{node.base_url}/metrics").text
+        line = next(m for m in metrics.splitlines() if m.startswith("omni_kv_host_restored_blocks"))
+        assert float(line.split()[-1]) == tier["kv_host_restored_blocks"]
+    finally:
+        stop(node)
+
+
 def test_a_bad_speculative_table_is_refused(tmp_path):
     path = tmp_path / "omnid.toml"
     for table, message in (

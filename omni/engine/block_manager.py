@@ -11,7 +11,10 @@ recently used of them is evicted.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+from .kv_tiers import HostTier, Payload
 
 
 @dataclass
@@ -35,13 +38,22 @@ class _Block:
     hash: int | None = None
 
 
+TIER = -1  # in a list of prefix hits: a block the host tier holds (kv_tiers.py)
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, tier: HostTier | None = None):
         self.block_size = block_size
         self.blocks = [_Block() for _ in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))  # hold nothing reusable
         self._cached: OrderedDict[int, None] = OrderedDict()  # unheld but reusable, LRU first
         self._by_hash: dict[int, int] = {}
+        # With a host tier: an evicted block's K/V goes there (read by `read_block`, the
+        # model runner's), and a hit there comes back into a fresh block: `restores` lists
+        # (block, K/V) to copy in before the next step runs.
+        self.tier = tier
+        self.read_block: Callable[[int], Payload] | None = None
+        self.restores: list[tuple[int, Payload]] = []
 
     @property
     def num_free(self) -> int:
@@ -71,13 +83,16 @@ class BlockManager:
             return self._free.popleft()
         block, _ = self._cached.popitem(last=False)  # evict the least recently used
         b = self.blocks[block]
+        if self.tier is not None and self.read_block is not None:
+            self.tier.store(b.hash, b.key, self.read_block(block))
         del self._by_hash[b.hash]
         b.key = b.hash = None
         return block
 
     def _prefix_hits(self, owner: BlockOwner) -> list[int]:
-        """Cached blocks that hold `owner`'s prefix, stopping short of the block with its
-        last token: that token's logits must be computed."""
+        """Cached blocks that hold `owner`'s prefix (TIER: one the host tier holds),
+        stopping short of the block with its last token: that token's logits must be
+        computed."""
         n_tokens = len(owner.token_ids)
         hits = []
         n_full = n_tokens // self.block_size
@@ -86,13 +101,15 @@ class BlockManager:
                 break
             block = self._lookup(h, key)
             if block is None:
-                break
+                if self.tier is None or not self.tier.has(h, key):
+                    break
+                block = TIER
             hits.append(block)
         return hits
 
     def blocks_needed(self, owner: BlockOwner) -> int:
         """Blocks allocate() would take from the free pool (held hits take none)."""
-        held = sum(self.blocks[b].ref_count > 0 for b in self._prefix_hits(owner))
+        held = sum(b != TIER and self.blocks[b].ref_count > 0 for b in self._prefix_hits(owner))
         return -(-len(owner.token_ids) // self.block_size) - held
 
     def can_allocate(self, owner: BlockOwner) -> bool:
@@ -104,9 +121,25 @@ class BlockManager:
         if not self.can_allocate(owner):
             raise MemoryError("not enough KV cache blocks")
         hits = self._prefix_hits(owner)
-        for block in hits:
-            self._cached.pop(block, None)
-            self.blocks[block].ref_count += 1
+        # the pool's hits held and the tier's taken first: taking a block below evicts
+        # one, into the tier, which may drop the oldest it holds
+        payloads = {}
+        for i, block in enumerate(hits):
+            if block == TIER:
+                payloads[i] = self.tier.take(*owner.block_hashes[i])
+            else:
+                self._cached.pop(block, None)
+                self.blocks[block].ref_count += 1
+        for i, block in enumerate(hits):
+            if block == TIER:  # back from the host tier, into a fresh block
+                h, key = owner.block_hashes[i]
+                block = self._take()
+                b = self.blocks[block]
+                b.ref_count = 1
+                if h not in self._by_hash:  # (registered again: reusable in the pool)
+                    b.hash, b.key = h, key
+                    self._by_hash[h] = block
+                self.restores.append((block, payloads[i]))
             owner.block_table.append(block)
         for _ in range(len(hits), -(-len(owner.token_ids) // self.block_size)):
             block = self._take()

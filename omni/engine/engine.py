@@ -27,6 +27,7 @@ import torch
 from .block_manager import BlockManager
 from .grammar import Constraint, Grammars, GrammarSpec
 from .kernels import builds
+from .kv_tiers import HostTier
 from .llama import LlamaForCausalLM
 from .model_runner import ModelRunner, Prepared, Previous
 from .proposers import Proposer, draft_bytes_per_block, make_proposer
@@ -130,8 +131,10 @@ class Engine:
         before_step: Callable[[], None] | None = None,
         speculative: SpecConfig | None = None,
         draft=None,
+        host_cache_bytes: int = 0,
     ):
-        """`draft`: the weights `speculative` drafts with (proposers.load_draft's)."""
+        """`draft`: the weights `speculative` drafts with (proposers.load_draft's).
+        `host_cache_bytes`: a host-memory tier for evicted prefix blocks (kv_tiers.py)."""
         self.model = model
         self.speculative = speculative  # speculative.py; None: off
         self.spec_stats = SpecStats()
@@ -149,8 +152,13 @@ class Engine:
         on_gpu = self.runner.device.type == "cuda"
         if on_gpu:
             builds.install()  # count (and, once warm, log) the steps that wait for Triton
+        if host_cache_bytes > 0 and model.cfg.tp > 1:
+            raise ValueError("a host KV tier is for a model on one GPU so far")
+        self.tier = HostTier(host_cache_bytes) if host_cache_bytes > 0 else None
+        blocks = BlockManager(self.runner.num_blocks, block_size, self.tier)
+        blocks.read_block = self.runner.read_block
         self.scheduler = Scheduler(
-            BlockManager(self.runner.num_blocks, block_size),
+            blocks,
             max_batch_tokens or (8192 if on_gpu else 512),
             max_seqs=max_seqs or (512 if on_gpu else 256),
         )
@@ -226,6 +234,7 @@ class Engine:
             "idle_work": len(self._idle_work),
             "kernel_builds": builds.BUILDS.count,  # Triton builds so far, warm-up included
             **(self.spec_stats.as_dict() if self.speculative else {}),
+            **(self.tier.stats.as_dict() if self.tier else {}),
         }
 
     @property
@@ -497,6 +506,7 @@ class Engine:
             self.before_step()
         pairs = list(zip(batch.seqs, proposals, strict=True))
         rows = [[seq.token_ids[-1], *guess] for seq, guess in pairs]
+        self._restore_blocks()
         logits = self.runner.run_rows(batch.seqs, rows)
         self.proposer.observe(batch.seqs, [len(r) for r in rows])
         self._mask_greedy_rows(logits, pairs)
@@ -591,12 +601,20 @@ class Engine:
             self.before_step()
         previous = self._in_flight
         rows = {s.seq_id: i for i, s in enumerate(previous.seqs)} if previous else {}
+        self._restore_blocks()
         logits = self.runner.run(
             batch, previous=Previous(previous.on_device, rows) if previous else None, inputs=inputs
         )
         if self.proposer is not None:  # (an EAGLE head keeps the step's features)
             self.proposer.observe(batch.seqs, batch.num_tokens)
         return logits
+
+    def _restore_blocks(self) -> None:
+        """Blocks the host tier gave back since the last step: their K/V copied in first."""
+        blocks = self.scheduler.blocks
+        if blocks.restores:
+            self.runner.write_blocks(blocks.restores)
+            blocks.restores = []
 
     def _fork(self, parent: _Active) -> list[_Active]:
         """The request's other sequences, started on the parent's computed prompt: its

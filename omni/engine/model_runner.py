@@ -167,6 +167,27 @@ class ModelRunner:
         weights = sum(t.numel() * t.element_size() for t in tensors.values())
         return weights + self.k_cache.numel() * self.k_cache.element_size() * 2
 
+    def read_block(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A block's K and V (every layer) in host memory, for the host tier (kv_tiers.py):
+        copied in stream order, before any later step writes the block again."""
+        out = []
+        for cache in (self.k_cache, self.v_cache):
+            src = cache[:, block]
+            if self.device.type == "cuda":
+                dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+                dst.copy_(src, non_blocking=True)
+            else:
+                dst = src.clone()
+            out.append(dst)
+        return out[0], out[1]
+
+    def write_blocks(self, restores: list[tuple[int, tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        """Copy K/V back from the host tier into their new blocks (before the step that
+        reads them: stream order)."""
+        for block, (k, v) in restores:
+            self.k_cache[:, block].copy_(k, non_blocking=True)
+            self.v_cache[:, block].copy_(v, non_blocking=True)
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy KV blocks (source, destination) in every layer: a forked sequence's own
         copy of a shared partial block, made before the step that writes into it."""

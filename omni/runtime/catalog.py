@@ -54,6 +54,7 @@ PARALLEL_ENV = "OMNI_PARALLEL"  # ... and how a mixture of experts is split: "tp
 PARALLEL_MODES = ("tp", "ep")  # each expert's width over the ranks, or whole experts
 QUANTIZATION_ENV = "OMNI_QUANTIZATION"  # ... and what it quantizes its weights to at load
 KV_CACHE_DTYPE_ENV = "OMNI_KV_CACHE_DTYPE"  # ... and its KV cache's element type
+KV_HOST_ENV = "OMNI_KV_HOST_BYTES"  # ... its host-memory KV tier's budget (kv_host_cache)
 SPECULATIVE_ENV = "OMNI_SPECULATIVE"  # ... and how it speculates (JSON of the table)
 SPECULATIVE_KEYS = {"method", "k", "max_batch", "ngram_max", "ngram_min", "path", "model"}
 RUNTIMES = {"omni"}  # the engine instances run; the catalog names it so others can follow
@@ -72,6 +73,7 @@ class Placement:
     quantization: str | None = None  # "fp8": a bf16 checkpoint's projections, at load
     kv_cache_dtype: str | None = None  # "fp8": the KV cache in e4m3, twice the tokens
     speculative: tuple[tuple[str, object], ...] = ()  # speculative decoding's settings
+    kv_host_bytes: int = 0  # a host-memory tier for evicted prefix blocks (kv_tiers.py)
 
     @property
     def draft_path(self) -> Path | None:
@@ -150,6 +152,7 @@ class ModelEntry:
             "quantization": self.placement.quantization,
             "kv_cache_dtype": self.placement.kv_cache_dtype,
             "speculative": dict(self.placement.speculative) or None,
+            "kv_host_cache_bytes": self.placement.kv_host_bytes,
             "version": self.version,
             "tool_parser": self.tool_parser,
         }
@@ -216,6 +219,7 @@ MODEL_KEYS = {
     "quantization",
     "kv_cache_dtype",
     "speculative",
+    "kv_host_cache",
 }
 GPU_KEYS = {"index", "budget"}
 
@@ -309,8 +313,20 @@ def placement_from(item: dict, where: str, gpus: dict[int, int] | None) -> Place
     quantization = _fp8_only(item, "quantization", where, "FP8 needs a GPU", chosen)
     kv_cache_dtype = _fp8_only(item, "kv_cache_dtype", where, "an FP8 cache needs a GPU", chosen)
     speculative = _speculative(item.get("speculative"), where)
+    kv_host = _size(item, "kv_host_cache", where) if "kv_host_cache" in item else 0
+    if kv_host and tp > 1:
+        raise CatalogError(f"{where}.kv_host_cache: for a model on one GPU (or the CPU) so far")
     return Placement(
-        chosen, quota, permits, cold, tp, parallel, quantization, kv_cache_dtype, speculative
+        chosen,
+        quota,
+        permits,
+        cold,
+        tp,
+        parallel,
+        quantization,
+        kv_cache_dtype,
+        speculative,
+        kv_host,
     )
 
 

@@ -32,6 +32,7 @@ from omni.isolation.sandbox import ExitStatus, Sandbox, SandboxSpec
 
 from .catalog import (
     KV_CACHE_DTYPE_ENV,
+    KV_HOST_ENV,
     PARALLEL_ENV,
     QUANTIZATION_ENV,
     RANK_CONTROLS_ENV,
@@ -148,7 +149,7 @@ class Instance:
         self.state = State.STOPPED
         self.started_at: float | None = None  # when it last became ready
         self.restarts = 0
-        self.engine_stats: dict = {}  # speculative decoding's counters, from its health
+        self.engine_stats: dict = {}  # speculation's and the KV host tier's, from its health
         self.last_exit: str | None = None
         self.retry_at: float | None = None  # monotonic time of the next start, in backoff
         self._ready = asyncio.Event()
@@ -275,8 +276,17 @@ class Instance:
             "path": str(self.entry.path),
             **(self.tenant.to_json() if self.tenant else {}),
             **({"ranks": self._ranks_json()} if len(self.tenants) > 1 else {}),
-            **({"speculative": self.engine_stats} if self.engine_stats else {}),
+            **self._engine_json(),
         }
+
+    def _engine_json(self) -> dict:
+        """The engine's counters in /v1/instances, by what they are about."""
+        out = {}
+        for group, prefix in (("speculative", "spec_"), ("kv_host", "kv_host_")):
+            part = {k: v for k, v in self.engine_stats.items() if k.startswith(prefix)}
+            if part:
+                out[group] = part
+        return out
 
     def _ranks_json(self) -> list[dict]:
         assert self.gpu is not None
@@ -304,6 +314,8 @@ class Instance:
             env[QUANTIZATION_ENV] = self.entry.placement.quantization
         if self.entry.placement.kv_cache_dtype:
             env[KV_CACHE_DTYPE_ENV] = self.entry.placement.kv_cache_dtype
+        if self.entry.placement.kv_host_bytes:
+            env[KV_HOST_ENV] = str(self.entry.placement.kv_host_bytes)
         if self.entry.placement.speculative:
             env[SPECULATIVE_ENV] = json.dumps(dict(self.entry.placement.speculative))
         if self.entry.placement.tensor_parallel > 1:
@@ -453,7 +465,9 @@ class Instance:
                 if resp.status != 200:
                     return False
                 body = await resp.json()
-                self.engine_stats = {k: v for k, v in body.items() if k.startswith("spec_")}
+                self.engine_stats = {
+                    k: v for k, v in body.items() if k.startswith(("spec_", "kv_host_"))
+                }
                 return True
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
             return False

@@ -25,6 +25,13 @@ SPEC_GAUGES = {  # the engine's speculative counters (speculative.SpecStats)
     "spec_acceptance": "Accepted over proposed tokens",
     "spec_tokens_per_step": "Tokens a sequence gains per verify step",
 }
+KV_HOST_GAUGES = {  # the engine's host KV tier (kv_tiers.TierStats), cumulative
+    "kv_host_stored_blocks": "KV blocks evicted from the pool into host memory",
+    "kv_host_restored_blocks": "KV blocks a prefix hit brought back from host memory",
+    "kv_host_dropped_blocks": "KV blocks dropped past the host tier's budget",
+    "kv_host_bytes_out": "Bytes copied from the pool to the host tier",
+    "kv_host_bytes_in": "Bytes copied from the host tier back to the pool",
+}
 SWAP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -63,6 +70,10 @@ class NodeCollector(Collector):
             key: GaugeMetricFamily(f"omni_{key}", help_text, labels=["model"])
             for key, help_text in SPEC_GAUGES.items()
         }
+        tier = {
+            key: GaugeMetricFamily(f"omni_{key}", help_text, labels=["model"])
+            for key, help_text in KV_HOST_GAUGES.items()
+        }
         for inst in self._instances():
             info = inst.to_json()
             name = info["name"]
@@ -72,12 +83,16 @@ class NodeCollector(Collector):
             for key, value in (info.get("speculative") or {}).items():
                 if key in spec:
                     spec[key].add_metric([name], value)
+            for key, value in (info.get("kv_host") or {}).items():
+                if key in tier:
+                    tier[key].add_metric([name], value)
             if "residency" in info:
                 residency.add_metric([name, info["residency"]], 1)
                 for rank in info.get("ranks") or [info]:  # a multi-GPU instance: each GPU
                     used.add_metric([name, str(rank["gpu"])], rank["used_bytes"])
                     quota.add_metric([name, str(rank["gpu"])], rank["quota_bytes"])
         yield from (state, residency, used, quota, in_flight, restarts, *spec.values())
+        yield from tier.values()
 
         budget = GaugeMetricFamily(
             "omni_gpu_budget_bytes", "GPU memory budget for instances", labels=["gpu"]

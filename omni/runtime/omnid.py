@@ -333,6 +333,7 @@ SPEC_KEYS = {
     "quantization",
     "kv_cache_dtype",
     "speculative",
+    "kv_host_cache",
 }
 
 

@@ -27,6 +27,7 @@ from omni.logs import setup_logging
 
 from .catalog import (
     KV_CACHE_DTYPE_ENV,
+    KV_HOST_ENV,
     PARALLEL_ENV,
     QUANTIZATION_ENV,
     RANK_CONTROLS_ENV,
@@ -82,7 +83,12 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
         speculative = SpecConfig(**json.loads(spec)) if spec else None
         draft = load_draft(speculative, model, ckpt.path)
         engine = Engine(
-            model, TextTokenizer(ckpt), before_step=gate, speculative=speculative, draft=draft
+            model,
+            TextTokenizer(ckpt),
+            before_step=gate,
+            speculative=speculative,
+            draft=draft,
+            host_cache_bytes=int(os.environ.get(KV_HOST_ENV) or 0),
         )
         # Serve at once and compile between requests, unless omnid may swap this instance:
         # it moves only idle instances, and idle-time warm-up is GPU work, which on memory

@@ -169,3 +169,60 @@ def test_fork_without_a_free_block_holds_nothing():
     child = owner(range(10))
     assert bm.fork(parent, child) is None
     assert child.block_table == [] and all(bm.blocks[b].ref_count == 1 for b in parent.block_table)
+
+
+# ------------------------------------------------------------------ the host tier
+
+
+def tiered(num_blocks: int, budget: int = 1 << 20):
+    """A block manager with a host tier, each block's "K/V" its own id as a tensor, and a
+    fake pool of those values: what the tier stores and gives back can be checked."""
+    import torch
+
+    from omni.engine.kv_tiers import HostTier
+
+    bm = BlockManager(num_blocks, BS, HostTier(budget))
+    pool = {b: torch.full((2,), float(b)) for b in range(num_blocks)}  # a block's contents
+    bm.read_block = lambda b: (pool[b].clone(), pool[b].clone())
+    return bm, pool
+
+
+def test_an_evicted_block_comes_back_from_the_host_tier_with_its_contents():
+    bm, pool = tiered(6)
+    a = computed(bm, owner(range(9)))  # 3 blocks, 2 full and registered
+    old = a.block_table[:2]
+    contents = [pool[b].clone() for b in old]
+    bm.free(a)
+    b = computed(bm, owner(range(100, 124)))  # 6 blocks: every cached block evicted
+    assert len(bm.tier) == 2 and bm.tier.stats.stored_blocks == 2
+    bm.free(b)
+    again = owner(range(9))
+    assert bm.allocate(again) == 8  # both full blocks: hits, from the tier
+    assert [blk for blk, _ in bm.restores] == again.block_table[:2]
+    assert [float(k[0]) for _, (k, _v) in bm.restores] == [float(c[0]) for c in contents]
+    assert bm.tier.stats.restored_blocks == 2  # (and they left the tier:)
+    assert not any(bm.tier.has(h, key) for h, key in again.block_hashes[:2])
+
+
+def test_the_host_tier_serves_only_the_principal_that_computed_the_block():
+    bm, _ = tiered(6)
+    bm.free(computed(bm, owner(range(9), "tenant-a")))
+    bm.free(computed(bm, owner(range(100, 124), "tenant-c")))  # evicts a's blocks
+    assert len(bm.tier) == 2
+    other = owner(range(9), "tenant-b")
+    assert bm.allocate(other) == 0 and bm.restores == []
+    mine = owner(range(9), "tenant-a")
+    bm._chain(mine, 2)
+    assert all(bm.tier.has(h, key) for h, key in mine.block_hashes[:2])  # still a's
+
+
+def test_the_host_tier_keeps_to_its_budget_and_a_prompts_head_outlives_its_tail():
+    """A freed sequence's tail is evicted first, so the tier, dropping its oldest past
+    its budget, keeps the chain's first blocks: the ones a later prompt can reach."""
+    import torch
+
+    bm, _ = tiered(6, budget=3 * 2 * torch.zeros(2).element_size() * 2)  # 3 blocks' K+V
+    bm.free(computed(bm, owner(range(24))))  # 6 full blocks
+    bm.free(computed(bm, owner(range(100, 124))))  # evicts all 6: 3 kept
+    assert len(bm.tier) == 3 and bm.tier.stats.dropped_blocks == 3
+    assert bm.allocate(owner(range(23))) == 12  # blocks 0-2 back from the tier

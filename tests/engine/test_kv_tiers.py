@@ -1,0 +1,79 @@
+"""The host tier under the paged KV cache (kv_tiers.py) on the real SmolLM2 (CPU): a
+conversation's next turn finds its prefix there after other traffic evicted it from the
+pool, and answers what recomputing would; no other tenant ever hits it."""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+
+from omni.engine.checkpoint import Checkpoint
+from omni.engine.engine import Engine, GenerationRequest
+from omni.engine.llama import LlamaForCausalLM
+from omni.engine.sampling import SamplingParams
+from omni.engine.tokenizer import TextTokenizer
+
+from .runs import tokens
+
+BLOCKS = 48  # 768 tokens: the filler traffic below evicts the conversation's blocks
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
+STORY = (
+    "The lighthouse keeper climbed the spiral stairs at dusk, lit the great lamp, and "
+    "wrote in the log that the sea was calm, the wind was from the west, and two fishing "
+    "boats had come home before the fog rolled in over the harbour and the village."
+)
+
+
+def ask(engine: Engine, prompt: list[int], principal: str) -> tuple[list[int], int]:
+    """(tokens, cached prompt tokens) of one request."""
+    q: queue.Queue = queue.Queue()
+    engine.submit(GenerationRequest(prompt, GREEDY, principal), q.put)
+    steps = [q.get(timeout=120)]
+    while not steps[-1].finished:
+        steps.append(q.get(timeout=120))
+    return tokens(steps), steps[-1].cached_tokens
+
+
+def conversation(engine: Engine, principal: str = "alice") -> dict:
+    tok = engine.tokenizer
+    turn1 = [{"role": "user", "content": f"{STORY}\nWho lit the lamp?"}]
+    out1, _ = ask(engine, tok.encode_chat(turn1), principal)
+    for i in range(6):  # another tenant's traffic: more than the pool holds
+        filler = [{"role": "user", "content": f"Story {i}: {STORY * 3} What was calm?"}]
+        ask(engine, tok.encode_chat(filler), "bob")
+    turn2 = [*turn1, {"role": "assistant", "content": tok.decode(out1)}]
+    turn2.append({"role": "user", "content": "And where did the boats come home?"})
+    prompt2 = tok.encode_chat(turn2)
+    out2, cached = ask(engine, prompt2, principal)
+    return {"out1": out1, "out2": out2, "cached": cached, "prompt2": prompt2}
+
+
+@pytest.fixture(scope="module")
+def model_and_tokenizer(text_model_dir):
+    ckpt = Checkpoint.open(text_model_dir)
+    return LlamaForCausalLM.load(ckpt), TextTokenizer(ckpt)
+
+
+def test_a_conversation_finds_its_evicted_prefix_in_the_host_tier(model_and_tokenizer):
+    """Three engines, one conversation each: a pool too small for the traffic, the same
+    pool with a host tier, and a pool that holds everything (what reuse can reach)."""
+    model, tok = model_and_tokenizer
+    plain = Engine(model, tok, num_blocks=BLOCKS, max_batch_tokens=256)
+    tiered = Engine(model, tok, num_blocks=BLOCKS, max_batch_tokens=256, host_cache_bytes=1 << 30)
+    roomy = Engine(model, tok, max_batch_tokens=256)
+    try:
+        want, got, best = conversation(plain), conversation(tiered), conversation(roomy)
+        assert want["cached"] == 0  # the pool alone lost the prefix to the other traffic
+        assert got["cached"] == best["cached"] >= 64, (got["cached"], best["cached"])
+        assert got["out1"] == want["out1"] and got["out2"] == want["out2"]  # as recomputed
+        stats = tiered.stats()
+        assert stats["kv_host_restored_blocks"] == got["cached"] // 16, stats
+        assert stats["kv_host_stored_blocks"] > stats["kv_host_restored_blocks"]
+        # another tenant with the very same prompt hits nothing, in the pool or the tier
+        restored = stats["kv_host_restored_blocks"]
+        _, cached = ask(tiered, got["prompt2"], "carol")
+        assert cached == 0 and tiered.stats()["kv_host_restored_blocks"] == restored
+    finally:
+        for engine in (plain, tiered, roomy):
+            engine.shutdown()
