@@ -38,7 +38,8 @@ def ask(engine: Engine, prompt: list[int], principal: str) -> tuple[list[int], i
 def conversation(engine: Engine, principal: str = "alice") -> dict:
     tok = engine.tokenizer
     turn1 = [{"role": "user", "content": f"{STORY}\nWho lit the lamp?"}]
-    out1, _ = ask(engine, tok.encode_chat(turn1), principal)
+    prompt1 = tok.encode_chat(turn1)
+    out1, _ = ask(engine, prompt1, principal)
     for i in range(6):  # another tenant's traffic: more than the pool holds
         filler = [{"role": "user", "content": f"Story {i}: {STORY * 3} What was calm?"}]
         ask(engine, tok.encode_chat(filler), "bob")
@@ -46,7 +47,14 @@ def conversation(engine: Engine, principal: str = "alice") -> dict:
     turn2.append({"role": "user", "content": "And where did the boats come home?"})
     prompt2 = tok.encode_chat(turn2)
     out2, cached = ask(engine, prompt2, principal)
-    return {"out1": out1, "out2": out2, "cached": cached, "prompt2": prompt2}
+    # what reuse can reach: full blocks of turn 1's computed tokens (all but its last)
+    # that turn 2 repeats, short of turn 2's last token
+    first = prompt1 + out1[:-1]
+    same = next(
+        (i for i, (x, y) in enumerate(zip(first, prompt2, strict=False)) if x != y), len(first)
+    )
+    reach = min(same, len(prompt2) - 1) // 16 * 16
+    return {"out1": out1, "out2": out2, "cached": cached, "prompt2": prompt2, "reach": reach}
 
 
 @pytest.fixture(scope="module")
@@ -56,16 +64,15 @@ def model_and_tokenizer(text_model_dir):
 
 
 def test_a_conversation_finds_its_evicted_prefix_in_the_host_tier(model_and_tokenizer):
-    """Three engines, one conversation each: a pool too small for the traffic, the same
-    pool with a host tier, and a pool that holds everything (what reuse can reach)."""
+    """Two engines, one conversation each: a pool too small for the traffic, and the
+    same pool with a host tier."""
     model, tok = model_and_tokenizer
     plain = Engine(model, tok, num_blocks=BLOCKS, max_batch_tokens=256)
     tiered = Engine(model, tok, num_blocks=BLOCKS, max_batch_tokens=256, host_cache_bytes=1 << 30)
-    roomy = Engine(model, tok, max_batch_tokens=256)
     try:
-        want, got, best = conversation(plain), conversation(tiered), conversation(roomy)
+        want, got = conversation(plain), conversation(tiered)
         assert want["cached"] == 0  # the pool alone lost the prefix to the other traffic
-        assert got["cached"] == best["cached"] >= 64, (got["cached"], best["cached"])
+        assert got["cached"] == got["reach"] >= 64, (got["cached"], got["reach"])
         assert got["out1"] == want["out1"] and got["out2"] == want["out2"]  # as recomputed
         stats = tiered.stats()
         assert stats["kv_host_restored_blocks"] == got["cached"] // 16, stats
@@ -75,5 +82,5 @@ def test_a_conversation_finds_its_evicted_prefix_in_the_host_tier(model_and_toke
         _, cached = ask(tiered, got["prompt2"], "carol")
         assert cached == 0 and tiered.stats()["kv_host_restored_blocks"] == restored
     finally:
-        for engine in (plain, tiered, roomy):
-            engine.shutdown()
+        plain.shutdown()
+        tiered.shutdown()
