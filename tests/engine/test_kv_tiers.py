@@ -84,3 +84,48 @@ def test_a_conversation_finds_its_evicted_prefix_in_the_host_tier(model_and_toke
     finally:
         plain.shutdown()
         tiered.shutdown()
+
+
+@pytest.mark.gpu
+def test_the_host_tier_on_the_gpu_gives_back_what_recomputing_gives(tmp_path):
+    """The same on the GPU, a random Llama: the pool's blocks go out through pinned
+    copies and come back in stream order, ahead of the step that reads them."""
+    import torch
+
+    from omni.engine.llama import LlamaConfig
+    from tests.checkpoints import random_llama, text_tokenizer
+
+    cfg = LlamaConfig(
+        vocab_size=1024,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        max_position=2048,
+    )
+    model, tok = random_llama(cfg), text_tokenizer(tmp_path, cfg.vocab_size)
+    gen = torch.Generator().manual_seed(7)
+
+    def run(engine: Engine) -> dict:
+        prompt1 = torch.randint(0, 1024, (150,), generator=gen).tolist()
+        out1, _ = ask(engine, prompt1, "alice")
+        for _ in range(6):
+            ask(engine, torch.randint(0, 1024, (200,), generator=gen).tolist(), "bob")
+        prompt2 = prompt1 + out1 + torch.randint(0, 1024, (20,), generator=gen).tolist()
+        out2, cached = ask(engine, prompt2, "alice")
+        return {"out1": out1, "out2": out2, "cached": cached, "reach": (150 + 15) // 16 * 16}
+
+    plain = Engine(model, tok, num_blocks=BLOCKS, max_batch_tokens=256)
+    tiered = Engine(model, tok, num_blocks=BLOCKS, max_batch_tokens=256, host_cache_bytes=1 << 28)
+    try:
+        gen.manual_seed(7)
+        want = run(plain)
+        gen.manual_seed(7)
+        got = run(tiered)
+    finally:
+        plain.shutdown()
+        tiered.shutdown()
+    assert want["cached"] == 0 and got["cached"] == got["reach"], (want, got)
+    assert got["out1"] == want["out1"] and got["out2"] == want["out2"]
