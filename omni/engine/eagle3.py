@@ -29,7 +29,16 @@ from torch import nn
 
 from . import safetensors_reader
 from .checkpoint import CheckpointError
-from .llama import MLP, Attention, Linear, LlamaConfig, LlamaForCausalLM, RMSNorm, rope_inv_freq
+from .llama import (
+    MLP,
+    Attention,
+    Linear,
+    LlamaConfig,
+    LlamaForCausalLM,
+    RMSNorm,
+    assign_state,
+    rope_inv_freq,
+)
 
 
 class HiddenTaps:
@@ -187,17 +196,7 @@ def load_eagle3(path: str | Path, target: LlamaForCausalLM) -> tuple[Eagle3Head,
     if "d2t" not in renamed:  # no draft vocabulary of its own: draft id = target id
         renamed["d2t"] = torch.zeros(draft_vocab, dtype=torch.int64, device=device)
     renamed["d2t"] = renamed["d2t"].to(torch.int64)
-    expected = set(head.state_dict())
-    missing, extra = sorted(expected - set(renamed)), sorted(set(renamed) - expected)
-    if missing or extra:
-        raise CheckpointError(f"{path}: missing tensors {missing[:5]}, unexpected {extra[:5]}")
-    for name, param in head.state_dict().items():
-        if renamed[name].shape != param.shape:
-            raise CheckpointError(
-                f"{path}: tensor {name} has shape {tuple(renamed[name].shape)}, the config "
-                f"says {tuple(param.shape)}"
-            )
-    head.load_state_dict(renamed, assign=True)
+    assign_state(head, renamed, path)
     head.inv_freq = rope_inv_freq(cfg).to(device)
     if own_embedding is not None:
         head.embed_tokens = nn.Embedding(*own_embedding.shape, _weight=own_embedding)

@@ -426,22 +426,31 @@ class LlamaForCausalLM(nn.Module):
             stack_experts(state, cfg.model_type, cfg.moe, cfg.num_layers, source)
         if cfg.tie_embeddings:
             state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
-        expected = set(model.state_dict())
-        missing = sorted(expected - set(state))
-        if missing:
-            raise CheckpointError(f"{source}: missing tensors {missing[:5]}")
-        extra = [k for k in state if k not in expected and "rotary_emb" not in k]
-        if extra:
-            raise CheckpointError(f"{source}: unexpected tensors {sorted(extra)[:5]}")
-        for name, param in model.state_dict().items():
-            if state[name].shape != param.shape:
-                raise CheckpointError(
-                    f"{source}: tensor {name} has shape {tuple(state[name].shape)}, "
-                    f"config says {tuple(param.shape)}"
-                )
-        model.load_state_dict({k: state[k] for k in expected}, assign=True)
+        assign_state(model, state, source, skipped=("rotary_emb",))  # HF's rotary caches
         model.inv_freq = rope_inv_freq(cfg).to(state["lm_head.weight"].device)
         return model.eval()
+
+
+def assign_state(
+    module: nn.Module, state: dict[str, torch.Tensor], source, skipped: tuple[str, ...] = ()
+) -> None:
+    """Give `module` the tensors of `state` (taken over, not copied); CheckpointError
+    names what is missing, unexpected (but for names containing one of `skipped`) or
+    misshapen."""
+    expected = module.state_dict()
+    missing = sorted(set(expected) - set(state))
+    if missing:
+        raise CheckpointError(f"{source}: missing tensors {missing[:5]}")
+    extra = [k for k in state if k not in expected and not any(p in k for p in skipped)]
+    if extra:
+        raise CheckpointError(f"{source}: unexpected tensors {sorted(extra)[:5]}")
+    for name, param in expected.items():
+        if state[name].shape != param.shape:
+            raise CheckpointError(
+                f"{source}: tensor {name} has shape {tuple(state[name].shape)}, "
+                f"config says {tuple(param.shape)}"
+            )
+    module.load_state_dict({k: state[k] for k in expected}, assign=True)
 
 
 FUSED = {
