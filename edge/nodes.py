@@ -1,13 +1,19 @@
 """The nodes behind the edge: what each hosts, how loaded and how far it is, and which to use.
 
-Each node's models and permits come from polling its /v1/models; its latency is
-a moving average of measured round trips; its load is the edge's own count of
-requests in flight there, so picking needs no network call. A pick is power of
-two random choices (two healthy candidates with a free permit, the cheaper one,
-by round trip and load, more likely to win): no herd on the single best node,
-no hotspot. A session key instead goes to its own node by rendezvous hashing
-(the node that holds its prefix cache), and to the next node of its order when
-that one is full or down. Consecutive failures eject a node for a backoff that doubles.
+Each node's models and permits come from polling its /v1/models, with each model's
+load where the node reports it: prompt tokens queued for prefill and the share of
+its KV cache in use. Its latency is a moving average of measured round trips. The
+edge also counts its own requests and their prompt tokens in flight there (a poll
+is up to REFRESH_S old), so picking needs no network call. A pick is power of two
+random choices (two healthy candidates with a free permit, the cheaper one more
+likely to win): no herd on the single best node, no hotspot. Cost is token-aware:
+the round trip plus the prefill of the prompt tokens queued there and this
+request's (in seconds), scaled up by the requests it runs per permit left and by
+how full its KV cache is (decode slows, then preempts, as it fills). A session
+key instead goes to its own node by rendezvous hashing (the node that holds its
+KV/prefix cache), and to the next node of its order when that one has no free
+permit, its KV cache is past KV_HIGH_WATER, or it is down. Consecutive failures
+eject a node for a backoff that doubles.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 import random
 import time
 from collections import Counter
@@ -30,13 +37,20 @@ EJECT_BASE_S = 1.0
 EJECT_MAX_S = 30.0
 LATENCY_ALPHA = 0.2  # weight of a new sample in the moving average
 DEFAULT_PERMITS = 64
+PREFILL_TOKENS_PER_S = 10_000.0  # a node's prefill rate, roughly: queued tokens -> seconds
+MIN_KV_HEADROOM = 0.02  # KV cost divides by the free share, at most 1/this (a full cache)
+KV_HIGH_WATER = 0.95  # a session leaves its node while that node's KV cache is this full
+NO_LOAD = (0, 0.0)  # what a node that reports no load (an older omnid) counts as
 
 
 @dataclass(eq=False)
 class Node:
     url: str
     models: dict[str, int] = field(default_factory=dict)  # model -> permits
+    # model -> (queued prompt tokens, KV occupancy 0..1), as the node last reported
+    load: dict[str, tuple[int, float]] = field(default_factory=dict)
     in_flight: dict[str, int] = field(default_factory=dict)
+    in_flight_tokens: dict[str, int] = field(default_factory=dict)  # their prompt tokens
     latency_s: float = 0.001
     failures: int = 0
     ejections: int = 0
@@ -49,10 +63,23 @@ class Node:
     def free(self, model: str) -> int:
         return self.models.get(model, 0) - self.in_flight.get(model, 0)
 
-    def cost(self, model: str) -> float:
-        """How bad a choice this node is now: its round trip, times the requests it
-        already runs, over the permits it has left."""
-        return self.latency_s * (1 + self.in_flight.get(model, 0)) / max(1, self.free(model))
+    def kv_occupancy(self, model: str) -> float:
+        return self.load.get(model, NO_LOAD)[1]
+
+    def queued_tokens(self, model: str) -> int:
+        """Prompt tokens ahead of a new request there: what the node reported, plus what
+        the edge has in flight there (sent since that report, or still running)."""
+        return self.load.get(model, NO_LOAD)[0] + self.in_flight_tokens.get(model, 0)
+
+    def cost(self, model: str, prompt_tokens: int = 0) -> float:
+        """How bad a choice this node is now, in seconds to a first token: its round trip
+        plus the prefill of what is queued there and of this prompt; times the requests it
+        already runs over the permits it has left; over the KV cache it has left (a nearly
+        full cache stalls or preempts decodes, and this request's KV must fit too)."""
+        prefill_s = (self.queued_tokens(model) + prompt_tokens) / PREFILL_TOKENS_PER_S
+        busy = (1 + self.in_flight.get(model, 0)) / max(1, self.free(model))
+        headroom = max(MIN_KV_HEADROOM, 1 - self.kv_occupancy(model))
+        return (self.latency_s + prefill_s) * busy / headroom
 
     def to_json(self) -> dict:
         return {
@@ -60,6 +87,11 @@ class Node:
             "healthy": self.healthy,
             "models": self.models,
             "in_flight": {m: n for m, n in self.in_flight.items() if n},
+            "in_flight_tokens": {m: n for m, n in self.in_flight_tokens.items() if n},
+            "load": {
+                m: {"queued_prompt_tokens": q, "kv_occupancy": kv}
+                for m, (q, kv) in self.load.items()
+            },
             "latency_ms": round(self.latency_s * 1e3, 3),
             "ejections": self.ejections,
         }
@@ -67,6 +99,19 @@ class Node:
 
 def _rank(key: str, node: Node) -> bytes:
     return hashlib.blake2b(f"{key}\0{node.url}".encode(), digest_size=8).digest()
+
+
+def _reported_load(entry: dict) -> tuple[int, float]:
+    """A model's load from its /v1/models entry; what is missing or not a sane number
+    counts as zero (a node too old to report it must still be polled and picked)."""
+    load = entry.get("load")
+    if not isinstance(load, dict):
+        return NO_LOAD
+    queued, kv = load.get("queued_prompt_tokens"), load.get("kv_occupancy")
+    real = (int, float)  # by type: a bool is no number here
+    queued = int(queued) if type(queued) in real and 0 < queued < math.inf else 0
+    kv = min(1.0, float(kv)) if type(kv) in real and kv > 0 else 0.0  # NaN > 0 is False
+    return queued, kv
 
 
 class NodeSet:
@@ -112,16 +157,23 @@ class NodeSet:
 
     # ------------------------------------------------------------- picking
 
-    def pick(self, model: str, session_key: str | None = None, exclude=()) -> Node | None:
-        """The node for one request: the session's own node while it has room, else
-        the better of two random ones with room, else the least loaded host."""
+    def pick(
+        self, model: str, session_key: str | None = None, exclude=(), prompt_tokens: int = 0
+    ) -> Node | None:
+        """The node for one request of about `prompt_tokens` prompt tokens: the session's
+        own node while it has room (a permit, and KV below the high-water mark), else the
+        next of its order that has; without a session, the better of two random ones with
+        room, else the least loaded host."""
         hosts = [n for n in self.hosts(model) if n not in exclude]
         if not hosts:
             self.decisions["no_node"] += 1
             return None
         if session_key:
             ordered = sorted(hosts, key=lambda n: _rank(session_key, n), reverse=True)
-            node = next((n for n in ordered if n.free(model) > 0), ordered[0])
+            roomy = (
+                n for n in ordered if n.free(model) > 0 and n.kv_occupancy(model) < KV_HIGH_WATER
+            )
+            node = next(roomy, ordered[0])
             self.decisions["affinity" if node is ordered[0] else "affinity_fallback"] += 1
             return node
         roomy = [n for n in hosts if n.free(model) > 0] or hosts
@@ -133,16 +185,18 @@ class NodeSet:
         # send everything to whichever measured a microsecond faster).
         a, b = self.rng.sample(roomy, 2)
         self.decisions["two_choices"] += 1
-        cost_a, cost_b = a.cost(model), b.cost(model)
+        cost_a, cost_b = a.cost(model, prompt_tokens), b.cost(model, prompt_tokens)
         return a if self.rng.random() * (cost_a + cost_b) < cost_b else b
 
-    def started(self, node: Node, model: str) -> None:
+    def started(self, node: Node, model: str, prompt_tokens: int = 0) -> None:
         node.in_flight[model] = node.in_flight.get(model, 0) + 1
+        node.in_flight_tokens[model] = node.in_flight_tokens.get(model, 0) + prompt_tokens
 
-    def finished(self, node: Node, model: str, ok: bool) -> None:
+    def finished(self, node: Node, model: str, ok: bool, prompt_tokens: int = 0) -> None:
         """One request done there; a failure counts towards ejection. (The latency is
         the polls' round trip: a request's own time says more about its size.)"""
         node.in_flight[model] = max(0, node.in_flight.get(model, 0) - 1)
+        node.in_flight_tokens[model] = max(0, node.in_flight_tokens.get(model, 0) - prompt_tokens)
         if ok:
             node.failures = 0
         else:
@@ -164,7 +218,7 @@ class NodeSet:
         await asyncio.gather(*(self._poll(session, n) for n in self.nodes))
 
     async def _poll(self, session: aiohttp.ClientSession, node: Node) -> None:
-        """The node's models and permits; a node that cannot answer counts a failure
+        """The node's models, permits and load; a node that cannot answer counts a failure
         (an ejected node is polled too: its first good answer brings it back)."""
         t0 = time.monotonic()
         try:
@@ -173,11 +227,12 @@ class NodeSet:
             ) as resp:
                 data = (await resp.json())["data"]
             models = {m["id"]: int(m.get("permits") or DEFAULT_PERMITS) for m in data}
+            load = {m["id"]: _reported_load(m) for m in data}
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError) as exc:
             log.debug("node %s: model list unavailable: %s", node.url, exc)
             self.failed(node)
             return
-        node.models = models
+        node.models, node.load = models, load
         node.failures = 0
         if not node.healthy:
             node.ejected_until = 0.0
@@ -189,14 +244,16 @@ class NodeSet:
 
 
 class Attempt:
-    """One try of a request on one node: in flight there until it ends, once."""
+    """One try of a request on one node: in flight there, with its prompt tokens, until
+    it ends, once."""
 
-    def __init__(self, nodes: NodeSet, node: Node, model: str):
+    def __init__(self, nodes: NodeSet, node: Node, model: str, prompt_tokens: int = 0):
         self.nodes, self.node, self.model, self.open = nodes, node, model, True
+        self.prompt_tokens = prompt_tokens
         self.started = time.monotonic()
-        nodes.started(node, model)
+        nodes.started(node, model, prompt_tokens)
 
     def end(self, ok: bool) -> None:
         if self.open:
             self.open = False
-            self.nodes.finished(self.node, self.model, ok)
+            self.nodes.finished(self.node, self.model, ok, self.prompt_tokens)

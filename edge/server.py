@@ -4,7 +4,8 @@ Each inference request is authenticated to a tenant (API keys from `--tenants`;
 without it, one anonymous tenant), checked against the tenant's rate limits, and
 queued fairly per model for one of the permits of the model's nodes. Then a node
 is picked (edge/nodes.py: the session's own node for `x-session-affinity`, else
-the better of two random ones by latency and free permits). The permit goes
+the better of two random ones, token-aware: by latency, free permits, the prompt
+tokens queued there for prefill and how full its KV cache is). The permit goes
 back as soon as the node has sent the whole answer (early release), while a
 slow client may still be reading it from the edge. A node that fails before any
 of its answer reached the client is counted towards its ejection and the request
@@ -38,7 +39,14 @@ from omni.api.proxy import UpstreamFailed, relay, relay_headers, report_usage
 from omni.logs import setup_logging
 
 from . import dashboard
-from .admission import Admission, deadline_from, estimate_cost, parse_deadlines
+from .admission import (
+    BYTES_PER_TOKEN,
+    Admission,
+    deadline_from,
+    estimate_cost,
+    parse_deadlines,
+    text_bytes,
+)
 from .async_jobs import AsyncJobs, fetch
 from .metrics import CONTENT_TYPE, EdgeMetrics
 from .nodes import Attempt, Node, NodeSet
@@ -96,6 +104,16 @@ def check_inference_body(body: bytes) -> dict:
     return data
 
 
+def estimate_prompt_tokens(data: dict) -> int:
+    """About how many prompt tokens a request brings, for routing by prefill load: the
+    size of its prompt, input or messages' contents, whatever their shape (no tokenizer
+    at the edge, and an odd body must not fail here)."""
+    text = data.get("prompt") or data.get("input") or ""
+    if isinstance(data.get("messages"), list):
+        text = [m.get("content") for m in data["messages"] if isinstance(m, dict)]
+    return text_bytes(text) // BYTES_PER_TOKEN
+
+
 @dataclass
 class Call:
     """One admitted inference request, as forward() needs it."""
@@ -106,6 +124,7 @@ class Call:
     body: bytes
     headers: dict[str, str]  # for the node: the client's, the tenant's, the trace
     cost: float
+    prompt_tokens: int  # estimated: the node's prefill load it adds
     deadline: float | None
     session_key: str | None
     arrived: float
@@ -261,12 +280,16 @@ def edge_app(
 
         try:
             while True:
-                node = nodes.pick(model, call.session_key, exclude=tried) if permit else None
+                node = (
+                    nodes.pick(model, call.session_key, tried, call.prompt_tokens)
+                    if permit
+                    else None
+                )
                 node = node or (any_node() if not tried else None)
                 if node is None:
                     raise unavailable(f"No node can serve '{model}' now; retry shortly.", 1)
                 tried.append(node)
-                attempt = Attempt(nodes, node, model)
+                attempt = Attempt(nodes, node, model, call.prompt_tokens)
                 try:
                     status, result = await send(
                         node, usage, upstream_done if early_release else None
@@ -327,6 +350,7 @@ def edge_app(
                 **({"x-omni-origin": location} if location else {}),
             },
             cost=cost,
+            prompt_tokens=estimate_prompt_tokens(data),
             deadline=deadline,
             session_key=request.headers.get(AFFINITY_HEADER) or None,
             arrived=arrived,
