@@ -225,12 +225,18 @@ def test_a_draft_is_named_by_path_or_by_a_models_entry(tmp_path, model_dirs):
         entry_from_spec("x", spec)
 
 
-def test_a_host_kv_tier_brings_an_evicted_prompt_back(tmp_path, model_dirs):
-    """`kv_host_cache` reaches the engine: with a pool of 8 blocks, other prompts evict the
-    first one's blocks; asked again, it is a prefix hit from host memory (usage's
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_kv_tier_brings_an_evicted_prompt_back(tmp_path, model_dirs, tier):
+    """`kv_host_cache` (and `kv_disk_cache` under it) reach the engine: with a pool of 8
+    blocks, other prompts evict the first one's blocks; asked again, it is a prefix hit
+    from host memory, or from the disk below a host tier of two blocks (usage's
     cached_tokens), counted in /v1/instances and /metrics."""
     a, _ = model_dirs
-    config = f'[[models]]\nname = "a"\npath = "{a}"\nkv_host_cache = "16MiB"\n'
+    config = f'state_dir = "{tmp_path / "state"}"\n[[models]]\nname = "a"\npath = "{a}"\n'
+    config += {
+        "host": 'kv_host_cache = "16MiB"\n',
+        "disk": 'kv_host_cache = "16KiB"\nkv_disk_cache = "16MiB"\n',
+    }[tier]
     node = Omnid(
         tmp_path, config, "--sandbox", "process", env={"OMNI_KV_CACHE_BYTES": str(8 << 13)}
     )
@@ -250,16 +256,21 @@ def test_a_host_kv_tier_brings_an_evicted_prompt_back(tmp_path, model_dirs):
         usage = complete(first)
         assert usage["prompt_tokens_details"]["cached_tokens"] >= 32, usage
 
-        def counted() -> dict | None:
-            tier = node.instances()["a"].get("kv_host") or {}
-            return tier if tier.get("kv_host_restored_blocks", 0) > 0 else None
+        restored = f"kv_{tier}_restored_blocks"
 
-        tier = wait_until(counted, 30, "the instance's host-tier counters")
+        def counted() -> dict | None:
+            counters = node.instances()["a"].get(f"kv_{tier}") or {}
+            return counters if counters.get(restored, 0) > 0 else None
+
+        counters = wait_until(counted, 30, f"the instance's {tier}-tier counters")
         metrics = httpx.get(f"{node.base_url}/metrics").text
-        line = next(m for m in metrics.splitlines() if m.startswith("omni_kv_host_restored_blocks"))
-        assert float(line.split()[-1]) == tier["kv_host_restored_blocks"]
+        line = next(m for m in metrics.splitlines() if m.startswith(f"omni_{restored}"))
+        assert float(line.split()[-1]) == counters[restored]
+        if tier == "disk":  # its own directory, in the state dir
+            assert list((tmp_path / "state" / "kv-disk" / "a").glob("*.kv"))
     finally:
         stop(node)
+    assert not (tmp_path / "state" / "kv-disk" / "a").exists()  # gone with the instance
 
 
 def test_a_bad_speculative_table_is_refused(tmp_path):

@@ -29,6 +29,9 @@ class BlockOwner:
     # never recomputed (it was, for every sequence at every step: O(context) each)
     block_hashes: list[tuple[int, tuple]] = field(default_factory=list)
     num_registered: int = 0  # blocks of block_table offered for reuse already
+    # K/V of its first blocks computed elsewhere (a prefill instance's, kv_transfer.py):
+    # taken like the host tier's blocks where the pool lacks them, then let go
+    imported: list[Payload] = field(default_factory=list)
 
 
 @dataclass
@@ -39,6 +42,7 @@ class _Block:
 
 
 TIER = -1  # in a list of prefix hits: a block the host tier holds (kv_tiers.py)
+IMPORTED = -2  # ... one whose K/V came with the request (BlockOwner.imported)
 
 
 class BlockManager:
@@ -90,9 +94,9 @@ class BlockManager:
         return block
 
     def _prefix_hits(self, owner: BlockOwner) -> list[int]:
-        """Cached blocks that hold `owner`'s prefix (TIER: one the host tier holds),
-        stopping short of the block with its last token: that token's logits must be
-        computed."""
+        """Cached blocks that hold `owner`'s prefix (TIER: one the host tier holds,
+        IMPORTED: one the request brought), stopping short of the block with its last
+        token: that token's logits must be computed."""
         n_tokens = len(owner.token_ids)
         hits = []
         n_full = n_tokens // self.block_size
@@ -101,22 +105,27 @@ class BlockManager:
                 break
             block = self._lookup(h, key)
             if block is None:
-                if self.tier is None or not self.tier.has(h, key):
+                if self.tier is not None and self.tier.has(h, key):
+                    block = TIER
+                elif len(hits) < len(owner.imported):
+                    block = IMPORTED
+                else:
                     break
-                block = TIER
             hits.append(block)
         return hits
 
     def blocks_needed(self, owner: BlockOwner) -> int:
         """Blocks allocate() would take from the free pool (held hits take none)."""
-        held = sum(b != TIER and self.blocks[b].ref_count > 0 for b in self._prefix_hits(owner))
+        hits = self._prefix_hits(owner)
+        held = sum(b >= 0 and self.blocks[b].ref_count > 0 for b in hits)
         return -(-len(owner.token_ids) // self.block_size) - held
 
     def can_allocate(self, owner: BlockOwner) -> bool:
         return self.blocks_needed(owner) <= self.num_free
 
     def allocate(self, owner: BlockOwner) -> int:
-        """Blocks for all of `owner`'s tokens; returns how many tokens were cache hits."""
+        """Blocks for all of `owner`'s tokens; returns how many tokens need no computing
+        (cache hits, imported blocks)."""
         assert not owner.block_table, "already allocated"
         if not self.can_allocate(owner):
             raise MemoryError("not enough KV cache blocks")
@@ -127,11 +136,13 @@ class BlockManager:
         for i, block in enumerate(hits):
             if block == TIER:
                 payloads[i] = self.tier.take(*owner.block_hashes[i])
+            elif block == IMPORTED:
+                payloads[i] = owner.imported[i]
             else:
                 self._cached.pop(block, None)
                 self.blocks[block].ref_count += 1
         for i, block in enumerate(hits):
-            if block == TIER:  # back from the host tier, into a fresh block
+            if block < 0:  # back from the host tier (or imported), into a fresh block
                 h, key = owner.block_hashes[i]
                 block = self._take()
                 b = self.blocks[block]
@@ -145,8 +156,10 @@ class BlockManager:
             block = self._take()
             self.blocks[block].ref_count = 1
             owner.block_table.append(block)
-        owner.num_cached_tokens = len(hits) * self.block_size
-        return owner.num_cached_tokens
+        # (imported blocks are another instance's work: its cache hits are reported instead)
+        owner.num_cached_tokens = sum(b != IMPORTED for b in hits) * self.block_size
+        owner.imported = []
+        return len(hits) * self.block_size
 
     def can_append(self, owner: BlockOwner) -> bool:
         return len(owner.token_ids) <= len(owner.block_table) * self.block_size or bool(

@@ -27,7 +27,7 @@ import torch
 from .block_manager import BlockManager
 from .grammar import Constraint, Grammars, GrammarSpec
 from .kernels import builds
-from .kv_tiers import HostTier
+from .kv_tiers import DiskTier, HostTier
 from .llama import LlamaForCausalLM
 from .model_runner import ModelRunner, Prepared, Previous
 from .proposers import Proposer, draft_bytes_per_block, make_proposer
@@ -57,6 +57,9 @@ class StepOutput:
     logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
     error: str | None = None
     index: int = 0  # which of the request's n sequences
+    # the K/V of the prompt's first blocks, [layers, blocks, block, heads, dim] each, on the
+    # host: what a request with `export_blocks` hands to a decode instance (last output)
+    kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass
@@ -66,6 +69,12 @@ class GenerationRequest:
     principal: str = ""  # prefix-cache scope: tenant and session
     request_id: int = field(default_factory=itertools.count().__next__)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # disaggregated serving (kv_transfer.py): a prefill instance exports the K/V of the
+    # prompt's first `export_blocks` blocks when the request ends; a decode instance starts
+    # from `kv_import`, those blocks' K/V, and reports the prefill side's cache hits
+    export_blocks: int = 0
+    kv_import: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    prior_cached_tokens: int | None = None
 
 
 Emit = Callable[[StepOutput], None]
@@ -111,7 +120,9 @@ class _Active:
             reason,
             seq.num_prompt_tokens,
             self.delivered,
-            seq.num_cached_tokens,
+            seq.num_cached_tokens
+            if self.request.prior_cached_tokens is None
+            else self.request.prior_cached_tokens,
             [self.logprob] if wanted else None,
             index=self.index,
         )
@@ -132,9 +143,13 @@ class Engine:
         speculative: SpecConfig | None = None,
         draft=None,
         host_cache_bytes: int = 0,
+        disk_cache_bytes: int = 0,
+        disk_cache_dir: str | None = None,
     ):
         """`draft`: the weights `speculative` drafts with (proposers.load_draft's).
-        `host_cache_bytes`: a host-memory tier for evicted prefix blocks (kv_tiers.py)."""
+        `host_cache_bytes`: a host-memory tier for evicted prefix blocks (kv_tiers.py).
+        `disk_cache_bytes`: a disk tier under it for the blocks it drops, in
+        `disk_cache_dir` (this engine's alone: the *.kv files there are deleted)."""
         self.model = model
         self.speculative = speculative  # speculative.py; None: off
         self.spec_stats = SpecStats()
@@ -154,7 +169,12 @@ class Engine:
             builds.install()  # count (and, once warm, log) the steps that wait for Triton
         if host_cache_bytes > 0 and model.cfg.tp > 1:
             raise ValueError("a host KV tier is for a model on one GPU so far")
-        self.tier = HostTier(host_cache_bytes) if host_cache_bytes > 0 else None
+        if disk_cache_bytes > 0 and host_cache_bytes <= 0:
+            raise ValueError("a disk KV tier sits under the host tier: set host_cache_bytes too")
+        if disk_cache_bytes > 0 and not disk_cache_dir:
+            raise ValueError("a disk KV tier needs its directory (disk_cache_dir)")
+        disk = DiskTier(disk_cache_dir, disk_cache_bytes) if disk_cache_bytes > 0 else None
+        self.tier = HostTier(host_cache_bytes, disk) if host_cache_bytes > 0 else None
         blocks = BlockManager(self.runner.num_blocks, block_size, self.tier)
         blocks.read_block = self.runner.read_block
         self.scheduler = Scheduler(
@@ -231,10 +251,16 @@ class Engine:
             "kv_blocks_free": sched.blocks.num_free,
             "running": len(sched.running),
             "waiting": len(sched.waiting),
+            # prompt tokens admitted and not yet computed: what a router weighs prefill by
+            "queued_prompt_tokens": sum(
+                s.num_uncomputed
+                for s in [*sched.waiting.sequences(), *list(sched.running)]
+                if s.is_prefilling
+            ),
             "idle_work": len(self._idle_work),
             "kernel_builds": builds.BUILDS.count,  # Triton builds so far, warm-up included
             **(self.spec_stats.as_dict() if self.speculative else {}),
-            **(self.tier.stats.as_dict() if self.tier else {}),
+            **(self.tier.stats_dict() if self.tier else {}),
         }
 
     @property
@@ -256,6 +282,8 @@ class Engine:
     def shutdown(self) -> None:
         self._inbox.put(None)
         self._thread.join(timeout=5)
+        if self.tier is not None:
+            self.tier.close()  # the disk tier's files
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[StepOutput]:
         """Yield the request's outputs (of all its n sequences) until each has finished,
@@ -330,6 +358,7 @@ class Engine:
             token_ids=list(request.prompt_ids),
             principal=request.principal,
             max_tokens=params.max_tokens,
+            imported=request.kv_import,
         )
         if not self.scheduler.fits(seq):
             emit(
@@ -376,6 +405,9 @@ class Engine:
                 self._finish(state, state.output("", [], "abort"))
 
     def _finish(self, state: _Active, out: StepOutput) -> None:
+        n = state.request.export_blocks
+        if n and out.finish_reason in ("stop", "length"):  # (its prompt is computed)
+            out.kv = self.runner.export_blocks(state.seq.block_table[:n])
         self.scheduler.finish(state.seq)  # frees its blocks at once
         self._active.pop(state.seq.seq_id, None)
         self._spec_k.pop(state.seq.seq_id, None)

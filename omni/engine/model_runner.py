@@ -181,6 +181,25 @@ class ModelRunner:
             out.append(dst)
         return out[0], out[1]
 
+    @property
+    def block_shape(self) -> tuple[int, ...]:
+        """One block's K (or V) over every layer: [layers, block, heads, dim]."""
+        return (self.k_cache.shape[0], *self.k_cache.shape[2:])
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.k_cache.dtype
+
+    def export_blocks(self, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V of `blocks`, each [layers, blocks, block, heads, dim] in host memory,
+        for another instance (kv_transfer.py); waits for the copy."""
+        index = torch.tensor(blocks, device=self.device)
+        out = []
+        for cache in (self.k_cache, self.v_cache):
+            raw = cache.view(torch.uint8) if cache.element_size() == 1 else cache  # FP8
+            out.append(raw.index_select(1, index).cpu().view(cache.dtype))
+        return out[0], out[1]
+
     def write_blocks(self, restores: list[tuple[int, tuple[torch.Tensor, torch.Tensor]]]) -> None:
         """Copy K/V back from the host tier into their new blocks (before the step that
         reads them: stream order)."""

@@ -72,6 +72,11 @@ class WaitQueue:
     def __len__(self) -> int:
         return len(self._tickets)
 
+    def sequences(self) -> list[Sequence]:
+        """Those waiting (copies of the lanes first: another thread may read this)."""
+        entries = [*list(self._front), *list(self._arrivals)]
+        return [entry[-1] for entry in entries if self._live(entry)]
+
     def _enter(self, seq: Sequence) -> int:
         if seq.seq_id in self._tickets:
             raise ValueError(f"sequence {seq.seq_id} is already waiting")

@@ -72,9 +72,10 @@ class IsolatedSandbox:
         spec = self.spec
         shutil.rmtree(self.workdir, ignore_errors=True)
         (self.workdir / "root").mkdir(parents=True, mode=0o700)
-        spec.socket_dir.mkdir(parents=True, exist_ok=True)
-        os.chown(spec.socket_dir, self.view.uid, self.view.gid)
-        spec.socket_dir.chmod(0o700)
+        for path in (spec.socket_dir, *spec.extra_rw):  # its own, and nobody else's
+            path.mkdir(parents=True, exist_ok=True)
+            os.chown(path, self.view.uid, self.view.gid)
+            path.chmod(0o700)
         plan = build_plan(spec, self.view, self.workdir, self._cgroups.view_mounts())
         plan["env"] = {**spec.env, "HOME": "/tmp"}
         plan["seccomp"] = str(self.seccomp_bpf) if self.seccomp_bpf else None

@@ -38,6 +38,7 @@ class SandboxSpec:
     hide: tuple[Path, ...] = ()  # other models' files that must stay out of view
     gpus: tuple[int, ...] | None = None  # GPU indices whose device nodes it gets
     extra_ro: tuple[Path, ...] = ()  # more read-only paths it needs
+    extra_rw: tuple[Path, ...] = ()  # directories of its own it may write (a disk KV tier)
     log_path: Path | None = None  # its stdout and stderr; None: a pipe (Sandbox.output)
 
 
@@ -84,7 +85,8 @@ class ProcessSandbox:
         self._proc: asyncio.subprocess.Process | None = None
 
     async def start(self) -> None:
-        self.spec.socket_dir.mkdir(parents=True, exist_ok=True)
+        for path in (self.spec.socket_dir, *self.spec.extra_rw):
+            path.mkdir(parents=True, exist_ok=True)
         log = open_log(self.spec.log_path)
         try:
             self._proc = await asyncio.create_subprocess_exec(

@@ -181,6 +181,8 @@ def build_plan(
             bind(path)
     bind(spec.model_dir)
     bind(spec.socket_dir, ro=False, noexec=True)
+    for path in spec.extra_rw:
+        bind(path, ro=False, noexec=True)
     hide = [h for h in spec.hide if h.is_dir() and not _under(spec.model_dir, [h])]
     for hidden in _outermost(hide):  # another model's files under a visible path
         if _under(hidden, visible):

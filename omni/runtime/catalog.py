@@ -55,6 +55,7 @@ PARALLEL_MODES = ("tp", "ep")  # each expert's width over the ranks, or whole ex
 QUANTIZATION_ENV = "OMNI_QUANTIZATION"  # ... and what it quantizes its weights to at load
 KV_CACHE_DTYPE_ENV = "OMNI_KV_CACHE_DTYPE"  # ... and its KV cache's element type
 KV_HOST_ENV = "OMNI_KV_HOST_BYTES"  # ... its host-memory KV tier's budget (kv_host_cache)
+KV_DISK_ENV = "OMNI_KV_DISK"  # ... its disk KV tier: "<budget bytes>:<directory>"
 SPECULATIVE_ENV = "OMNI_SPECULATIVE"  # ... and how it speculates (JSON of the table)
 SPECULATIVE_KEYS = {"method", "k", "max_batch", "ngram_max", "ngram_min", "path", "model"}
 RUNTIMES = {"omni"}  # the engine instances run; the catalog names it so others can follow
@@ -74,6 +75,10 @@ class Placement:
     kv_cache_dtype: str | None = None  # "fp8": the KV cache in e4m3, twice the tokens
     speculative: tuple[tuple[str, object], ...] = ()  # speculative decoding's settings
     kv_host_bytes: int = 0  # a host-memory tier for evicted prefix blocks (kv_tiers.py)
+    kv_disk_bytes: int = 0  # ... and a disk tier below it, in omnid's state dir
+    # disaggregated serving: "prefill" | "decode", one side of the model named `serves`
+    role: str | None = None
+    serves: str | None = None
 
     @property
     def draft_path(self) -> Path | None:
@@ -153,6 +158,9 @@ class ModelEntry:
             "kv_cache_dtype": self.placement.kv_cache_dtype,
             "speculative": dict(self.placement.speculative) or None,
             "kv_host_cache_bytes": self.placement.kv_host_bytes,
+            "kv_disk_cache_bytes": self.placement.kv_disk_bytes,
+            "role": self.placement.role,
+            "serves": self.placement.serves,
             "version": self.version,
             "tool_parser": self.tool_parser,
         }
@@ -220,7 +228,11 @@ MODEL_KEYS = {
     "kv_cache_dtype",
     "speculative",
     "kv_host_cache",
+    "kv_disk_cache",
+    "role",
+    "serves",
 }
+ROLES = ("prefill", "decode")
 GPU_KEYS = {"index", "budget"}
 
 
@@ -316,6 +328,10 @@ def placement_from(item: dict, where: str, gpus: dict[int, int] | None) -> Place
     kv_host = _size(item, "kv_host_cache", where) if "kv_host_cache" in item else 0
     if kv_host and tp > 1:
         raise CatalogError(f"{where}.kv_host_cache: for a model on one GPU (or the CPU) so far")
+    kv_disk = _size(item, "kv_disk_cache", where) if "kv_disk_cache" in item else 0
+    if kv_disk and not kv_host:
+        raise CatalogError(f"{where}.kv_disk_cache: needs a kv_host_cache above it")
+    role, serves = _role(item, where, tp)
     return Placement(
         chosen,
         quota,
@@ -327,7 +343,47 @@ def placement_from(item: dict, where: str, gpus: dict[int, int] | None) -> Place
         kv_cache_dtype,
         speculative,
         kv_host,
+        kv_disk,
+        role,
+        serves,
     )
+
+
+def _role(item: dict, where: str, tp: int) -> tuple[str | None, str | None]:
+    """`role` and `serves`: one side of a disaggregated model, named by what it serves."""
+    role, serves = item.get("role"), item.get("serves")
+    if role is None and serves is None:
+        return None, None
+    if role not in ROLES:
+        raise CatalogError(f"{where}.role: one of {list(ROLES)}, with 'serves'")
+    if not isinstance(serves, str) or not NAME_RE.match(serves):
+        raise CatalogError(f"{where}.serves: the model name the {role} side serves")
+    if tp > 1:
+        raise CatalogError(f"{where}.role: for a model on one GPU (or the CPU) so far")
+    return role, serves
+
+
+def check_disaggregated(entries: list, where: str) -> None:
+    """Each disaggregated model has both sides, of one checkpoint and one KV cache layout,
+    and its name is no other entry's."""
+    groups: dict[str, list] = {}
+    for e in entries:
+        if e.placement.serves is not None:
+            groups.setdefault(e.placement.serves, []).append(e)
+    names = {e.name for e in entries}
+    for served, sides in groups.items():
+        if served in names:
+            raise CatalogError(f"{where}: {served!r} is served disaggregated and is an entry too")
+        roles = {e.placement.role for e in sides}
+        if roles != set(ROLES):
+            raise CatalogError(
+                f"{where}: {served!r} needs a prefill and a decode entry (has {sorted(roles)})"
+            )
+        layouts = {(str(Path(e.path).resolve()), e.placement.kv_cache_dtype) for e in sides}
+        if len(layouts) > 1:
+            raise CatalogError(
+                f"{where}: the sides of {served!r} must share one checkpoint and kv_cache_dtype"
+            )
 
 
 def _fp8_only(item: dict, key: str, where: str, no_gpu: str, gpus: tuple) -> str | None:
@@ -472,6 +528,7 @@ def load_config(path: Path) -> NodeConfig:
                 tool_parser_from(item, where),
             )
         )
+    check_disaggregated(out, str(path))
     return NodeConfig(
         default_models=defaults,
         models=resolve_drafts(out, str(path)),

@@ -15,6 +15,7 @@ import enum
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from collections import deque
@@ -32,6 +33,7 @@ from omni.isolation.sandbox import ExitStatus, Sandbox, SandboxSpec
 
 from .catalog import (
     KV_CACHE_DTYPE_ENV,
+    KV_DISK_ENV,
     KV_HOST_ENV,
     PARALLEL_ENV,
     QUANTIZATION_ENV,
@@ -106,6 +108,11 @@ class Backoff:
         return delay
 
 
+# what omnid keeps of an instance's health answers: speculation's counters, the KV tiers',
+# and the load a router weighs (queued prompt tokens, KV blocks in use)
+ENGINE_STATS = ("spec_", "kv_host_", "kv_disk_", "kv_blocks_", "queued_prompt_tokens")
+
+
 class Instance:
     """One catalog model's running process and what omnid knows about it."""
 
@@ -122,8 +129,11 @@ class Instance:
         backoff: Backoff | None = None,
         gpu: GpuPlacement | None = None,
         code: InstanceCode | None = None,
+        kv_disk_dir: Path | None = None,
     ):
+        """`kv_disk_dir`: its disk KV tier's directory (where its entry asks for one)."""
         self.entry = entry
+        self.kv_disk_dir = kv_disk_dir if entry.placement.kv_disk_bytes else None
         self.socket_path = socket_dir / entry.name / "sock"
         self.yield_path = socket_dir / entry.name / "gpu.yield"  # visible in its sandbox
         self.gpu = gpu
@@ -231,6 +241,8 @@ class Instance:
             await self._task
         await self.session.close()
         self.socket_path.unlink(missing_ok=True)
+        if self.kv_disk_dir is not None:  # its disk tier's blocks: of no use to anyone now
+            shutil.rmtree(self.kv_disk_dir, ignore_errors=True)
 
     def restart(self, reason: str | None = None) -> None:
         """Kill the process (or leave the failed state); supervision starts a fresh one."""
@@ -279,10 +291,25 @@ class Instance:
             **self._engine_json(),
         }
 
+    def load(self) -> dict:
+        """What a token-aware router weighs, as of the last health check: prompt tokens
+        waiting to be computed (prefill) and the share of KV blocks in use (decode)."""
+        stats = self.engine_stats
+        total = stats.get("kv_blocks_total") or 0
+        used = total - stats.get("kv_blocks_free", total)
+        return {
+            "queued_prompt_tokens": int(stats.get("queued_prompt_tokens", 0)),
+            "kv_occupancy": round(used / total, 4) if total else 0.0,
+        }
+
     def _engine_json(self) -> dict:
         """The engine's counters in /v1/instances, by what they are about."""
         out = {}
-        for group, prefix in (("speculative", "spec_"), ("kv_host", "kv_host_")):
+        for group, prefix in (
+            ("speculative", "spec_"),
+            ("kv_host", "kv_host_"),
+            ("kv_disk", "kv_disk_"),
+        ):
             part = {k: v for k, v in self.engine_stats.items() if k.startswith(prefix)}
             if part:
                 out[group] = part
@@ -316,6 +343,10 @@ class Instance:
             env[KV_CACHE_DTYPE_ENV] = self.entry.placement.kv_cache_dtype
         if self.entry.placement.kv_host_bytes:
             env[KV_HOST_ENV] = str(self.entry.placement.kv_host_bytes)
+        extra_rw = ()
+        if self.kv_disk_dir is not None:
+            env[KV_DISK_ENV] = f"{self.entry.placement.kv_disk_bytes}:{self.kv_disk_dir}"
+            extra_rw = (self.kv_disk_dir,)
         if self.entry.placement.speculative:
             env[SPECULATIVE_ENV] = json.dumps(dict(self.entry.placement.speculative))
         if self.entry.placement.tensor_parallel > 1:
@@ -344,6 +375,7 @@ class Instance:
             self.entry.limits,
             gpus=gpus,
             extra_ro=extra_ro,
+            extra_rw=extra_rw,
         )
 
     async def _claim_gpu(self) -> None:
@@ -465,9 +497,7 @@ class Instance:
                 if resp.status != 200:
                     return False
                 body = await resp.json()
-                self.engine_stats = {
-                    k: v for k, v in body.items() if k.startswith(("spec_", "kv_host_"))
-                }
+                self.engine_stats = {k: v for k, v in body.items() if k.startswith(ENGINE_STATS)}
                 return True
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError):
             return False

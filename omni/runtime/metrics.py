@@ -25,13 +25,18 @@ SPEC_GAUGES = {  # the engine's speculative counters (speculative.SpecStats)
     "spec_acceptance": "Accepted over proposed tokens",
     "spec_tokens_per_step": "Tokens a sequence gains per verify step",
 }
-KV_HOST_GAUGES = {  # the engine's host KV tier (kv_tiers.TierStats), cumulative
-    "kv_host_stored_blocks": "KV blocks evicted from the pool into host memory",
-    "kv_host_restored_blocks": "KV blocks a prefix hit brought back from host memory",
-    "kv_host_dropped_blocks": "KV blocks dropped past the host tier's budget",
-    "kv_host_bytes_out": "Bytes copied from the pool to the host tier",
-    "kv_host_bytes_in": "Bytes copied from the host tier back to the pool",
-}
+KV_TIER_GAUGES = {  # the engine's KV tiers (kv_tiers.TierStats), cumulative
+    f"kv_{tier}_{key}": text.format(where=where)
+    for tier, where in (("host", "host memory"), ("disk", "the disk tier"))
+    for key, text in (
+        ("stored_blocks", "KV blocks evicted into {where}"),
+        ("restored_blocks", "KV blocks a prefix hit brought back from {where}"),
+        ("dropped_blocks", "KV blocks dropped past {where}'s budget"),
+        ("bytes_out", "Bytes copied into {where}"),
+        ("bytes_in", "Bytes copied back from {where}"),
+        ("restore_seconds", "Seconds spent bringing blocks back from {where}"),
+    )
+} | {"kv_disk_write_errors": "KV blocks lost to a failed write to the disk tier"}
 SWAP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -72,7 +77,7 @@ class NodeCollector(Collector):
         }
         tier = {
             key: GaugeMetricFamily(f"omni_{key}", help_text, labels=["model"])
-            for key, help_text in KV_HOST_GAUGES.items()
+            for key, help_text in KV_TIER_GAUGES.items()
         }
         for inst in self._instances():
             info = inst.to_json()
@@ -83,7 +88,7 @@ class NodeCollector(Collector):
             for key, value in (info.get("speculative") or {}).items():
                 if key in spec:
                     spec[key].add_metric([name], value)
-            for key, value in (info.get("kv_host") or {}).items():
+            for key, value in {**info.get("kv_host", {}), **info.get("kv_disk", {})}.items():
                 if key in tier:
                     tier[key].add_metric([name], value)
             if "residency" in info:
@@ -193,6 +198,19 @@ class Metrics:
         self.swap_bytes = Counter(
             "omni_swapped_bytes", "Bytes moved by swaps", ["direction"], registry=self.registry
         )
+        self.kv_transfer_bytes = Counter(
+            "omni_kv_transfer_bytes",
+            "Bytes of prompt K/V handed from prefill to decode instances (disaggregated)",
+            ["model"],
+            registry=self.registry,
+        )
+        self.kv_transfer_seconds = Histogram(
+            "omni_kv_transfer_seconds",
+            "Per request: the prefill side's compute and K/V export, and the handoff's move",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(NodeCollector(instances, pools))
 
     def observe_request(self, model: str, endpoint: str, status: int, seconds: float) -> None:
@@ -206,6 +224,10 @@ class Metrics:
         for kind in ("prompt_tokens", "completion_tokens"):
             if usage and isinstance(usage.get(kind), int):
                 self.tokens.labels(model, kind.removesuffix("_tokens")).inc(usage[kind])
+
+    def observe_kv_transfer(self, model: str, nbytes: int, seconds: float) -> None:
+        self.kv_transfer_bytes.labels(model).inc(nbytes)
+        self.kv_transfer_seconds.labels(model).observe(seconds)
 
     def observe_swap(self, model: str, direction: str, result) -> None:
         self.swaps.labels(model, direction).inc()

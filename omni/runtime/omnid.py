@@ -39,6 +39,7 @@ from omni.api.schemas import (
     parse_request,
 )
 from omni.cudashim import ShimBuildError, library_path
+from omni.engine import kv_transfer
 from omni.engine.checkpoint import CheckpointError
 from omni.isolation import seccomp
 from omni.isolation.cgroups import CgroupError, CgroupManager
@@ -47,7 +48,7 @@ from omni.isolation.sandbox import ProcessSandbox, SandboxSpec
 from omni.isolation.view import ViewConfig
 from omni.logs import setup_logging
 
-from . import dashboard
+from . import dashboard, disaggregated
 from .catalog import (
     DEFAULT_GPU_YIELD_S,
     CatalogError,
@@ -113,6 +114,8 @@ class Node:
         self.isolated = False  # instances get their own uids (sandboxed as root)
         self.draining = False
         self.catalog = CatalogStore(state_dir) if state_dir else None
+        # instances' disk KV tiers (kv_disk_cache): on disk, unlike the runtime dir
+        self.kv_disk_root = (state_dir or runtime_dir) / "kv-disk"
         self.metrics = Metrics(lambda: list(self.instances.values()), self.pools_list)
         self.load: LoadAccumulator | None = None  # load telemetry, when a cluster takes it
         self.pools = {
@@ -186,7 +189,13 @@ class Node:
             if entry.placement.draft_path is not None:
                 check_readable_by_others(entry.placement.draft_path)
         gpu = self._gpu_placement(entry)
-        inst = Instance(entry, self.socket_dir, self.sandbox_factory, gpu=gpu)
+        inst = Instance(
+            entry,
+            self.socket_dir,
+            self.sandbox_factory,
+            gpu=gpu,
+            kv_disk_dir=self.kv_disk_root / entry.name,
+        )
         for pool, tenant in zip(gpu.pools if gpu else (), inst.tenants, strict=True):
             pool.add(tenant)
         self.instances[entry.name] = inst
@@ -334,6 +343,7 @@ SPEC_KEYS = {
     "kv_cache_dtype",
     "speculative",
     "kv_host_cache",
+    "kv_disk_cache",
 }
 
 
@@ -426,17 +436,23 @@ def inference_app(node: Node) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=64 << 20)
 
     async def models(_request: web.Request) -> web.Response:
-        data = [  # `permits`: the instance's concurrency, which the edge queues fairly for
-            {
-                "id": name,
-                "object": "model",
-                "created": node.started,
-                "owned_by": "omni",
-                "permits": node.instances[name].entry.placement.permits,
-                "state": str(node.instances[name].state),
-                **failure(node.instances[name]),
+        # `permits`: the instance's concurrency, which the edge queues fairly for; `load`:
+        # what it weighs a node by (prompt tokens queued, KV blocks in use)
+        entries = {
+            name: {
+                "permits": inst.entry.placement.permits,
+                "state": str(inst.state),
+                **failure(inst),
+                "load": inst.load(),
             }
-            for name in sorted(node.instances)
+            for name, inst in node.instances.items()
+            if inst.entry.placement.serves is None  # (a side of a disaggregated model)
+        }
+        for name in {i.entry.placement.serves for i in node.instances.values()} - {None}:
+            entries[name] = disaggregated.listing(node.instances, name)
+        data = [
+            {"id": name, "object": "model", "created": node.started, "owned_by": "omni", **entry}
+            for name, entry in sorted(entries.items())
         ]
         return json_response({"object": "list", "data": data})
 
@@ -470,6 +486,17 @@ def inference_app(node: Node) -> web.Application:
         schema, kind = ENDPOINTS[request.path]
         body = await request.read()
         req = parse_request(schema, body)
+        ticket: Ticket = request["omni_ticket"]
+
+        def on_usage(usage: dict) -> None:
+            node.metrics.observe_usage(req.model, usage)
+            ticket.usage = usage
+
+        if node.draining:
+            raise unavailable("This node is draining; retry on another node.", 5)
+        if disaggregated.sides(node.instances, req.model) and kind == "generate":
+            request["omni_model"] = req.model
+            return await disaggregated.serve(node, request, body, req.model, on_usage)
         inst = node.get(req.model)
         request["omni_model"] = req.model
         request["omni_version"] = inst.entry.version
@@ -480,8 +507,6 @@ def inference_app(node: Node) -> web.Application:
                 param="model",
                 code="wrong_model_kind",
             )
-        if node.draining:
-            raise unavailable("This node is draining; retry on another node.", 5)
         if not await inst.wait_ready(node.ready_wait_s):
             if inst.failure is not None:
                 raise unavailable(
@@ -490,12 +515,6 @@ def inference_app(node: Node) -> web.Application:
             raise unavailable(
                 f"Model '{req.model}' is {inst.state}; retry shortly.", inst.retry_after_s()
             )
-        ticket: Ticket = request["omni_ticket"]
-
-        def on_usage(usage: dict) -> None:
-            node.metrics.observe_usage(req.model, usage)
-            ticket.usage = usage
-
         t_admit = time.monotonic()
         async with node.admission(inst, t_admit + node.request_timeout_s, ticket):
             node.metrics.observe_admission(req.model, time.monotonic() - t_admit)
@@ -506,6 +525,7 @@ def inference_app(node: Node) -> web.Application:
                 body,
                 upstream_name=f"instance of '{req.model}'",
                 retry_after_s=inst.retry_after_s(),
+                drop_headers=kv_transfer.HEADERS,  # omnid's alone to give
                 on_usage=on_usage,
             )
 

@@ -6,6 +6,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import orjson
 from aiohttp import web
@@ -19,6 +20,7 @@ from omni.api.schemas import (
 )
 from omni.api.toolcalls import ToolCall, parser_for
 from omni.api.tooluse import ToolUse
+from omni.engine import kv_transfer
 from omni.engine.engine import Engine, GenerationRequest, StepOutput
 from omni.engine.grammar import GrammarError, GrammarSpec
 from omni.engine.sampling import SamplingParams
@@ -37,9 +39,18 @@ def principal(request: web.Request) -> str:
 
 
 class TextGenRoutes:
-    def __init__(self, engine: Engine, model_name: str, tool_parser: str | None = None):
+    def __init__(
+        self,
+        engine: Engine,
+        model_name: str,
+        tool_parser: str | None = None,
+        handoff_dir: Path | None = None,
+    ):
+        """`handoff_dir`: where KV handoffs of disaggregated serving are written and read
+        (the instance's socket directory; kv_transfer.py)."""
         self.engine = engine
         self.model_name = model_name
+        self.handoff_dir = handoff_dir
         tok = engine.tokenizer
         self.tool_family = parser_for(tok.model_type, tok.chat_template_source, tool_parser)
 
@@ -196,8 +207,14 @@ class TextGenRoutes:
         tools: ToolUse | None = None,
     ) -> web.StreamResponse:
         params = self._sampling(req, prompt)
+        export = request.headers.get(kv_transfer.EXPORT_HEADER)
+        if export is not None:
+            return await self._prefill(prompt, principal(request), export)
         params.grammar = await self._grammar(req, tools)
         gen = GenerationRequest(prompt, params, principal(request))
+        handoff = request.headers.get(kv_transfer.IMPORT_HEADER)
+        if handoff is not None:
+            await self._take_handoff(gen, handoff)
         fmt = _Formatter(self.model_name, chat, self.engine.tokenizer.decode)
         tools = tools if tools is not None and tools.active else None
         outputs = self.engine.stream(gen)
@@ -217,6 +234,60 @@ class TextGenRoutes:
             for i in range(req.n)
         ]
         return json_response(fmt.whole(choices, list(last.values())))
+
+    def _handoff_path(self, handoff_id: str) -> Path:
+        if self.handoff_dir is None:
+            raise ApiError(400, "This instance takes no KV handoffs.")
+        try:
+            return kv_transfer.handoff_path(self.handoff_dir, handoff_id)
+        except kv_transfer.HandoffError as exc:
+            raise ApiError(400, str(exc)) from None
+
+    async def _prefill(self, prompt: list[int], who: str, handoff_id: str) -> web.Response:
+        """Disaggregated serving's first half: compute the prompt's full blocks short of
+        the one with its last token and write their K/V for a decode instance."""
+        path = self._handoff_path(handoff_id)
+        t0 = time.monotonic()
+        size = self.engine.runner.block_size
+        blocks = (len(prompt) - 1) // size
+        if blocks == 0:  # too short to be worth moving: the decode instance computes it
+            return json_response({"blocks": 0, "bytes": 0, "cached_tokens": 0})
+        gen = GenerationRequest(
+            prompt[: blocks * size],
+            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
+            who,
+            export_blocks=blocks,
+        )
+        last = None
+        async for out in self.engine.stream(gen):
+            last = out
+        if last is None or last.kv is None:
+            raise RuntimeError(f"prefill failed: {last.error if last else 'no output'}")
+        handoff = kv_transfer.Handoff(who, gen.prompt_ids, last.cached_tokens, *last.kv)
+        nbytes = await asyncio.to_thread(kv_transfer.write, path, handoff)
+        return json_response(
+            {
+                "blocks": blocks,
+                "bytes": nbytes,
+                "cached_tokens": last.cached_tokens,
+                "seconds": time.monotonic() - t0,
+            }
+        )
+
+    async def _take_handoff(self, gen: GenerationRequest, handoff_id: str) -> None:
+        """Disaggregated serving's second half: the prompt's blocks a prefill instance
+        computed, checked to be this request's (then the file is gone either way)."""
+        path = self._handoff_path(handoff_id)
+        try:
+            handoff = await asyncio.to_thread(kv_transfer.read, path)
+            runner = self.engine.runner
+            handoff.check(gen.principal, gen.prompt_ids, runner.block_shape, runner.kv_dtype)
+        except kv_transfer.HandoffError as exc:
+            raise ApiError(400, f"KV handoff refused: {exc}") from None
+        finally:
+            path.unlink(missing_ok=True)
+        gen.kv_import = handoff.payloads()
+        gen.prior_cached_tokens = handoff.cached_tokens
 
 
 async def _stream(

@@ -27,6 +27,7 @@ from omni.logs import setup_logging
 
 from .catalog import (
     KV_CACHE_DTYPE_ENV,
+    KV_DISK_ENV,
     KV_HOST_ENV,
     PARALLEL_ENV,
     QUANTIZATION_ENV,
@@ -48,8 +49,9 @@ MULTICAST_OFF = {
 CONTROL_ENV = "OMNI_CUDA_CONTROL"  # the shim's control block (omni.cudashim.instance_env)
 
 
-def build_app(name: str, ckpt: Checkpoint) -> web.Application:
-    """Load the model behind the routes its kind serves."""
+def build_app(name: str, ckpt: Checkpoint, handoff_dir: Path | None = None) -> web.Application:
+    """Load the model behind the routes its kind serves (`handoff_dir`: where KV handoffs
+    of disaggregated serving are written and read)."""
     app = web.Application(middlewares=[error_middleware], client_max_size=64 << 20)
     if ckpt.kind == "generate":
         import torch
@@ -89,6 +91,7 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
             speculative=speculative,
             draft=draft,
             host_cache_bytes=int(os.environ.get(KV_HOST_ENV) or 0),
+            **disk_tier(os.environ.get(KV_DISK_ENV)),
         )
         # Serve at once and compile between requests, unless omnid may swap this instance:
         # it moves only idle instances, and idle-time warm-up is GPU work, which on memory
@@ -96,7 +99,7 @@ def build_app(name: str, ckpt: Checkpoint) -> web.Application:
         engine.warm_up(when_idle=not (on_gpu and os.environ.get(CONTROL_ENV)))
         if not on_gpu and os.environ.get(CONTROL_ENV):
             account_on_shim(engine.memory_bytes())
-        TextGenRoutes(engine, name, os.environ.get(TOOL_PARSER_ENV)).add_to(app)
+        TextGenRoutes(engine, name, os.environ.get(TOOL_PARSER_ENV), handoff_dir).add_to(app)
         extra_health = (lambda: {**engine.stats(), **gate.stats()}) if gate else engine.stats
         app.on_shutdown.append(lambda _app: asyncio.to_thread(engine.shutdown))
     else:
@@ -217,6 +220,14 @@ def follow_rank(
 _SHIM_STAND_IN: list[ctypes.c_void_p] = []  # kept alive for the process's lifetime
 
 
+def disk_tier(setting: str | None) -> dict:
+    """The Engine's disk-tier arguments from omnid's "<budget bytes>:<directory>"."""
+    if not setting:
+        return {}
+    budget, _, directory = setting.partition(":")
+    return {"disk_cache_bytes": int(budget), "disk_cache_dir": directory}
+
+
 def account_on_shim(nbytes: int) -> None:
     """A CPU instance placed on a GPU budget (CI, over a fake CUDA): hold as much unified
     memory through the CUDA runtime as its weights and KV cache take, so the shim counts
@@ -240,7 +251,7 @@ def account_on_shim(nbytes: int) -> None:
 async def serve(name: str, model_dir: Path, socket_path: Path) -> None:
     t0 = time.monotonic()
     ckpt = Checkpoint.open(model_dir)
-    app = build_app(name, ckpt)
+    app = build_app(name, ckpt, socket_path.parent)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     socket_path.unlink(missing_ok=True)
