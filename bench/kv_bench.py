@@ -1,7 +1,8 @@
 """KV beyond the GPU pool and disaggregated prefill, under an agentic trace.
 
-The trace: `--sessions` conversations of `--turns` turns each, run `--concurrency` at a
-time, each turn sent when the session's last answer is in (closed loop). A session's
+The trace: `--sessions` conversations of `--turns` turns each, all open at once, each
+turn sent when the session's last answer is in (closed loop), `--concurrency` requests
+served at a time (the others queue, so sessions interleave and evict each other's KV). A session's
 first prompt is `--first` random tokens; each later turn repeats the whole conversation
 (prompt and answer) and adds `--grow` new tokens, so prompts grow from 8k to 32k tokens
 by default; answers are `--out` tokens. Each session is its own principal, as with
@@ -131,12 +132,12 @@ async def run_trace(server, args, vocab: int) -> tuple[list[Rec], float]:
     async def session(i: int) -> None:
         rng = np.random.default_rng(1000 + i)  # the same trace for every run
         prompt = new_tokens(rng, args.first, vocab)
-        async with gate:
-            for turn in range(args.turns):
-                rec = Rec(i, turn, len(prompt))
+        for turn in range(args.turns):  # every session is open; its turns queue for a slot
+            rec = Rec(i, turn, len(prompt))
+            async with gate:
                 answer = await server.serve(rec, prompt, params)
-                recs.append(rec)
-                prompt = prompt + answer + new_tokens(rng, args.grow, vocab)
+            recs.append(rec)
+            prompt = prompt + answer + new_tokens(rng, args.grow, vocab)
 
     t0 = time.perf_counter()
     await asyncio.gather(*(session(i) for i in range(args.sessions)))

@@ -177,6 +177,8 @@ class Engine:
         self.tier = HostTier(host_cache_bytes, disk) if host_cache_bytes > 0 else None
         blocks = BlockManager(self.runner.num_blocks, block_size, self.tier)
         blocks.read_block = self.runner.read_block
+        if self.tier is not None:
+            self.tier.recycle = self.runner.recycle
         self.scheduler = Scheduler(
             blocks,
             max_batch_tokens or (8192 if on_gpu else 512),
@@ -646,6 +648,8 @@ class Engine:
         blocks = self.scheduler.blocks
         if blocks.restores:
             self.runner.write_blocks(blocks.restores)
+            for _, payload in blocks.restores:  # (the copies back are issued)
+                self.runner.recycle(payload)
             blocks.restores = []
 
     def _fork(self, parent: _Active) -> list[_Active]:

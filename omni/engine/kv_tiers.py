@@ -23,6 +23,7 @@ import itertools
 import time
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -162,12 +163,43 @@ class DiskTier:
             _unlink(entry.path)
 
 
+class PinnedBlocks:
+    """Page-locked host buffers for blocks leaving a GPU pool, handed out and taken back.
+
+    A pinned allocation of its own for each evicted block cost milliseconds (and the
+    allocator's lock) per block: thousands per long prompt. Here they are cut from slabs
+    of SLAB_BLOCKS blocks and reused once the tier is done with them."""
+
+    SLAB_BLOCKS = 64
+
+    def __init__(self, block_shape: tuple[int, ...], dtype: torch.dtype):
+        self.block_shape, self.dtype = block_shape, dtype
+        self._free: list[Payload] = []
+        self._ours: set[int] = set()  # data pointers of the buffers handed out
+
+    def get(self) -> Payload:
+        if not self._free:
+            shape = (self.SLAB_BLOCKS, *self.block_shape)
+            k, v = (torch.empty(shape, dtype=self.dtype, pin_memory=True) for _ in range(2))
+            self._free = [(k[i], v[i]) for i in range(self.SLAB_BLOCKS)]
+            self._ours.update(t.data_ptr() for pair in self._free for t in pair)
+        return self._free.pop()
+
+    def put(self, payload: Payload) -> None:
+        """Take a buffer back (a copy into it must already be issued on the stream that
+        will write it next; others' tensors, such as a handoff's, are left alone)."""
+        if payload[0].data_ptr() in self._ours:
+            self._free.append(payload)
+
+
 class HostTier:
     def __init__(self, budget_bytes: int, below: DiskTier | None = None):
         self.budget_bytes = budget_bytes
         self.bytes = 0
         self.stats = TierStats()
         self.below = below  # where the blocks dropped past the budget go
+        # where payloads the tier lets go of are recycled (the runner's PinnedBlocks.put)
+        self.recycle: Callable[[Payload], None] = lambda payload: None
         self._entries: OrderedDict[int, tuple[tuple, Payload, int]] = OrderedDict()
 
     def __len__(self) -> int:
@@ -182,7 +214,9 @@ class HostTier:
             self._drop(h, key, payload)
             return
         if h in self._entries:
-            self.bytes -= self._entries.pop(h)[2]
+            _, old, size = self._entries.pop(h)
+            self.bytes -= size
+            self.recycle(old)
         self._entries[h] = (key, payload, size)
         self.bytes += size
         self.stats.stored_blocks += 1
@@ -195,7 +229,8 @@ class HostTier:
     def _drop(self, h: int, key: tuple, payload: Payload) -> None:
         self.stats.dropped_blocks += 1
         if self.below is not None:
-            self.below.store(h, key, payload)
+            self.below.store(h, key, payload)  # (written out before it returns)
+        self.recycle(payload)
 
     def _here(self, h: int, key: tuple) -> bool:
         entry = self._entries.get(h)

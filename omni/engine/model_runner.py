@@ -21,6 +21,7 @@ from .cuda_graphs import BUCKETS, DecodeGraphs
 from .kernels.attention import prefill_work
 from .kernels.rows import empty_rows
 from .kv_cache import assign_scales, cache_dtype
+from .kv_tiers import PinnedBlocks
 from .llama import LlamaForCausalLM
 from .mixed_graphs import BUCKETS as MIXED_BUCKETS
 from .mixed_graphs import MixedGraphs
@@ -146,6 +147,7 @@ class ModelRunner:
         # (OMNI_CUDA_GRAPHS=0: neither)
         self.graphs: DecodeGraphs | None = None
         self.mixed: MixedGraphs | None = None
+        self._pinned: PinnedBlocks | None = None  # read_block's buffers (GPU)
         if graphs and self.device.type == "cuda" and os.environ.get("OMNI_CUDA_GRAPHS", "1") != "0":
             max_tokens = min(cfg.max_position, self.num_blocks * block_size)
             max_blocks = -(-max_tokens // block_size)
@@ -169,17 +171,21 @@ class ModelRunner:
 
     def read_block(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A block's K and V (every layer) in host memory, for the host tier (kv_tiers.py):
-        copied in stream order, before any later step writes the block again."""
-        out = []
-        for cache in (self.k_cache, self.v_cache):
-            src = cache[:, block]
-            if self.device.type == "cuda":
-                dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-                dst.copy_(src, non_blocking=True)
-            else:
-                dst = src.clone()
-            out.append(dst)
-        return out[0], out[1]
+        copied in stream order, before any later step writes the block again (on a GPU,
+        into pinned buffers that `recycle` takes back)."""
+        if self.device.type != "cuda":
+            return self.k_cache[:, block].clone(), self.v_cache[:, block].clone()
+        if self._pinned is None:
+            self._pinned = PinnedBlocks(self.block_shape, self.kv_dtype)
+        out = self._pinned.get()
+        for dst, cache in zip(out, (self.k_cache, self.v_cache), strict=True):
+            dst.copy_(cache[:, block], non_blocking=True)
+        return out
+
+    def recycle(self, payload: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """A buffer of read_block's the tier is done with (its last copy issued)."""
+        if self._pinned is not None:
+            self._pinned.put(payload)
 
     @property
     def block_shape(self) -> tuple[int, ...]:
