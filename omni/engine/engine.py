@@ -216,6 +216,8 @@ class Engine:
         drafting = []  # a draft's own steps, after the model's
         if self.proposer is not None:
             drafting = self.proposer.warm_up_tasks(sched.max_batch_tokens, graphs)
+        if self.tier is not None:  # and the host tier's pinned buffers
+            drafting += self.runner.pinned_slab_tasks(self.tier.budget_bytes)
         if when_idle:
             self.when_idle(
                 self.runner.warm_up_tasks(sched.max_seqs, sched.max_batch_tokens, graphs) + drafting

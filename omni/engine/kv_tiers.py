@@ -179,11 +179,18 @@ class PinnedBlocks:
 
     def get(self) -> Payload:
         if not self._free:
-            shape = (self.SLAB_BLOCKS, *self.block_shape)
-            k, v = (torch.empty(shape, dtype=self.dtype, pin_memory=True) for _ in range(2))
-            self._free = [(k[i], v[i]) for i in range(self.SLAB_BLOCKS)]
-            self._ours.update(t.data_ptr() for pair in self._free for t in pair)
+            self.add_slab()
         return self._free.pop()
+
+    def add_slab(self) -> None:
+        """SLAB_BLOCKS more buffers. Pinning runs at about 2 GB/s (1 ms a Llama-8B block,
+        measured on an H100 host): the engine adds the tier's slabs while idle, before
+        requests need them, rather than in the middle of a prompt's evictions."""
+        shape = (self.SLAB_BLOCKS, *self.block_shape)
+        k, v = (torch.empty(shape, dtype=self.dtype, pin_memory=True) for _ in range(2))
+        slab = [(k[i], v[i]) for i in range(self.SLAB_BLOCKS)]
+        self._ours.update(t.data_ptr() for pair in slab for t in pair)
+        self._free.extend(slab)
 
     def put(self, payload: Payload) -> None:
         """Take a buffer back (a copy into it must already be issued on the stream that

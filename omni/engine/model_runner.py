@@ -182,6 +182,17 @@ class ModelRunner:
             dst.copy_(cache[:, block], non_blocking=True)
         return out
 
+    def pinned_slab_tasks(self, budget_bytes: int) -> list[Callable[[], None]]:
+        """Work that pins the host tier's buffers up front (`budget_bytes` of blocks),
+        one slab a task; none on the CPU."""
+        if self.device.type != "cuda" or budget_bytes <= 0:
+            return []
+        if self._pinned is None:
+            self._pinned = PinnedBlocks(self.block_shape, self.kv_dtype)
+        per_block = 2 * self.k_cache[:, 0].numel() * self.k_cache.element_size()
+        slabs = -(-budget_bytes // per_block) // PinnedBlocks.SLAB_BLOCKS + 1
+        return [self._pinned.add_slab] * slabs
+
     def recycle(self, payload: tuple[torch.Tensor, torch.Tensor]) -> None:
         """A buffer of read_block's the tier is done with (its last copy issued)."""
         if self._pinned is not None:
