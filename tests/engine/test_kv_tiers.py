@@ -64,25 +64,23 @@ def model_and_tokenizer(text_model_dir):
 
 
 def test_a_conversation_finds_its_evicted_prefix_in_the_host_tier(model_and_tokenizer):
-    """Two engines, one conversation each: a pool too small for the traffic, and the
-    same pool with a host tier."""
+    """A pool too small for the traffic, with a host tier: the conversation's second turn
+    takes its prefix from the tier (every hit block restored: the pool had lost them),
+    and answers what recomputing answers (the same prompt as another tenant, who hits
+    nothing in the pool or the tier)."""
     model, tok = model_and_tokenizer
-    plain = Engine(model, tok, num_blocks=BLOCKS, max_batch_tokens=256)
     tiered = Engine(model, tok, num_blocks=BLOCKS, max_batch_tokens=256, host_cache_bytes=1 << 30)
     try:
-        want, got = conversation(plain), conversation(tiered)
-        assert want["cached"] == 0  # the pool alone lost the prefix to the other traffic
+        got = conversation(tiered)
         assert got["cached"] == got["reach"] >= 64, (got["cached"], got["reach"])
-        assert got["out1"] == want["out1"] and got["out2"] == want["out2"]  # as recomputed
         stats = tiered.stats()
         assert stats["kv_host_restored_blocks"] == got["cached"] // 16, stats
         assert stats["kv_host_stored_blocks"] > stats["kv_host_restored_blocks"]
-        # another tenant with the very same prompt hits nothing, in the pool or the tier
         restored = stats["kv_host_restored_blocks"]
-        _, cached = ask(tiered, got["prompt2"], "carol")
+        recomputed, cached = ask(tiered, got["prompt2"], "carol")
         assert cached == 0 and tiered.stats()["kv_host_restored_blocks"] == restored
+        assert got["out2"] == recomputed
     finally:
-        plain.shutdown()
         tiered.shutdown()
 
 
