@@ -672,7 +672,16 @@ static int swap_streams(void) {
     return n < 1 ? 1 : n > MAX_SWAP_STREAMS ? MAX_SWAP_STREAMS : n;
 }
 
-/* Move every live unified allocation to `target` (GPU or host) and wait for it. */
+/* Move every live unified allocation to `target` (GPU or host) and wait for it.
+ *
+ * Moves keep a host copy of what has not changed: each move marks the memory read-mostly
+ * and prefetches it, so a move in leaves the host copy in place (the GPU gets its own),
+ * and a move out copies only the pages written on the GPU since (a write drops the
+ * other copies), then unmarks it, which drops the GPU copies without copying. Weights
+ * and a cache that held little cost a swap-out almost nothing after their first: on
+ * the H100, 1 GiB left the GPU in 16 ms this way against 100 ms by copying. The price:
+ * the first write to each page after a move in takes a fault, and an instance that has
+ * been swapped keeps its host copy while resident. */
 static CUresult move_all(uint32_t target, uint64_t *moved) {
     cuCtxSetCurrent_t set_ctx = (cuCtxSetCurrent_t)driver("cuCtxSetCurrent");
     cuCtxGetDevice_t get_dev = (cuCtxGetDevice_t)driver("cuCtxGetDevice");
@@ -699,7 +708,10 @@ static CUresult move_all(uint32_t target, uint64_t *moved) {
     for (uint64_t i = 0; g_table && i < TABLE_SIZE && rc == CUDA_SUCCESS; i++) {
         if (!g_table[i].key || !(g_table[i].size & FLAG_MANAGED)) continue;
         size_t size = g_table[i].size & ~FLAG_MANAGED;
-        if (advise) advise(g_table[i].key, size, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, loc);
+        if (advise) {
+            advise(g_table[i].key, size, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, loc);
+            advise(g_table[i].key, size, CU_MEM_ADVISE_SET_READ_MOSTLY, loc);
+        }
         for (size_t off = 0; off < size && rc == CUDA_SUCCESS; off += SWAP_CHUNK) {
             size_t n = size - off < SWAP_CHUNK ? size - off : SWAP_CHUNK;
             rc = prefetch(g_table[i].key + off, n, loc, 0, streams[chunks++ % n_streams]);
@@ -711,6 +723,15 @@ static CUresult move_all(uint32_t target, uint64_t *moved) {
     for (int s = 0; s < n_streams; s++) {
         CUresult r = sync(streams[s]);
         if (sync_rc == CUDA_SUCCESS) sync_rc = r;
+    }
+    if (rc == CUDA_SUCCESS && sync_rc == CUDA_SUCCESS && target == OMNI_RES_HOST && advise) {
+        /* every page has its host copy now: one copy each, on the host (preferred) */
+        pthread_mutex_lock(&g_lock);
+        for (uint64_t i = 0; g_table && i < TABLE_SIZE; i++)
+            if (g_table[i].key && (g_table[i].size & FLAG_MANAGED))
+                advise(g_table[i].key, g_table[i].size & ~FLAG_MANAGED,
+                       CU_MEM_ADVISE_UNSET_READ_MOSTLY, loc);
+        pthread_mutex_unlock(&g_lock);
     }
     return rc != CUDA_SUCCESS ? rc : sync_rc;
 }

@@ -92,6 +92,9 @@ def test_swap_moves_the_memory_off_the_gpu_and_back(tmp_path, quota):
         noop = swap_in(block, timeout_s=60)  # already on the GPU: nothing to move
         r = step()
         swap_out(block, timeout_s=60)
+        swap_in(block, timeout_s=60)
+        rewritten = step()
+        swap_out(block, timeout_s=60)
         swapped = step()
     finally:
         proc.stdin.close()
@@ -105,4 +108,6 @@ def test_swap_moves_the_memory_off_the_gpu_and_back(tmp_path, quota):
     # Swapped out, the GPU must fault every page back over the bus to read it.
     assert swapped["read_swapped_s"] > 5 * r["read_resident_s"], (swapped, r)
     assert r["checksum"] == ready["checksum"]  # the same data after the round trip
+    # ... and what was written after it (pages whose host copy went stale) too
+    assert rewritten["checksum"] == r["written"] != r["checksum"]
     assert r["gemm_err"] < 1e-1 and r["llama_err"] < 1e-3

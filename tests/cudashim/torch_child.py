@@ -104,7 +104,11 @@ def scenario_swap(quota: int) -> None:
     report(ready=True, bytes=w.numel() * 4, checksum=checksum)
     sys.stdin.readline()  # the parent has swapped out and in again
     resident = timed_read(w)
-    report(checksum=w.sum().item(), read_resident_s=resident, **compute())
+    checksum = w.sum().item()
+    w[: w.numel() // 3].mul_(2)  # pages written since the last move in: no host copy yet
+    report(checksum=checksum, written=w.sum().item(), read_resident_s=resident, **compute())
+    sys.stdin.readline()  # the parent has swapped out and in again
+    report(checksum=w.sum().item())
     sys.stdin.readline()  # the parent has swapped out once more
     report(read_swapped_s=timed_read(w))
 
