@@ -148,6 +148,33 @@ static void unreserve(uint64_t n) { __atomic_fetch_sub(&g_ctl->used_bytes, n, __
 
 static void start_swapper(void);
 
+/* Ranges the process declared it will not write again (a model's weights, through
+ * omni_read_only): moved so that the host keeps its copy (see move_all). */
+#define MAX_READ_ONLY 16384
+struct range {
+    uint64_t start, size;
+};
+static struct range g_read_only[MAX_READ_ONLY];
+static int g_n_read_only;
+
+static void forget_read_only(uint64_t key, uint64_t size) { /* under g_lock: freed */
+    for (int i = 0; i < g_n_read_only;)
+        if (g_read_only[i].start >= key && g_read_only[i].start < key + size)
+            g_read_only[i] = g_read_only[--g_n_read_only];
+        else
+            i++;
+}
+
+/* The process says [ptr, ptr + size) will not be written again while it is allocated;
+ * 0 if recorded, -1 if the table is full (the range is then moved as any other). */
+EXPORT int omni_read_only(uint64_t ptr, uint64_t size) {
+    pthread_mutex_lock(&g_lock);
+    int ok = g_n_read_only < MAX_READ_ONLY;
+    if (ok) g_read_only[g_n_read_only++] = (struct range){ptr, size};
+    pthread_mutex_unlock(&g_lock);
+    return ok ? 0 : -1;
+}
+
 static void track(uint64_t key, uint64_t size, int is_managed) {
     pthread_mutex_lock(&g_lock);
     int ok = table_put(key, size | (is_managed ? FLAG_MANAGED : 0));
@@ -167,6 +194,7 @@ static uint64_t untrack(uint64_t key) {
     uint64_t size = 0;
     pthread_mutex_lock(&g_lock);
     int found = table_take(key, &size);
+    if (found) forget_read_only(key, size & ~FLAG_MANAGED);
     pthread_mutex_unlock(&g_lock);
     if (!found) return 0;
     unreserve(size & ~FLAG_MANAGED);
@@ -674,14 +702,12 @@ static int swap_streams(void) {
 
 /* Move every live unified allocation to `target` (GPU or host) and wait for it.
  *
- * Moves keep a host copy of what has not changed: each move marks the memory read-mostly
- * and prefetches it, so a move in leaves the host copy in place (the GPU gets its own),
- * and a move out copies only the pages written on the GPU since (a write drops the
- * other copies), then unmarks it, which drops the GPU copies without copying. Weights
- * and a cache that held little cost a swap-out almost nothing after their first: on
- * the H100, 1 GiB left the GPU in 16 ms this way against 100 ms by copying. The price:
- * the first write to each page after a move in takes a fault, and an instance that has
- * been swapped keeps its host copy while resident. */
+ * What the process declared read-only (its weights) keeps a host copy: marked
+ * read-mostly before each move, a move in makes a GPU copy beside the host's, and a move
+ * out finds the host copy there (nothing to copy) and unmarks the range, which drops the
+ * GPU copy. On the H100, 1 GiB left the GPU in 16 ms this way against 100 ms copied.
+ * (Everything read-mostly was tried too: each write to such a page faults, and the
+ * engine's cache and activations made serving many times slower.) */
 static CUresult move_all(uint32_t target, uint64_t *moved) {
     cuCtxSetCurrent_t set_ctx = (cuCtxSetCurrent_t)driver("cuCtxSetCurrent");
     cuCtxGetDevice_t get_dev = (cuCtxGetDevice_t)driver("cuCtxGetDevice");
@@ -705,13 +731,12 @@ static CUresult move_all(uint32_t target, uint64_t *moved) {
     *moved = 0;
     uint64_t chunks = 0;
     pthread_mutex_lock(&g_lock); /* allocations wait while we enqueue; cheap */
+    for (int r = 0; advise && r < g_n_read_only; r++) /* before the prefetches below */
+        advise(g_read_only[r].start, g_read_only[r].size, CU_MEM_ADVISE_SET_READ_MOSTLY, loc);
     for (uint64_t i = 0; g_table && i < TABLE_SIZE && rc == CUDA_SUCCESS; i++) {
         if (!g_table[i].key || !(g_table[i].size & FLAG_MANAGED)) continue;
         size_t size = g_table[i].size & ~FLAG_MANAGED;
-        if (advise) {
-            advise(g_table[i].key, size, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, loc);
-            advise(g_table[i].key, size, CU_MEM_ADVISE_SET_READ_MOSTLY, loc);
-        }
+        if (advise) advise(g_table[i].key, size, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, loc);
         for (size_t off = 0; off < size && rc == CUDA_SUCCESS; off += SWAP_CHUNK) {
             size_t n = size - off < SWAP_CHUNK ? size - off : SWAP_CHUNK;
             rc = prefetch(g_table[i].key + off, n, loc, 0, streams[chunks++ % n_streams]);
@@ -725,12 +750,11 @@ static CUresult move_all(uint32_t target, uint64_t *moved) {
         if (sync_rc == CUDA_SUCCESS) sync_rc = r;
     }
     if (rc == CUDA_SUCCESS && sync_rc == CUDA_SUCCESS && target == OMNI_RES_HOST && advise) {
-        /* every page has its host copy now: one copy each, on the host (preferred) */
+        /* the read-only ranges have their host copy now: keep that one (preferred) */
         pthread_mutex_lock(&g_lock);
-        for (uint64_t i = 0; g_table && i < TABLE_SIZE; i++)
-            if (g_table[i].key && (g_table[i].size & FLAG_MANAGED))
-                advise(g_table[i].key, g_table[i].size & ~FLAG_MANAGED,
-                       CU_MEM_ADVISE_UNSET_READ_MOSTLY, loc);
+        for (int r = 0; r < g_n_read_only; r++)
+            advise(g_read_only[r].start, g_read_only[r].size, CU_MEM_ADVISE_UNSET_READ_MOSTLY,
+                   loc);
         pthread_mutex_unlock(&g_lock);
     }
     return rc != CUDA_SUCCESS ? rc : sync_rc;

@@ -84,6 +84,12 @@ def build_app(name: str, ckpt: Checkpoint, handoff_dir: Path | None = None) -> w
         spec = os.environ.get(SPECULATIVE_ENV)
         speculative = SpecConfig(**json.loads(spec)) if spec else None
         draft = load_draft(speculative, model, ckpt.path)
+        if on_gpu and os.environ.get(CONTROL_ENV):  # swaps keep the weights' host copy
+            from omni.cudashim.read_only import declare_read_only
+
+            drafter = draft[0] if isinstance(draft, tuple) else draft  # (EAGLE-3: head, taps)
+            weights = [*model.parameters(), *(drafter.parameters() if drafter else ())]
+            log.info("%.2f GiB of weights declared read-only", declare_read_only(weights) / 2**30)
         engine = Engine(
             model,
             TextTokenizer(ckpt),

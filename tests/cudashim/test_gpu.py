@@ -110,4 +110,6 @@ def test_swap_moves_the_memory_off_the_gpu_and_back(tmp_path, quota):
     assert r["checksum"] == ready["checksum"]  # the same data after the round trip
     # ... and what was written after it (pages whose host copy went stale) too
     assert rewritten["checksum"] == r["written"] != r["checksum"]
+    # memory declared read-only (its host copy kept across the moves) is intact too
+    assert ready["declared"] > 0 and rewritten["ro"] == ready["ro"]
     assert r["gemm_err"] < 1e-1 and r["llama_err"] < 1e-3

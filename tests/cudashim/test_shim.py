@@ -115,24 +115,10 @@ def test_swap_out_and_in_prefetch_every_live_allocation(fake, tmp_path):
         assert out.bytes == sum(sizes) and block.residency == Residency.HOST
         moved_out = re.findall(r"^prefetch (\S+) (\d+) host$", log.read_text(), re.M)
         assert sorted(moved_out) == sorted(zip(ptrs, map(str, sizes), strict=True))
-        # each marked read-mostly before its copy to the host (so pages that already have
-        # one are not copied), then unmarked after all copies: the GPU copies dropped
-        lines = log.read_text().splitlines()
-        for ptr, size in moved_out:
-            marked = lines.index(f"advise {ptr} {size} 1 host")
-            copied = next(i for i, x in enumerate(lines) if x.startswith(f"prefetch {ptr} "))
-            unmarked = lines.index(f"advise {ptr} {size} 2 host")
-            assert marked < copied < unmarked
-        assert max(lines.index(f"advise {p} {n} 2 host") for p, n in moved_out) > max(
-            i for i, x in enumerate(lines) if x.startswith("cuStreamSynchronize")
-        )
         back = swap_in(block, timeout_s=10)
         assert back.bytes == sum(sizes) and block.residency == Residency.GPU
         moved_in = re.findall(r"^prefetch (\S+) (\d+) device$", log.read_text(), re.M)
         assert sorted(moved_in) == sorted(moved_out)
-        text = log.read_text()  # marked again on the way in: the host copies stay
-        assert all(f"advise {p} {n} 1 device" in text for p, n in moved_in)
-        assert text.count(" 2 device") == 0  # and not unmarked there
         text = log.read_text()
         assert text.count("cuStreamSynchronize") >= 2  # each move waited for its copies
         assert block._ctl.ack_seq == 2 and block._ctl.last_swap_error == 0

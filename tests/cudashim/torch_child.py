@@ -100,15 +100,21 @@ def scenario_swap(quota: int) -> None:
     torch.manual_seed(2)
     w = torch.randn(quota // 2 // 4, device="cuda")  # half the quota, in float32
     checksum = w.sum().item()  # in place: a float64 copy would not fit the quota
+    from omni.cudashim.read_only import declare_read_only
+
+    ro = torch.randn(quota // 8 // 4, device="cuda")  # weights: their host copy is kept
+    declared = declare_read_only([ro])
     timed_read(w)
-    report(ready=True, bytes=w.numel() * 4, checksum=checksum)
+    report(
+        ready=True, bytes=w.numel() * 4, checksum=checksum, declared=declared, ro=ro.sum().item()
+    )
     sys.stdin.readline()  # the parent has swapped out and in again
     resident = timed_read(w)
     checksum = w.sum().item()
     w[: w.numel() // 3].mul_(2)  # pages written since the last move in: no host copy yet
     report(checksum=checksum, written=w.sum().item(), read_resident_s=resident, **compute())
     sys.stdin.readline()  # the parent has swapped out and in again
-    report(checksum=w.sum().item())
+    report(checksum=w.sum().item(), ro=ro.sum().item())
     sys.stdin.readline()  # the parent has swapped out once more
     report(read_swapped_s=timed_read(w))
 
