@@ -83,6 +83,15 @@ def test_a_client_cannot_name_a_handoff_and_bad_input_stays_a_400(node):
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
 
 
+def test_a_served_name_missing_a_side_is_a_503_with_retry_after(node):
+    with node.admin() as c:  # (the last test here: it unloads the decode side)
+        assert c.delete("/v1/models/m-decode").status_code == 200
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": 2}
+    r = httpx.post(f"{node.base_url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 503 and "no decode instance" in r.json()["error"]["message"]
+    assert r.headers["Retry-After"] == "5"
+
+
 def test_a_disaggregated_model_needs_both_sides_of_one_checkpoint(tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     for d in (a, b):

@@ -69,6 +69,9 @@ def listing(instances: dict[str, Instance], name: str) -> dict:
 async def serve(node, request: web.Request, body: bytes, name: str, on_usage) -> web.StreamResponse:
     """One request for the disaggregated model `name` (`node`: omnid's Node)."""
     by_role = sides(node.instances, name)
+    missing = [role for role in ("prefill", "decode") if not by_role.get(role)]
+    if missing:  # a side unloaded through the admin API
+        raise unavailable(f"Model '{name}' has no {missing[0]} instance on this node.", 5)
     prefill = pick_prefill(by_role["prefill"])
     decode = pick_decode(by_role["decode"])
     for inst in (prefill, decode):
