@@ -364,6 +364,7 @@ class Engine:
             max_tokens=params.max_tokens,
             imported=request.kv_import,
         )
+        request.kv_import = []  # (the sequence lets go of them once they are in its blocks)
         if not self.scheduler.fits(seq):
             emit(
                 StepOutput(

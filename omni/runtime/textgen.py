@@ -282,8 +282,10 @@ class TextGenRoutes:
             handoff = await asyncio.to_thread(kv_transfer.read, path)
             runner = self.engine.runner
             handoff.check(gen.principal, gen.prompt_ids, runner.block_shape, runner.kv_dtype)
-        except kv_transfer.HandoffError as exc:
-            raise ApiError(400, f"KV handoff refused: {exc}") from None
+        except kv_transfer.HandoffError as exc:  # omnid's handoff, not the client's fault
+            raise ApiError(
+                503, f"KV handoff refused: {exc}", code="kv_handoff_failed", retry_after=1
+            ) from None
         finally:
             path.unlink(missing_ok=True)
         gen.kv_import = handoff.payloads()
