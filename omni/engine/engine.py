@@ -380,7 +380,12 @@ class Engine:
                 )
             )
             return
-        state = self._start(request, emit, seq, 0)
+        try:
+            state = self._start(request, emit, seq, 0)
+        except Exception as exc:  # its grammar's set-up, say: that request fails, not hangs
+            log.exception("request %d could not start", request.request_id)
+            emit(StepOutput("", [], True, "error", len(seq.token_ids), error=str(exc)))
+            return
         state.forks = params.n - 1  # forked once the prompt is computed, sharing its KV
         self.scheduler.add(seq)
 

@@ -4,6 +4,10 @@ the adaptive k."""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+
 import pytest
 import torch
 
@@ -117,20 +121,48 @@ def chat(engine: Engine, text: str) -> list[int]:
     return engine.tokenizer.encode_chat([{"role": "user", "content": text}])
 
 
-def test_greedy_outputs_are_identical_with_speculation(engines):
+def started(work: Callable[[], object]) -> Future:
+    """`work` begun on a thread of its own, .result() waiting for what it returns: plain
+    decoding's reference run on one engine while a test speculates on another (each
+    engine batches only its own requests, so neither run's outputs change)."""
+    future = Future()
+
+    def run():
+        try:
+            future.set_result(work())
+        except BaseException as exc:  # re-raised by .result()
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="plain-reference", daemon=True).start()
+    return future
+
+
+@pytest.fixture(scope="module")
+def plain_greedy(engines) -> Future:
+    """Plain decoding's greedy tokens for each of TASKS, batched, 60 at most (.result()):
+    what every speculating engine below must emit. Run once for the module, while the
+    first test speculates; a test that asks for fewer tokens compares with their first
+    ones (greedy, a shorter run stops there: the same batch, step by step, until then)."""
+    plain, _ = engines
+    prompts = [chat(plain, t) for t in TASKS]
+    params = SamplingParams(max_tokens=60, temperature=0.0)
+    return started(lambda: [tokens(s) for s in run_requests(plain, prompts, params)])
+
+
+def test_greedy_outputs_are_identical_with_speculation(engines, plain_greedy):
     """Each task alone and all together (batched verify rows): the very tokens plain
     decoding emits, with most of them from accepted proposals. (On the GPU the kernels
     are batch-invariant, so a verify row's logits are a decode row's bits; torch's CPU
     matmul may differ in the last bits with the rows, which would flip a pick only
     between two logits within ~1e-6 of each other.)"""
-    plain, spec = engines
-    prompts = [chat(plain, t) for t in TASKS]
+    _, spec = engines
+    prompts = [chat(spec, t) for t in TASKS]
     params = SamplingParams(max_tokens=60, temperature=0.0)
-    want = [tokens(s) for s in run_requests(plain, prompts, params)]
-    for prompt, expected in zip(prompts, want, strict=True):
-        (alone,) = run_requests(spec, [prompt], params)
-        assert tokens(alone) == expected
+    alone = [tokens(run_requests(spec, [prompt], params)[0]) for prompt in prompts]
     together = [tokens(s) for s in run_requests(spec, prompts, params)]
+    want = plain_greedy.result()
+    for got, expected in zip(alone, want, strict=True):
+        assert got == expected
     assert together == want
     stats = spec.stats()
     assert stats["spec_steps"] > 0 and stats["spec_accepted_tokens"] > 30, stats
@@ -141,7 +173,8 @@ def test_speculation_keeps_stops_limits_and_logprobs(engines):
     plain, spec = engines
     prompt = chat(plain, TASKS[0])
     params = SamplingParams(max_tokens=23, temperature=0.0, logprobs=2, stop=["calm"])
-    (a,), (b,) = run_requests(plain, [prompt], params), run_requests(spec, [prompt], params)
+    reference = started(lambda: run_requests(plain, [prompt], params))
+    (b,), (a,) = run_requests(spec, [prompt], params), reference.result()
     assert tokens(a) == tokens(b) and a[-1].finish_reason == b[-1].finish_reason
     assert "".join(s.text for s in a) == "".join(s.text for s in b)
     for x, y in zip(a, b, strict=True):  # (torch's CPU matmul: last bits follow the rows)
@@ -208,6 +241,12 @@ def test_structured_outputs_speculate_within_their_grammar(engines, temperature)
         seed=3,
         grammar=GrammarSpec.json_schema(PEOPLE_SCHEMA),
     )
+    if temperature == 0.0:
+        # compiled here, as a server does before submitting: the engines' grammar set-ups
+        # (transformers' lazy imports) are then not run on two threads at once
+        for engine in engines:
+            engine.check_grammar(params.grammar)
+        reference = started(lambda: run_requests(plain, [prompt], params))
     before = spec.stats()["spec_accepted_tokens"]
     (got,) = run_requests(spec, [prompt], params)
     text = "".join(s.text for s in got)
@@ -215,7 +254,7 @@ def test_structured_outputs_speculate_within_their_grammar(engines, temperature)
     assert all({"name", "city", "job"} <= set(r) for r in json.loads(text))
     assert spec.stats()["spec_accepted_tokens"] - before > 10
     if temperature == 0.0:
-        (want,) = run_requests(plain, [prompt], params)
+        (want,) = reference.result()
         assert tokens(got) == tokens(want)
 
 
@@ -236,7 +275,10 @@ def test_a_grammar_overrides_what_the_model_would_pick(engines):
         'Answer in JSON: {"colour": ...}.',
     )
     params = SamplingParams(max_tokens=40, temperature=0.0, grammar=GrammarSpec.json_schema(schema))
-    (want,), (got,) = run_requests(plain, [prompt], params), run_requests(spec, [prompt], params)
+    for engine in engines:  # compiled here, as in the test above
+        engine.check_grammar(params.grammar)
+    reference = started(lambda: run_requests(plain, [prompt], params))
+    (got,), (want,) = run_requests(spec, [prompt], params), reference.result()
     assert got[-1].finish_reason == "stop" and tokens(got) == tokens(want)
     assert "zebra" in "".join(s.text for s in got)
 
@@ -257,7 +299,7 @@ def smollm2(text_model_dir):
     return LlamaForCausalLM.load(ckpt), ckpt
 
 
-def test_a_draft_model_keeps_its_cache_in_the_targets_blocks(smollm2, engines):
+def test_a_draft_model_keeps_its_cache_in_the_targets_blocks(smollm2, engines, plain_greedy):
     """The model as its own draft: every proposal is what the target picks, so anything
     wrong in the draft's K/V (its catch-up after a verify step, its rollback, a prefix
     block it trusts) shows as a rejected proposal. A prompt's blocks cached by a request
@@ -269,7 +311,7 @@ def test_a_draft_model_keeps_its_cache_in_the_targets_blocks(smollm2, engines):
     try:
         prompts = [chat(plain, t) for t in TASKS]
         params = SamplingParams(max_tokens=24, temperature=0.0)
-        want = [tokens(s) for s in run_requests(plain, prompts, params)]
+        want = [w[:24] for w in plain_greedy.result()]
         run_requests(spec, prompts[:1], SamplingParams(max_tokens=1))  # caches the prompt
         assert spec.proposer.caught_up_tokens == 0
         got = [tokens(s) for s in run_requests(spec, prompts, params)]
@@ -289,7 +331,7 @@ def test_a_draft_model_keeps_its_cache_in_the_targets_blocks(smollm2, engines):
         spec.shutdown()
 
 
-def test_a_weaker_draft_model_changes_no_token(smollm2, engines, tmp_path):
+def test_a_weaker_draft_model_changes_no_token(smollm2, engines, plain_greedy, tmp_path):
     """A draft of the model's first 12 layers proposes what the target often refuses:
     the outputs, batched, greedy and seeded, stay plain decoding's."""
     model, ckpt = smollm2
@@ -299,7 +341,7 @@ def test_a_weaker_draft_model_changes_no_token(smollm2, engines, tmp_path):
     try:
         prompts = [chat(plain, t) for t in TASKS]
         greedy = SamplingParams(max_tokens=16, temperature=0.0)
-        want = [tokens(s) for s in run_requests(plain, prompts, greedy)]
+        want = [w[:16] for w in plain_greedy.result()]
         assert [tokens(s) for s in run_requests(spec, prompts, greedy)] == want
         stats = spec.stats()
         assert (
@@ -390,7 +432,7 @@ def eagle_head(smollm2, tmp_path_factory):
     return eagle3_head(tmp_path_factory.mktemp("eagle3"), model.cfg, draft_vocab=4096)
 
 
-def test_eagle3_drafts_as_the_paper_defines_them(smollm2, engines, eagle_head):
+def test_eagle3_drafts_as_the_paper_defines_them(smollm2, engines, plain_greedy, eagle_head):
     """An EAGLE-3 head in the published format, random: its proposals inside the engine
     (features kept from prefill, decode and verify steps, caught up after each, draft
     K/V in the target's blocks) against the dense reference at the same tokens. The
@@ -406,7 +448,7 @@ def test_eagle3_drafts_as_the_paper_defines_them(smollm2, engines, eagle_head):
             head.lm_head.weight.mul_(50)  # clear winners: no near-ties between two sums
         prompt = chat(plain, TASKS[2])
         params = SamplingParams(max_tokens=24, temperature=0.0)
-        want = tokens(run_requests(plain, [prompt], params)[0])
+        want = plain_greedy.result()[2][:24]
         calls, propose = [], spec.proposer.propose
 
         def steered(seqs, ks):
@@ -425,14 +467,14 @@ def test_eagle3_drafts_as_the_paper_defines_them(smollm2, engines, eagle_head):
         spec.shutdown()
 
 
-def test_eagle3_speculation_changes_no_token(smollm2, engines, eagle_head):
+def test_eagle3_speculation_changes_no_token(smollm2, engines, plain_greedy, eagle_head):
     model, ckpt = smollm2
     plain, _ = engines
     spec = speculating(model, ckpt, SpecConfig(method="eagle3", k=4, path=str(eagle_head)))
     try:
         prompts = [chat(plain, t) for t in TASKS[1:]]
         params = SamplingParams(max_tokens=16, temperature=0.0)
-        want = [tokens(s) for s in run_requests(plain, prompts, params)]
+        want = [w[:16] for w in plain_greedy.result()[1:]]
         assert [tokens(s) for s in run_requests(spec, prompts, params)] == want
         assert spec.stats()["spec_steps"] > 0
     finally:
