@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 import uuid
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -85,18 +86,10 @@ class Disaggregated:
     async def serve(self, rec: Rec, prompt: list[int], params: SamplingParams) -> list[int]:
         who = f"s{rec.session}"
         t0 = time.perf_counter()
-        size = self.prefill.runner.block_size
-        blocks = (len(prompt) - 1) // size
         request = GenerationRequest(prompt, params, who)
-        if blocks:
-            cut = prompt[: blocks * size]
-            first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-            gen = GenerationRequest(cut, first, who, export_blocks=blocks)
-            last = None
-            async for out in self.prefill.stream(gen):
-                last = out
+        handoff = await self.prefill.prefill_handoff(prompt, who)
+        if handoff is not None:
             path = kv_transfer.handoff_path(self.shm, uuid.uuid4().hex)
-            handoff = kv_transfer.Handoff(who, cut, last.cached_tokens, *last.kv)
             await asyncio.to_thread(kv_transfer.write, path, handoff)
             moved = await asyncio.to_thread(kv_transfer.read, path)
             path.unlink()
@@ -220,7 +213,7 @@ def part_disaggregated(ckpt, args, vocab: int) -> dict:
     for name in ("colocated x2", "1 prefill + 1 decode"):
         engines = []
         for model, device in zip(models, devices, strict=True):
-            with torch.cuda.device(device) if device.startswith("cuda") else _nothing():
+            with torch.cuda.device(device) if device.startswith("cuda") else nullcontext():
                 engines.append(make_engine(model, tok, args, pool))
         server = (
             Colocated(engines) if name.startswith("colocated") else Disaggregated(*engines, shm)
@@ -233,14 +226,6 @@ def part_disaggregated(ckpt, args, vocab: int) -> dict:
                 engine.shutdown()
         print(f"  {name}: done in {wall:.1f}s", flush=True)
     return out
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def print_table(res: dict) -> None:

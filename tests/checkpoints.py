@@ -51,6 +51,24 @@ def random_llama(cfg: LlamaConfig, seed: int = 0) -> LlamaForCausalLM:
     return model
 
 
+SMALL_LLAMA = LlamaConfig(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    max_position=2048,
+)
+
+
+def small_random_llama(directory: Path) -> tuple[LlamaForCausalLM, TextTokenizer]:
+    """SMALL_LLAMA with random weights on the GPU, and a word-level tokenizer for it: the
+    GPU twins of the CPU engine tests that need a model, not a real one."""
+    return random_llama(SMALL_LLAMA), text_tokenizer(directory, SMALL_LLAMA.vocab_size)
+
+
 def tiny_llama(path: Path) -> Path:
     """A random 2-layer Llama with a word-level tokenizer ("t0".."t95"), world-readable.
     No EOS token: it generates exactly max_tokens, so tests control how long it runs."""

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import kv_transfer
 from .block_manager import BlockManager
 from .grammar import Constraint, Grammars, GrammarSpec
 from .kernels import builds
@@ -288,6 +289,26 @@ class Engine:
         self._thread.join(timeout=5)
         if self.tier is not None:
             self.tier.close()  # the disk tier's files
+
+    async def prefill_handoff(
+        self, prompt: list[int], principal: str
+    ) -> kv_transfer.Handoff | None:
+        """Disaggregated serving's first half (kv_transfer.py): compute the prompt's full
+        blocks short of the one with its last token, and their K/V for a decode instance
+        (None: too short to be worth moving; the decode instance computes it)."""
+        size = self.runner.block_size
+        blocks = (len(prompt) - 1) // size
+        if blocks == 0:
+            return None
+        cut = prompt[: blocks * size]
+        first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        request = GenerationRequest(cut, first, principal, export_blocks=blocks)
+        last = None
+        async for out in self.stream(request):
+            last = out
+        if last is None or last.kv is None:
+            raise RuntimeError(f"prefill failed: {last.error if last else 'no output'}")
+        return kv_transfer.Handoff(principal, cut, last.cached_tokens, *last.kv)
 
     async def stream(self, request: GenerationRequest) -> AsyncIterator[StepOutput]:
         """Yield the request's outputs (of all its n sequences) until each has finished,

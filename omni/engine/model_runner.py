@@ -147,7 +147,9 @@ class ModelRunner:
         # (OMNI_CUDA_GRAPHS=0: neither)
         self.graphs: DecodeGraphs | None = None
         self.mixed: MixedGraphs | None = None
-        self._pinned: PinnedBlocks | None = None  # read_block's buffers (GPU)
+        # read_block's buffers (GPU): slabs pinned on first use, or at warm-up
+        cuda = self.device.type == "cuda"
+        self._pinned = PinnedBlocks(self.block_shape, self.kv_dtype) if cuda else None
         if graphs and self.device.type == "cuda" and os.environ.get("OMNI_CUDA_GRAPHS", "1") != "0":
             max_tokens = min(cfg.max_position, self.num_blocks * block_size)
             max_blocks = -(-max_tokens // block_size)
@@ -175,8 +177,6 @@ class ModelRunner:
         into pinned buffers that `recycle` takes back)."""
         if self.device.type != "cuda":
             return self.k_cache[:, block].clone(), self.v_cache[:, block].clone()
-        if self._pinned is None:
-            self._pinned = PinnedBlocks(self.block_shape, self.kv_dtype)
         out = self._pinned.get()
         for dst, cache in zip(out, (self.k_cache, self.v_cache), strict=True):
             dst.copy_(cache[:, block], non_blocking=True)
@@ -185,10 +185,8 @@ class ModelRunner:
     def pinned_slab_tasks(self, budget_bytes: int) -> list[Callable[[], None]]:
         """Work that pins the host tier's buffers up front (`budget_bytes` of blocks),
         one slab a task; none on the CPU."""
-        if self.device.type != "cuda" or budget_bytes <= 0:
+        if self._pinned is None or budget_bytes <= 0:
             return []
-        if self._pinned is None:
-            self._pinned = PinnedBlocks(self.block_shape, self.kv_dtype)
         per_block = 2 * self.k_cache[:, 0].numel() * self.k_cache.element_size()
         slabs = -(-budget_bytes // per_block) // PinnedBlocks.SLAB_BLOCKS + 1
         return [self._pinned.add_slab] * slabs

@@ -248,28 +248,15 @@ class TextGenRoutes:
         the one with its last token and write their K/V for a decode instance."""
         path = self._handoff_path(handoff_id)
         t0 = time.monotonic()
-        size = self.engine.runner.block_size
-        blocks = (len(prompt) - 1) // size
-        if blocks == 0:  # too short to be worth moving: the decode instance computes it
+        handoff = await self.engine.prefill_handoff(prompt, who)
+        if handoff is None:  # too short to be worth moving
             return json_response({"blocks": 0, "bytes": 0, "cached_tokens": 0})
-        gen = GenerationRequest(
-            prompt[: blocks * size],
-            SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True),
-            who,
-            export_blocks=blocks,
-        )
-        last = None
-        async for out in self.engine.stream(gen):
-            last = out
-        if last is None or last.kv is None:
-            raise RuntimeError(f"prefill failed: {last.error if last else 'no output'}")
-        handoff = kv_transfer.Handoff(who, gen.prompt_ids, last.cached_tokens, *last.kv)
         nbytes = await asyncio.to_thread(kv_transfer.write, path, handoff)
         return json_response(
             {
-                "blocks": blocks,
+                "blocks": handoff.k.shape[1],
                 "bytes": nbytes,
-                "cached_tokens": last.cached_tokens,
+                "cached_tokens": handoff.cached_tokens,
                 "seconds": time.monotonic() - t0,
             }
         )

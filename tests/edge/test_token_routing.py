@@ -4,7 +4,6 @@ kept on the node that holds their KV, and the load each node reports in /v1/mode
 from __future__ import annotations
 
 import asyncio
-import random
 from collections import Counter
 
 import aiohttp
@@ -13,16 +12,11 @@ from aiohttp import web
 from edge.nodes import KV_HIGH_WATER, Node, NodeSet
 from edge.server import estimate_prompt_tokens
 
-
-def node_set(n: int, permits: int = 8, seed: int = 0) -> NodeSet:
-    nodes = NodeSet([f"http://n{i}" for i in range(n)], rng=random.Random(seed))
-    for node in nodes.nodes:
-        node.models = {"m": permits}
-    return nodes
+from .test_nodes import node_set
 
 
 def test_a_long_prompt_avoids_the_node_with_a_deep_prefill_queue():
-    nodes = node_set(2)
+    nodes = node_set(2, permits=8)
     busy, idle = nodes.nodes
     busy.load["m"] = (200_000, 0.3)
     idle.load["m"] = (0, 0.3)
@@ -31,7 +25,7 @@ def test_a_long_prompt_avoids_the_node_with_a_deep_prefill_queue():
 
 
 def test_a_node_with_its_kv_cache_nearly_full_loses():
-    nodes = node_set(2, seed=1)
+    nodes = node_set(2, permits=8, seed=1)
     full, roomy = nodes.nodes
     full.load["m"], roomy.load["m"] = (0, 0.97), (0, 0.2)
     picks = Counter(nodes.pick("m", prompt_tokens=500).url for _ in range(400))
@@ -39,7 +33,7 @@ def test_a_node_with_its_kv_cache_nearly_full_loses():
 
 
 def test_the_edges_own_prompt_tokens_in_flight_count_before_the_next_poll():
-    nodes = node_set(2, seed=2)
+    nodes = node_set(2, permits=8, seed=2)
     loaded, alike = nodes.nodes
     nodes.started(loaded, "m", prompt_tokens=50_000)
     picks = Counter(nodes.pick("m", prompt_tokens=1_000).url for _ in range(400))
@@ -51,7 +45,7 @@ def test_the_edges_own_prompt_tokens_in_flight_count_before_the_next_poll():
 
 
 def test_a_session_stays_on_its_kv_node_until_that_cache_is_past_the_high_water_mark():
-    nodes = node_set(4, seed=3)
+    nodes = node_set(4, permits=8, seed=3)
     home = nodes.pick("m", "chat-1", prompt_tokens=2_000)
     for node in nodes.nodes:  # moderate load everywhere, the home node the busiest
         node.load["m"] = (5_000, 0.6)

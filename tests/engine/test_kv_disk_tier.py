@@ -182,20 +182,9 @@ def test_the_disk_tier_on_the_gpu_gives_back_what_recomputing_gives(tmp_path):
     """On the GPU (a random Llama), a prompt's eviction of many blocks at once drops pinned
     copies to disk while they may still be on their way: what comes back is what was
     computed."""
-    from omni.engine.llama import LlamaConfig
-    from tests.checkpoints import random_llama, text_tokenizer
+    from tests.checkpoints import small_random_llama
 
-    cfg = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        max_position=2048,
-    )
-    model, tok = random_llama(cfg), text_tokenizer(tmp_path, cfg.vocab_size)
+    model, tok = small_random_llama(tmp_path)
     size = kv_bytes_per_block(model, 16)
 
     def run(**tiers) -> tuple[list[int], list[int], int, dict]:

@@ -90,20 +90,9 @@ def test_the_host_tier_on_the_gpu_gives_back_what_recomputing_gives(tmp_path):
     copies and come back in stream order, ahead of the step that reads them."""
     import torch
 
-    from omni.engine.llama import LlamaConfig
-    from tests.checkpoints import random_llama, text_tokenizer
+    from tests.checkpoints import small_random_llama
 
-    cfg = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        max_position=2048,
-    )
-    model, tok = random_llama(cfg), text_tokenizer(tmp_path, cfg.vocab_size)
+    model, tok = small_random_llama(tmp_path)
     gen = torch.Generator().manual_seed(7)
 
     def run(engine: Engine) -> dict:

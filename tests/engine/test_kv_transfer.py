@@ -4,6 +4,7 @@ and seeded; the handoff goes only to the request it was written for."""
 
 from __future__ import annotations
 
+import asyncio
 import queue
 
 import pytest
@@ -38,14 +39,7 @@ def run(engine: Engine, request: GenerationRequest) -> list[StepOutput]:
 
 def handoff(prefill: Engine, prompt: list[int], principal: str, path) -> kv_transfer.Handoff:
     """What the prefill side does: its full blocks short of the last token's, on disk."""
-    n = (len(prompt) - 1) // prefill.runner.block_size
-    cut = prompt[: n * prefill.runner.block_size]
-    request = GenerationRequest(
-        cut, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True), principal
-    )
-    request.export_blocks = n
-    last = run(prefill, request)[-1]
-    kv_transfer.write(path, kv_transfer.Handoff(principal, cut, last.cached_tokens, *last.kv))
+    kv_transfer.write(path, asyncio.run(prefill.prefill_handoff(prompt, principal)))
     return kv_transfer.read(path)
 
 
@@ -101,20 +95,9 @@ def test_a_handoff_goes_only_to_its_own_request(engines, tmp_path):
 def test_a_handoff_on_the_gpu_decodes_as_on_one_engine(tmp_path):
     """The same on the GPU, a random Llama in bf16: blocks leave through a gather and a
     copy to the host, and come back ahead of the step that reads them."""
-    from omni.engine.llama import LlamaConfig
-    from tests.checkpoints import random_llama, text_tokenizer
+    from tests.checkpoints import small_random_llama
 
-    cfg = LlamaConfig(
-        vocab_size=1024,
-        hidden_size=256,
-        intermediate_size=512,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=64,
-        max_position=2048,
-    )
-    model, tok = random_llama(cfg), text_tokenizer(tmp_path, cfg.vocab_size)
+    model, tok = small_random_llama(tmp_path)
     prompt = torch.randint(0, 1024, (300,), generator=torch.Generator().manual_seed(3)).tolist()
     made = [Engine(model, tok, num_blocks=64, max_batch_tokens=256) for _ in range(3)]
     one, prefill, decode = made
