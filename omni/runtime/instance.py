@@ -159,7 +159,7 @@ class Instance:
         self.state = State.STOPPED
         self.started_at: float | None = None  # when it last became ready
         self.restarts = 0
-        self.engine_stats: dict = {}  # speculation's and the KV host tier's, from its health
+        self.engine_stats: dict = {}  # ENGINE_STATS from its health checks
         self.last_exit: str | None = None
         self.retry_at: float | None = None  # monotonic time of the next start, in backoff
         self._ready = asyncio.Event()
