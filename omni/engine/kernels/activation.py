@@ -7,6 +7,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from .pdl import pdl_options, wait_for_inputs
 from .rows import empty_rows
 
 
@@ -16,7 +17,8 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -31,5 +33,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, 2 * n).contiguous()
     out = empty_rows(x2.shape[0], n, x.dtype, x.device)  # feeds the down projection
     block = min(1024, triton.next_power_of_2(n))
-    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](x2, out, n, BLOCK=block)
+    _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(n, block))](
+        x2, out, n, BLOCK=block, **pdl_options(x.device)
+    )
     return out.view(*x.shape[:-1], n)

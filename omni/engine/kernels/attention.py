@@ -25,6 +25,7 @@ import triton.language as tl
 
 from ..fp8 import FP8
 from .hardware import sm_count
+from .pdl import pdl_options, wait_for_inputs
 from .rows import empty_rows
 
 NEG_INF = tl.constexpr(-1.0e30)  # finite: a fully masked row gives 0, not NaN
@@ -226,7 +227,8 @@ def paged_prefill(
 
 
 # Decode splits. A sequence's context is cut into splits by its own length alone (at most
-# MAX_SPLITS, each at least MIN_SPLIT_TILES tiles of DECODE_TILE tokens), each split's
+# MAX_SPLITS; a short one into a tile each, at least MIN_SPLIT_TILES splits from there, a
+# long one into runs of MIN_SPLIT_TILES tiles of DECODE_TILE tokens), each split's
 # partial result is kept apart and the merge combines them in a fixed order. How many
 # programs share the splits is then free to follow the batch (few sequences: many
 # programs, so a long context is read by the whole GPU) without changing a single bit
@@ -241,9 +243,11 @@ MERGE_LAUNCH = {"num_warps": 1}  # a program merges one row (H100 probe: 135 -> 
 
 @triton.jit
 def _split_layout(length, TILE: tl.constexpr, MAX_S: tl.constexpr, MIN_TILES: tl.constexpr):
-    """(tiles per split, number of splits) of a context of `length` tokens."""
+    """(tiles per split, number of splits) of a context of `length` tokens: a tile per
+    split up to MIN_TILES tiles, then MIN_TILES splits, then splits of MIN_TILES tiles."""
     n_tiles = tl.cdiv(length, TILE)
-    per = tl.cdiv(n_tiles, tl.minimum(MAX_S, tl.cdiv(n_tiles, MIN_TILES)))
+    wanted = tl.maximum(tl.minimum(n_tiles, MIN_TILES), tl.cdiv(n_tiles, MIN_TILES))
+    per = tl.cdiv(n_tiles, tl.minimum(MAX_S, wanted))
     return per, tl.cdiv(n_tiles, per)
 
 
@@ -271,7 +275,9 @@ def _decode_split_kernel(
     MAX_S: tl.constexpr,
     MIN_TILES: tl.constexpr,
     KV_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     b = tl.program_id(0)
     kh = tl.program_id(1)
     qk_scale, v_scale = _head_scales(kv_scale_ptr, kh, n_kv_heads, scale, KV_FP8)
@@ -341,7 +347,9 @@ def _decode_merge_kernel(
     TILE: tl.constexpr,
     MAX_S: tl.constexpr,
     MIN_TILES: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)  # b * q_heads + h
     if row // n_q_heads < tl.load(counts_ptr):  # else a graph's padding: leave it be
         length = tl.load(seq_lens_ptr + row // n_q_heads)
@@ -364,7 +372,7 @@ def _decode_merge_kernel(
 def max_decode_splits(length: int) -> int:
     """The most splits any context of at most `length` tokens is cut into."""
     tiles = -(-length // DECODE_TILE)
-    return min(MAX_SPLITS, -(-tiles // MIN_SPLIT_TILES))
+    return min(MAX_SPLITS, max(min(tiles, MIN_SPLIT_TILES), -(-tiles // MIN_SPLIT_TILES)))
 
 
 def decode_programs(pairs: int, device: torch.device) -> int:
@@ -428,10 +436,12 @@ def paged_decode(
         KV_FP8=kv_scales is not None,
         **SPLIT_LAUNCH,
         **layout,
+        **pdl_options(q.device),
     )
     if out is None:
         out = empty_rows(tokens, n_q * dim, q.dtype, q.device).view(tokens, n_q, dim)  # feeds o
     _decode_merge_kernel[(batch * n_q,)](
-        part, lse, out, seq_lens, counts, n_q, stride, DIM=dim, **MERGE_LAUNCH, **layout
-    )
+        part, lse, out, seq_lens, counts, n_q, stride, DIM=dim, **MERGE_LAUNCH, **layout,
+        **pdl_options(q.device),
+    )  # fmt: skip
     return out

@@ -23,6 +23,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .hardware import capability, sm_count
+from .pdl import pdl_options, wait_for_inputs
 from .rows import TMA_MIN_ROWS, tile_rows
 
 WIDE = 16384  # output columns from which a layer counts as wide (gate/up, lm head)
@@ -146,7 +147,9 @@ def _linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    wait_for_inputs(PDL)
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -240,8 +243,9 @@ def launch_linear(
     bias_arg = bias if bias is not None else weight
     if "persistent" not in cfg:
         _linear_kernel[(tiles,)](
-            x, weight, bias_arg, out, m, n, k, HAS_BIAS=bias is not None, GROUP_M=8, **cfg
-        )
+            x, weight, bias_arg, out, m, n, k, HAS_BIAS=bias is not None, GROUP_M=8,
+            **pdl_options(x.device), **cfg,
+        )  # fmt: skip
         return
     persistent = cfg.pop("persistent")
     # the interpreter (on the CPU): a few programs, each walking several tiles

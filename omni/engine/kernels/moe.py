@@ -14,6 +14,8 @@ import triton
 import triton.language as tl
 from torch.nn import functional as F
 
+from .pdl import pdl_options, wait_for_inputs
+
 
 def route_ref(router_logits: torch.Tensor, k: int, renormalize: bool):
     """(weights [tokens, k] in the logits' dtype, expert ids [tokens, k]): softmax over
@@ -35,9 +37,11 @@ def _route_kernel(
     K_P: tl.constexpr,
     E_P: tl.constexpr,
     RENORMALIZE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """One token: softmax over its experts' logits in fp32, the top K (ties to the lower
     id), optionally rescaled to sum to 1."""
+    wait_for_inputs(PDL)
     t = tl.program_id(0)
     offs = tl.arange(0, E_P)
     ok = offs < EXPERTS
@@ -71,7 +75,7 @@ def route(router_logits: torch.Tensor, k: int, renormalize: bool):
         _route_kernel[(tokens,)](
             router_logits.contiguous(), weights, ids, experts,
             K=k, K_P=triton.next_power_of_2(k), E_P=triton.next_power_of_2(experts),
-            RENORMALIZE=renormalize, num_warps=1,
+            RENORMALIZE=renormalize, num_warps=1, **pdl_options(router_logits.device),
         )  # fmt: skip
     return weights, ids
 
@@ -156,10 +160,12 @@ def _moe_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_SLOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """act[slot] = silu(x[token] @ gate[e].T) * (x[token] @ up[e].T) for a block of slots
     of expert e, BLOCK_N of the intermediate columns. ONE_SLOT: block b is slot b alone
     (its expert: the ids, flat), no grouping at all."""
+    wait_for_inputs(PDL)
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= EXPERTS:
@@ -211,9 +217,11 @@ def _moe_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_SLOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """out[slot] = weight[slot] * (act[slot] @ down[e].T), fp32, for a block of slots of
     expert e and BLOCK_N of the hidden columns."""
+    wait_for_inputs(PDL)
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= EXPERTS:
@@ -280,6 +288,7 @@ def fused_moe(x, gate_up, down, weights, ids, partial: bool = False) -> torch.Te
     slots = tokens * k
     t = dict(MOE_TILES)
     block_m, block_n = t.pop("BLOCK_M"), t.pop("BLOCK_N")
+    t |= pdl_options(x.device)
     one_slot = slots <= ONE_SLOT_MAX
     if one_slot:  # a block per slot: its expert's weights are read once per slot
         rows, block_expert = ids, ids.reshape(-1)  # (rows: unread)
@@ -304,8 +313,11 @@ def fused_moe(x, gate_up, down, weights, ids, partial: bool = False) -> torch.Te
 
 
 @triton.jit
-def _sum_slots_kernel(slots_ptr, out_ptr, HIDDEN, K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_slots_kernel(
+    slots_ptr, out_ptr, HIDDEN, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
     """out[t] = slots[t, 0] + ... + slots[t, K - 1] in fp32, in that order, then cast."""
+    wait_for_inputs(PDL)
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < HIDDEN
@@ -321,5 +333,7 @@ def sum_slots(slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     tokens, k, hidden = slots.shape
     out = torch.empty(tokens, hidden, dtype=dtype, device=slots.device)
     block = 1024
-    _sum_slots_kernel[(tokens, triton.cdiv(hidden, block))](slots, out, hidden, K=k, BLOCK=block)
+    _sum_slots_kernel[(tokens, triton.cdiv(hidden, block))](
+        slots, out, hidden, K=k, BLOCK=block, **pdl_options(slots.device)
+    )
     return out

@@ -6,6 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_options, wait_for_inputs
 from .rows import empty_rows
 
 
@@ -32,7 +33,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -65,5 +68,6 @@ def rms_norm(
         HAS_RESIDUAL=residual is not None,
         BLOCK=block,
         num_warps=min(16, max(1, block // 256)),
+        **pdl_options(x.device),
     )
     return out.view(shape), (res_out.view(shape) if residual is not None else None)

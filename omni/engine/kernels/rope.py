@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from ..fp8 import FP8, FP8_MAX
+from .pdl import pdl_options, wait_for_inputs
 
 E4M3_MAX = tl.constexpr(FP8_MAX)
 
@@ -124,9 +125,11 @@ def _rope_cache_kernel(
     HEADS: tl.constexpr,
     NORM: tl.constexpr,
     KV_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (token, group): HEADS query heads, or HEADS key/value heads after the
     query groups."""
+    wait_for_inputs(PDL)
     t = tl.program_id(0)
     group = tl.program_id(1)
     j = tl.arange(0, BLOCK)
@@ -220,5 +223,6 @@ def rope_and_cache(
         HEADS=HEADS,
         NORM=norms is not None,
         KV_FP8=kv_scales is not None,
+        **pdl_options(q.device),
     )
     return q_out
