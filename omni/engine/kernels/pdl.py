@@ -4,14 +4,15 @@ until it is done before they touch anything.
 
 A small batch's decode step is some 600 short kernels under one CUDA graph, and without
 it each one's start waits for the last one's tail. On the H100, batch-1 decode of the
-Qwen3-30B-A3B shape went from 246.7 to 260.2 tok/s with it (.probe, printed only).
+Qwen3-30B-A3B shape went from 246.7 to 262.5 tok/s with it (.probe, printed only).
 
-The rule every kernel launched with it keeps: `wait_for_inputs` first, on every path
-through the kernel, so that a kernel done means every kernel before it done too. Letting
-the next kernel in before this one's own wait (so that chains of kernels sit waiting)
-was slower (228 tok/s), and so was prefetching the linear layer's weights into L2 before
-the wait (243 tok/s): both take the SMs and memory from the kernel that runs.
-OMNI_PDL=0 turns it off.
+The rule every kernel launched with it keeps: `wait_for_inputs` before it reads or writes
+anything a step writes (only weights may be touched before: the linear layer asks L2 for
+its first tiles), on every path through the kernel, so that a kernel done means every
+kernel before it done too. Letting the next kernel in before this one's own wait (so that
+chains of kernels sit waiting) was slower (228 tok/s), and so was asking L2 for all of the
+linear layer's weights before the wait (243 tok/s): both take the SMs and memory from the
+kernel that runs. OMNI_PDL=0 turns it off.
 """
 
 from __future__ import annotations
