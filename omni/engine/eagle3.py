@@ -29,6 +29,7 @@ from torch import nn
 
 from . import safetensors_reader
 from .checkpoint import CheckpointError
+from .kernels import ops
 from .llama import (
     MLP,
     Attention,
@@ -64,6 +65,8 @@ class HiddenTaps:
             return
         j, n = self.layers.index(layer), x.shape[0]
         out = self.buffer[:n, j * self.hidden : (j + 1) * self.hidden]
+        if x.dim() == 3:  # a MoE layer's unsummed slots (kernels/norm.py)
+            x = ops(x.device).sum_slots(x, residual.dtype)
         if residual is None:
             out.copy_(x)
         else:

@@ -300,6 +300,8 @@ class DecoderLayer(nn.Module):
         tp = self.self_attn.cfg.tp
         h = all_reduce(self.self_attn.o_proj(attended.reshape(attended.shape[0], -1)), tp)
         h, residual = self.post_attention_layernorm(h, residual)
+        if tp == 1 and isinstance(self.mlp, SparseMoE):  # the next norm adds up its slots
+            return self.mlp(h, summed=False), residual
         return all_reduce(self.mlp(h), tp), residual
 
 

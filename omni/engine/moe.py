@@ -77,7 +77,7 @@ def moe_config(model_type: str, c: dict) -> MoEConfig | None:
     return None
 
 
-route = route_ref  # the definition (kernels/moe.py); the GPU path runs ops.route
+route = route_ref  # the definition (kernels/moe.py); the GPU path runs ops.router
 
 
 class Experts(nn.Module):
@@ -96,16 +96,18 @@ class SparseMoE(nn.Module):
         from .llama import Linear  # the ops switch's linear layer
 
         self.moe = moe
-        self.gate = Linear(hidden, moe.experts, bias=False, device=device)  # the router
+        self.gate = Linear(hidden, moe.experts, bias=False, device=device)  # the router's weight
         self.experts = Experts(moe, hidden, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, summed: bool = True) -> torch.Tensor:
+        """[tokens, hidden]; `summed=False`: each token's k weighted expert outputs [tokens,
+        k, hidden] in fp32, which the next RMS norm adds up (one kernel fewer a layer)."""
         kernels = ops(x.device)
-        weights, ids = kernels.route(self.gate(x), self.moe.per_token, self.moe.renormalize)
+        weights, ids = kernels.router(x, self.gate.weight, self.moe.per_token, self.moe.renormalize)
         experts, partial = self.experts, self.moe.expert_parallel > 1
         if partial:  # this rank's experts only; the layer's all-reduce adds the others'
             ids = local_ids(ids, rank() * self.moe.local_experts, self.moe.local_experts)
-        return kernels.fused_moe(x, experts.gate_up, experts.down, weights, ids, partial)
+        return kernels.fused_moe(x, experts.gate_up, experts.down, weights, ids, partial, summed)
 
 
 def local_ids(ids: torch.Tensor, first: int, n: int) -> torch.Tensor:

@@ -8,9 +8,10 @@ import torch
 from torch.nn import functional as F
 
 from omni.engine.checkpoint import CheckpointError
-from omni.engine.kernels import fused_moe_ref
-from omni.engine.kernels.moe import align_by_expert, fused_moe
+from omni.engine.kernels import fused_moe_ref, rms_norm_ref
+from omni.engine.kernels.moe import align_by_expert, fused_moe, router, sum_slots
 from omni.engine.kernels.moe import route as kernel_route
+from omni.engine.kernels.norm import rms_norm
 from omni.engine.moe import MoEConfig, moe_config, route, stack_experts
 
 
@@ -136,6 +137,75 @@ def test_route_kernel_picks_what_the_reference_picks(experts, k, renormalize):
     assert torch.equal(got, want)
     assert (ids.sort(dim=1).values.diff(dim=1) > 0).all()  # k different experts
     torch.testing.assert_close(weights, want_w, atol=1e-3, rtol=1e-2)
+
+
+@pytest.mark.parametrize(("experts", "k", "renormalize"), [(128, 8, True), (6, 3, False)])
+def test_router_kernel_picks_the_top_experts(experts, k, renormalize):
+    """The router split over K, summed by the route kernel: each token's experts are the
+    k most probable (near-ties aside: the chosen ones' probabilities add up to the best
+    k's), and its weights are route_ref's where the choice is the same."""
+    gen = torch.Generator(device=DEVICE).manual_seed(experts + 5 * k)
+    hidden = 300  # three chunks, the last one short
+    x = torch.randn(33, hidden, generator=gen, device=DEVICE).to(DTYPE)
+    w = (torch.randn(experts, hidden, generator=gen, device=DEVICE) / 4).to(DTYPE)
+    weights, ids = router(x, w, k, renormalize)
+    probs = torch.softmax(x.double() @ w.double().T, dim=-1)
+    best = probs.topk(k, dim=-1).values.sum(dim=-1)
+    assert torch.all(probs.gather(1, ids).sum(dim=-1) >= best - 1e-3)
+    assert (ids.sort(dim=1).values.diff(dim=1) > 0).all()  # k different experts
+    want_w, want_ids = route(x @ w.T, k, renormalize)
+    same = (ids.sort(dim=1).values == want_ids.sort(dim=1).values).all(dim=1)
+    assert same.float().mean() > 0.8
+    got = weights.float().gather(1, ids.argsort(dim=1))[same]
+    torch.testing.assert_close(got, want_w.float().gather(1, want_ids.argsort(dim=1))[same],
+                               atol=2e-2, rtol=2e-2)  # fmt: skip
+
+
+def test_router_rows_do_not_depend_on_the_batch():
+    """Bit for bit: a token's routing alone and among others (one tile shape for all)."""
+    gen = torch.Generator(device=DEVICE).manual_seed(21)
+    x = torch.randn(70, 512, generator=gen, device=DEVICE).to(DTYPE)
+    w = (torch.randn(64, 512, generator=gen, device=DEVICE) / 8).to(DTYPE)
+    weights, ids = router(x, w, 4, True)
+    for rows in (slice(0, 1), slice(3, 20), slice(17, 70)):
+        part_w, part_ids = router(x[rows], w, 4, True)
+        assert torch.equal(part_ids, ids[rows]) and torch.equal(part_w, weights[rows]), rows
+
+
+@pytest.mark.parametrize("tokens", [3, 40])  # one-slot, grouped
+def test_the_norm_after_a_moe_layer_adds_its_slots_as_the_slot_sum_does(tokens):
+    """fused_moe(summed=False) into the next RMS norm: the bits of the slot-sum kernel
+    followed by the norm (one kernel fewer), normed output and residual both."""
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+    hidden, inter = (512, 384) if GPU else (64, 48)
+    x, gate_up, down, weights, ids = moe_inputs(gen, tokens, 8, 2, hidden, inter)
+    slots = fused_moe(x, gate_up, down, weights, ids, summed=False)
+    assert slots.shape == (tokens, 2, hidden) and slots.dtype == torch.float32
+    residual = torch.randn(tokens, hidden, generator=gen, device=DEVICE).to(DTYPE)
+    norm_weight = torch.rand(hidden, generator=gen, device=DEVICE).to(DTYPE) + 0.5
+    out, new_residual = rms_norm(slots, norm_weight, 1e-6, residual)
+    want, want_residual = rms_norm(sum_slots(slots, DTYPE), norm_weight, 1e-6, residual)
+    assert torch.equal(out, want) and torch.equal(new_residual, want_residual)
+    assert torch.equal(sum_slots(slots, DTYPE), fused_moe(x, gate_up, down, weights, ids))
+    ref, ref_residual = rms_norm_ref(slots, norm_weight, 1e-6, residual)  # the CPU path's
+    torch.testing.assert_close(ref, out, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(ref_residual, want_residual, atol=1e-2, rtol=1e-2)
+
+
+def test_eagle_taps_after_a_moe_layer_record_the_summed_hidden_state():
+    """An EAGLE-3 head's taps meet a MoE layer's unsummed slots: they record what the
+    layer's summed output plus the residual is."""
+    from omni.engine.eagle3 import HiddenTaps
+
+    gen = torch.Generator(device=DEVICE).manual_seed(4)
+    slots = torch.randn(5, 2, 64, generator=gen, device=DEVICE)
+    residual = torch.randn(5, 64, generator=gen, device=DEVICE).to(DTYPE)
+    taps, want = (HiddenTaps((3,), 64, DTYPE, DEVICE) for _ in range(2))
+    for t in (taps, want):
+        t.fit(8)
+    taps.record(3, slots, residual)
+    want.record(3, sum_slots(slots, DTYPE), residual)
+    assert torch.equal(taps.buffer, want.buffer) and taps.buffer[:5].abs().sum() > 0
 
 
 @pytest.mark.gpu

@@ -16,7 +16,14 @@ from ..fp8 import fp8_linear_ref
 from .activation import silu_and_mul, silu_and_mul_ref
 from .attention import paged_attention_ref, paged_decode, paged_prefill, prefill_work
 from .matmul import linear, linear_ref
-from .moe import fused_moe, fused_moe_ref, route, route_ref
+from .moe import (
+    fused_moe,
+    fused_moe_ref,
+    router,
+    router_ref,
+    sum_slots,
+    sum_slots_ref,
+)
 from .norm import rms_norm, rms_norm_ref
 from .rope import rope_and_cache, rope_and_cache_ref
 from .w8a8 import fp8_linear
@@ -50,7 +57,8 @@ _KERNELS = SimpleNamespace(
     rope_and_cache=rope_and_cache,
     linear=linear if BATCH_INVARIANT else linear_ref,
     fused_moe=fused_moe,
-    route=route,
+    router=router,
+    sum_slots=sum_slots,
 )
 _REFERENCES = SimpleNamespace(
     fp8_linear=fp8_linear_ref,
@@ -59,7 +67,8 @@ _REFERENCES = SimpleNamespace(
     rope_and_cache=rope_and_cache_ref,
     linear=linear_ref,
     fused_moe=fused_moe_ref,
-    route=route_ref,
+    router=router_ref,
+    sum_slots=sum_slots_ref,
 )
 
 

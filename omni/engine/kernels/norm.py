@@ -1,4 +1,10 @@
-"""RMSNorm with the residual add fused in: one read of x and residual, one write each."""
+"""RMSNorm with the residual add fused in: one read of x and residual, one write each.
+
+x may also be a mixture-of-experts layer's output as its k weighted slots [tokens, k,
+hidden] in fp32 (fused_moe(summed=False)): the norm adds them up in slot order and rounds
+them to the residual's dtype first, the bits of the slot-sum kernel, with one kernel
+fewer a layer.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ def rms_norm_ref(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(normed, new residual): with a residual, x + residual is both normed and returned."""
     if residual is not None:
+        if x.dim() == 3:  # a MoE layer's slots (module docstring)
+            x = x.sum(dim=1).to(residual.dtype)
         x = x + residual
         residual = x
     xf = x.float()
@@ -32,6 +40,7 @@ def _rms_norm_kernel(
     n_cols,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    SLOTS: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -39,7 +48,13 @@ def _rms_norm_kernel(
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    if SLOTS:  # x: [rows, SLOTS, n_cols] fp32, added up in order and rounded
+        x = tl.zeros((BLOCK,), tl.float32)
+        for j in range(SLOTS):
+            x += tl.load(x_ptr + (row * SLOTS + j) * n_cols + cols, mask=mask, other=0.0)
+        x = x.to(res_out_ptr.dtype.element_ty).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         x += tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(res_out_ptr + row * n_cols + cols, x.to(res_out_ptr.dtype.element_ty), mask=mask)
@@ -51,21 +66,29 @@ def _rms_norm_kernel(
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    shape = x.shape
-    x2 = x.reshape(-1, shape[-1]).contiguous()
-    out = empty_rows(*x2.shape, x2.dtype, x2.device)  # feeds a linear layer
-    res_in = residual.reshape(-1, shape[-1]).contiguous() if residual is not None else x2
-    res_out = torch.empty_like(x2) if residual is not None else x2
-    block = triton.next_power_of_2(shape[-1])
-    _rms_norm_kernel[(x2.shape[0],)](
+    slots = 0
+    if x.dim() == 3 and residual is not None:  # a MoE layer's slots (module docstring)
+        slots = x.shape[1]
+        x2, dtype = x.contiguous(), residual.dtype
+        shape = residual.shape
+    else:
+        shape = x.shape
+        x2, dtype = x.reshape(-1, shape[-1]).contiguous(), x.dtype
+    rows, cols = x2.shape[0], shape[-1]
+    out = empty_rows(rows, cols, dtype, x2.device)  # feeds a linear layer
+    res_in = residual.reshape(-1, cols).contiguous() if residual is not None else x2
+    res_out = torch.empty(rows, cols, dtype=dtype, device=x2.device) if residual is not None else x2
+    block = triton.next_power_of_2(cols)
+    _rms_norm_kernel[(rows,)](
         x2,
         res_in,
         weight,
         out,
         res_out,
-        shape[-1],
+        cols,
         eps,
         HAS_RESIDUAL=residual is not None,
+        SLOTS=slots,
         BLOCK=block,
         num_warps=min(16, max(1, block // 256)),
         **pdl_options(x.device),
