@@ -38,10 +38,11 @@ TMA_SHARED_MEMORY = 226 * 1024  # the same, plus the epilogue's output tile
 # TMA_MIN_ROWS (rows.py, whose row room starts there too): below it the pointer kernel's
 # narrow tiles stream weights as fast
 TMA_ENABLED = os.environ.get("OMNI_LINEAR_TMA", "1") != "0"  # 0: the pointer kernel only
-# a few rows of weights: the first tiles of each program into L2 before its wait (PDL), so
-# its loads start warm. H100, Qwen3-30B-A3B shape, batch 1 (.probe, printed only): 2 tiles
-# 272.7 tok/s against 265.6 without, median of 6; the whole rows (every tile) 243: they
-# take the bandwidth of the kernel that runs.
+# Steps of up to 16 rows under PDL: each program asks L2 for its first PREFETCH_TILES
+# weight tiles (a power of two) before it waits for the kernel before, so its loads start
+# warm. H100, Qwen3-30B-A3B shape, batch 1 (.probe, printed only): 2 tiles, 272.7 tok/s
+# against 265.6 without (medians of 6); every tile, 243: they take the bandwidth of the
+# kernel that runs.
 PREFETCH_TILES = int(os.environ.get("OMNI_LINEAR_PREFETCH_TILES", "2"))
 
 
