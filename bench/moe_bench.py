@@ -13,14 +13,17 @@ process:
    all submitted at once (HF: one padded generate call of the batch; 256 only with
    --hf-256, it is slow);
 
-and ours against HF at batch 64 (the issue asks for at least 5x). Prints a table, writes
-bench/results/moe-<device>.json. --small: a tiny shape on the CPU, to check the harness.
+and ours against HF at batch 64 (the issue asks for at least 5x). --profile adds where a
+batch-1 step's GPU time goes, kernel by kernel (in a child of its own, without dependent
+launches; "batch1_profile"). Prints a table, writes bench/results/moe-<device>.json.
+--small: a tiny shape on the CPU, to check the harness.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -135,7 +138,8 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [rng.integers(0, vocab, length).tolist() for _ in range(n)]
 
 
-def ours(args, cfg: dict, device: str, dtype) -> dict:
+def build_ours(args, cfg: dict, device: str, dtype):
+    """Our engine on the random weights, warmed up with its CUDA graphs: (engine, setup)."""
     from omni.engine.checkpoint import Checkpoint
     from omni.engine.engine import Engine
     from omni.engine.llama import LlamaConfig, LlamaForCausalLM
@@ -166,7 +170,11 @@ def ours(args, cfg: dict, device: str, dtype) -> dict:
     engine.warm_up(graphs=True)
     setup = {"build_and_warm_up_s": round(time.perf_counter() - t0, 1)}
     setup["kv_blocks"] = engine.stats()["kv_blocks_total"]
+    return engine, setup
 
+
+def ours(args, cfg: dict, device: str, dtype) -> dict:
+    engine, setup = build_ours(args, cfg, device, dtype)
     runner = OursRunner(engine, Deadline(time.time() + args.timeout))
 
     def run(batch: int, new: int, seed: int) -> dict:
@@ -176,6 +184,42 @@ def ours(args, cfg: dict, device: str, dtype) -> dict:
     result["throughput"] = [run(b, args.new, 200 + b) for b in (64, 256)]
     engine.shutdown()
     return result
+
+
+def profile(args, cfg: dict, device: str, dtype) -> dict:
+    """Where a batch-1 decode step's GPU time goes, kernel by kernel: torch.profiler over
+    one request's decode under the CUDA graphs, per kernel name its launches and time per
+    step. Run without dependent launches (OMNI_PDL=0, set by the parent): with them a
+    kernel's time includes its wait for the one before."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    engine, _ = build_ours(args, cfg, device, dtype)
+    runner = OursRunner(engine, Deadline(time.time() + args.timeout))
+    prompt = prompts(1, args.prompt, cfg["vocab_size"], 300)
+    batch_run(runner, prompt, args.new)  # builds and caches
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with torch_profile(activities=activities) as prof:
+        run = batch_run(runner, prompt, args.new)
+    engine.shutdown()
+    steps = args.new - 1
+    kernels: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels.setdefault(e.name[:120], [0, 0.0])
+            k[0] += 1
+            k[1] += e.device_time
+    rows = [
+        {"kernel": name, "per_step": n / steps, "us_per_step": t / steps}
+        for name, (n, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])
+    ]
+    return {
+        "pdl": os.environ.get("OMNI_PDL", "1") != "0",
+        "decode_tok_s": run.get("decode_tok_s"),
+        "step_us": 1e6 / run["decode_tok_s"] if run.get("decode_tok_s") else None,
+        "kernel_us_per_step": sum(r["us_per_step"] for r in rows),
+        "kernels": rows[:25],
+    }
 
 
 def hf(args, cfg: dict, device: str, dtype) -> dict:
@@ -235,13 +279,13 @@ def hf(args, cfg: dict, device: str, dtype) -> dict:
 # ---------------------------------------------------------------- parent
 
 
-def child(side: str, args, out: Path) -> dict:
+def child(side: str, args, out: Path, env: dict | None = None) -> dict:
     argv = [sys.executable, __file__, "--phase", side, "--phase-out", str(out)]
     argv += ["--seed", str(args.seed), "--prompt", str(args.prompt), "--new", str(args.new)]
     argv += ["--max-seqs", str(args.max_seqs)] + (["--small"] if args.small else [])
     argv += ["--hf-256"] if args.hf_256 else []
     t0 = time.perf_counter()
-    proc = subprocess.run(argv, timeout=args.timeout)
+    proc = subprocess.run(argv, timeout=args.timeout, env=os.environ | (env or {}))
     if proc.returncode != 0 or not out.exists():
         return {"error": f"exit {proc.returncode}", "wall_s": round(time.perf_counter() - t0, 1)}
     return json.loads(out.read_text()) | {"wall_s": round(time.perf_counter() - t0, 1)}
@@ -261,15 +305,18 @@ def main() -> None:
     ap.add_argument("--max-seqs", type=int, default=256)
     ap.add_argument("--hf-256", action="store_true")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument(
+        "--profile", action="store_true", help="also a batch-1 step's kernels (profiler)"
+    )
     ap.add_argument("--timeout", type=float, default=420)
-    ap.add_argument("--phase", choices=("ours", "hf"))
+    ap.add_argument("--phase", choices=("ours", "hf", "profile"))
     ap.add_argument("--phase-out")
     args = ap.parse_args()
     cfg = qwen3_moe_config(args.small)
     on_gpu = torch.cuda.is_available() and not args.small
     device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
     if args.phase:
-        side = ours if args.phase == "ours" else hf
+        side = {"ours": ours, "hf": hf, "profile": profile}[args.phase]
         Path(args.phase_out).write_text(json.dumps(side(args, cfg, device, dtype)))
         return
 
@@ -279,6 +326,8 @@ def main() -> None:
         sides = {"ours": child("ours", args, Path(tmp) / "ours.json")}
         if not args.no_hf:
             sides["hf"] = child("hf", args, Path(tmp) / "hf.json")
+        if args.profile:
+            prof = child("profile", args, Path(tmp) / "profile.json", {"OMNI_PDL": "0"})
     # the floor: bytes of a batch-1 step, K/V at the run's mean context included
     weights = active_bytes_per_token(cfg, itemsize)
     kv = kv_bytes_per_token(cfg, itemsize) * (args.prompt + args.new // 2)
@@ -301,6 +350,8 @@ def main() -> None:
         summary["ours_vs_hf_at_64"] = tp["ours"][64] / tp["hf"][64]
     name = "moe-small" if args.small else "moe-" + device_name()
     data = {"config": cfg, "args": vars(args), "bandwidth": bw, "sides": sides} | summary
+    if args.profile:
+        data["batch1_profile"] = prof
     path = write_result(name, data)
 
     hf_b1 = best(sides.get("hf", {}).get("decode", []), "decode_tok_s")
@@ -319,6 +370,10 @@ def main() -> None:
     for s, d in sides.items():
         if "error" in d:
             print(f"{s}: {d['error']}")
+    if args.profile and "kernels" in prof:
+        print(f"\nbatch-1 step without dependent launches: {fmt(prof['step_us'])} us, of which")
+        for r in prof["kernels"][:12]:
+            print(f"{r['us_per_step']:9.1f} us {r['per_step']:6.1f}x  {r['kernel'][:70]}")
     print(f"wrote {path}")
 
 
