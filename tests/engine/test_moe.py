@@ -161,6 +161,19 @@ def test_router_kernel_picks_the_top_experts(experts, k, renormalize):
                                atol=2e-2, rtol=2e-2)  # fmt: skip
 
 
+def test_a_wide_router_keeps_the_linear_layer():
+    """Over 256 experts (or too many pieces a token): the linear layer, then the route
+    kernel, bit for bit."""
+    from omni.engine.kernels import linear
+
+    gen = torch.Generator(device=DEVICE).manual_seed(8)
+    x = torch.randn(5, 256, generator=gen, device=DEVICE).to(DTYPE)
+    w = (torch.randn(300, 256, generator=gen, device=DEVICE) / 8).to(DTYPE)
+    weights, ids = router(x, w, 4, True)
+    want_w, want_ids = kernel_route(linear(x, w), 4, True)
+    assert torch.equal(ids, want_ids) and torch.equal(weights, want_w)
+
+
 def test_router_rows_do_not_depend_on_the_batch():
     """Bit for bit: a token's routing alone and among others (one tile shape for all)."""
     gen = torch.Generator(device=DEVICE).manual_seed(21)

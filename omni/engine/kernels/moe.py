@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 from torch.nn import functional as F
 
+from .matmul import linear
 from .pdl import pdl_options, wait_for_inputs
 
 
@@ -96,9 +97,14 @@ def route(router_logits: torch.Tensor, k: int, renormalize: bool):
 # of the linear layer, each down all of K: ~5 us of latency on the H100. Here every
 # ROUTER_CHUNK of K is a program of its own, and the route kernel adds the chunks' sums in
 # order. Each row's sums are the same whatever the step's size (one tile shape for all):
-# batch invariance holds, with other bits than the linear layer's.
+# batch invariance holds, with other bits than the linear layer's. The pieces take
+# ROUTER_PIECES_MAX fp32 values a token at most (16 KiB: 64 MiB for an 8,192-token prefill
+# chunk of Qwen3-30B-A3B's shape at 8 KiB); a wider router (DeepSeek's 256 experts over
+# 7,168 columns) keeps the linear layer, as does one of over 256 experts (a program holds
+# its 128 columns of every expert's row at once: past 256 experts, over 64 KiB).
 ROUTER_CHUNK = 128
 ROUTER_BLOCK_M = 16
+ROUTER_PIECES_MAX = 4096
 
 
 @triton.jit(do_not_specialize=["M"])  # a step of a new size never waits for a build
@@ -145,6 +151,8 @@ def router(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool):
     (weights [tokens, k] in x's dtype, expert ids [tokens, k])."""
     (m, hidden), experts = x.shape, weight.shape[0]
     n_parts = triton.cdiv(hidden, ROUTER_CHUNK)
+    if experts > 256 or n_parts * experts > ROUTER_PIECES_MAX:
+        return route(linear(x, weight), k, renormalize)
     parts = torch.empty(m, n_parts, experts, dtype=torch.float32, device=x.device)
     if m:
         grid = (triton.cdiv(m, ROUTER_BLOCK_M), n_parts)
