@@ -414,6 +414,16 @@ def fused_moe(
 
 
 @triton.jit
+def add_slots(slots_ptr, t, offs, mask, HIDDEN, K: tl.constexpr, BLOCK: tl.constexpr):
+    """slots[t, 0] + ... + slots[t, K - 1] at columns `offs`, in fp32 and in that order: the
+    one sum of a token's slots, the slot-sum kernel's and the RMS norm's (norm.py)."""
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for j in range(K):
+        acc += tl.load(slots_ptr + (t * K + j) * HIDDEN + offs, mask=mask, other=0.0)
+    return acc
+
+
+@triton.jit
 def _sum_slots_kernel(
     slots_ptr, out_ptr, HIDDEN, K: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
@@ -422,9 +432,7 @@ def _sum_slots_kernel(
     t = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < HIDDEN
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for j in range(K):
-        acc += tl.load(slots_ptr + (t * K + j) * HIDDEN + offs, mask=ok, other=0.0)
+    acc = add_slots(slots_ptr, t, offs, ok, HIDDEN, K, BLOCK)
     tl.store(out_ptr + t * HIDDEN + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 

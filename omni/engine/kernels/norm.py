@@ -12,6 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .moe import add_slots, sum_slots_ref
 from .pdl import pdl_options, wait_for_inputs
 from .rows import empty_rows
 
@@ -22,7 +23,7 @@ def rms_norm_ref(
     """(normed, new residual): with a residual, x + residual is both normed and returned."""
     if residual is not None:
         if x.dim() == 3:  # a MoE layer's slots (module docstring)
-            x = x.sum(dim=1).to(residual.dtype)
+            x = sum_slots_ref(x, residual.dtype)
         x = x + residual
         residual = x
     xf = x.float()
@@ -49,9 +50,7 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     if SLOTS:  # x: [rows, SLOTS, n_cols] fp32, added up in order and rounded
-        x = tl.zeros((BLOCK,), tl.float32)
-        for j in range(SLOTS):
-            x += tl.load(x_ptr + (row * SLOTS + j) * n_cols + cols, mask=mask, other=0.0)
+        x = add_slots(x_ptr, row, cols, mask, n_cols, SLOTS, BLOCK)
         x = x.to(res_out_ptr.dtype.element_ty).to(tl.float32)
     else:
         x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
