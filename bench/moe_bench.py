@@ -187,38 +187,41 @@ def ours(args, cfg: dict, device: str, dtype) -> dict:
 
 
 def profile(args, cfg: dict, device: str, dtype) -> dict:
-    """Where a batch-1 decode step's GPU time goes, kernel by kernel: torch.profiler over
-    one request's decode under the CUDA graphs, per kernel name its launches and time per
-    step. Run without dependent launches (OMNI_PDL=0, set by the parent): with them a
-    kernel's time includes its wait for the one before."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
+    """Where a batch-1 decode step's GPU time goes, kernel by kernel: profile_engine's
+    top_kernels over one request's decode under the CUDA graphs, per kernel its launches
+    and time per step. Run without dependent launches (OMNI_PDL=0, set by the parent): with
+    them a kernel's time includes its wait for the one before."""
+    from bench.profile_engine import top_kernels
 
     engine, _ = build_ours(args, cfg, device, dtype)
     runner = OursRunner(engine, Deadline(time.time() + args.timeout))
     prompt = prompts(1, args.prompt, cfg["vocab_size"], 300)
-    batch_run(runner, prompt, args.new)  # builds and caches
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with torch_profile(activities=activities) as prof:
-        run = batch_run(runner, prompt, args.new)
+    runs: list[dict] = []
+
+    def decode() -> None:
+        runs.append(batch_run(runner, prompt, args.new))
+
+    if device == "cuda":
+        kernels = top_kernels(decode, 25)  # (a first run builds and caches, unprofiled)
+    else:  # the harness check (--small): no kernels to profile
+        decode()
+        kernels = []
     engine.shutdown()
     steps = args.new - 1
-    kernels: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            k = kernels.setdefault(e.name[:120], [0, 0.0])
-            k[0] += 1
-            k[1] += e.device_time
-    rows = [
-        {"kernel": name, "per_step": n / steps, "us_per_step": t / steps}
-        for name, (n, t) in sorted(kernels.items(), key=lambda kv: -kv[1][1])
-    ]
+    tok_s = runs[-1].get("decode_tok_s")
     return {
         "pdl": os.environ.get("OMNI_PDL", "1") != "0",
-        "decode_tok_s": run.get("decode_tok_s"),
-        "step_us": 1e6 / run["decode_tok_s"] if run.get("decode_tok_s") else None,
-        "kernel_us_per_step": sum(r["us_per_step"] for r in rows),
-        "kernels": rows[:25],
+        "decode_tok_s": tok_s,
+        "step_us": 1e6 / tok_s if tok_s else None,
+        "kernels": [
+            {
+                "kernel": r["kernel"],
+                "per_step": r["calls"] / steps,
+                "us_per_step": r["cuda_us"] / steps,
+                "share": r["share"],
+            }
+            for r in kernels
+        ],
     }
 
 
