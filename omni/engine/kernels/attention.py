@@ -6,8 +6,9 @@ attends to its cached prefix plus the new tokens up to itself. The new tokens'
 K/V are already in the cache (rope_and_cache writes them first).
 
 Decode (one query per sequence) splits each sequence's context across programs
-and merges the partial results by their log-sum-exp; the query heads that share
-a KV head are packed into one tile, so the dot products run on tensor cores.
+and merges the partial results by their log-sum-exp (the last of a sequence's programs
+to finish does, arrivals.py); the query heads that share a KV head are packed into one
+tile, so the dot products run on tensor cores.
 
 An FP8 cache (e4m3) holds each value divided by its KV head's scale (kv_scales:
 [2, kv_heads] fp32, K's then V's; kv_cache.py): the kernels read it in the model's dtype
@@ -24,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ..fp8 import FP8
+from .arrivals import arrival_counters, arrive_last
 from .hardware import sm_count
 from .pdl import pdl_options, wait_for_inputs
 from .rows import empty_rows
@@ -229,7 +231,8 @@ def paged_prefill(
 # Decode splits. A sequence's context is cut into splits by its own length alone (at most
 # MAX_SPLITS; a short one into a tile each, at least MIN_SPLIT_TILES splits from there, a
 # long one into runs of MIN_SPLIT_TILES tiles of DECODE_TILE tokens), each split's
-# partial result is kept apart and the merge combines them in a fixed order. How many
+# partial result is kept apart and the merge combines them in a fixed order (split 0 first)
+# in whichever program of the sequence's KV head finishes last. How many
 # programs share the splits is then free to follow the batch (few sequences: many
 # programs, so a long context is read by the whole GPU) without changing a single bit
 # of any sequence's output: batch invariance.
@@ -238,7 +241,6 @@ MIN_SPLIT_TILES = 4
 DECODE_TILE = 64  # tokens per loop step: several pages' loads in flight at once
 # Launch options. Warps may change the bits (not per batch: every program runs the same way)
 SPLIT_LAUNCH = {"num_warps": 4, "num_stages": 2}
-MERGE_LAUNCH = {"num_warps": 1}  # a program merges one row (H100 probe: 135 -> 127 us, b=128)
 
 
 @triton.jit
@@ -259,6 +261,8 @@ def _decode_split_kernel(
     kv_scale_ptr,
     part_ptr,
     lse_ptr,
+    out_ptr,
+    arrivals_ptr,
     block_tables_ptr,
     seq_lens_ptr,
     counts_ptr,
@@ -332,41 +336,50 @@ def _decode_split_kernel(
         slot = (b * n_q_heads + heads) * split_stride + split
         tl.store(part_ptr + slot[:, None] * DIM + offs_d[None, :], part, mask=head_ok[:, None])
         tl.store(lse_ptr + slot, lse, mask=head_ok)
+    if arrive_last(arrivals_ptr + b * n_kv_heads + kh, programs):
+        if n_splits > 0:  # else a graph's padding: its output is left be
+            rows = b * n_q_heads + heads
+            _merge_splits(
+                part_ptr, lse_ptr, out_ptr, rows, head_ok, n_splits, split_stride, DIM, MAX_S
+            )
 
 
-@triton.jit(do_not_specialize=["seq_lens_ptr", "counts_ptr", "split_stride"])
-def _decode_merge_kernel(
-    part_ptr,
-    lse_ptr,
-    out_ptr,
-    seq_lens_ptr,
-    counts_ptr,
-    n_q_heads,
-    split_stride,
-    DIM: tl.constexpr,
-    TILE: tl.constexpr,
+@triton.jit
+def _merge_splits(
+    part_ptr, lse_ptr, out_ptr, rows, head_ok, n_splits, split_stride, DIM: tl.constexpr,
     MAX_S: tl.constexpr,
-    MIN_TILES: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    wait_for_inputs(PDL)
-    row = tl.program_id(0)  # b * q_heads + h
-    if row // n_q_heads < tl.load(counts_ptr):  # else a graph's padding: leave it be
-        length = tl.load(seq_lens_ptr + row // n_q_heads)
-        _per, n_splits = _split_layout(length, TILE, MAX_S, MIN_TILES)
-        offs_s = tl.arange(0, MAX_S)
-        offs_d = tl.arange(0, DIM)
-        s_ok = offs_s < n_splits
-        lse = tl.load(lse_ptr + row * split_stride + offs_s, mask=s_ok, other=NEG_INF)
-        weights = tl.exp(lse - tl.max(lse, axis=0))
-        weights = tl.where(s_ok, weights, 0.0)
+):  # fmt: skip
+    """out[rows] = the splits' partial outputs, each weighted by its share of the softmax's
+    mass (exp of its log-sum-exp), added in split order. The splits were written by other
+    programs: read past L1."""
+    offs_s = tl.arange(0, MAX_S)
+    offs_d = tl.arange(0, DIM)
+    lse_rows = lse_ptr + rows * split_stride
+    lse = tl.load(
+        lse_rows[:, None] + offs_s[None, :],
+        mask=head_ok[:, None] & (offs_s[None, :] < n_splits),
+        other=NEG_INF,
+        cache_modifier=".cg",
+    )
+    top = tl.max(lse, axis=1)
+    acc = tl.zeros((rows.shape[0], DIM), tl.float32)
+    total = tl.zeros((rows.shape[0],), tl.float32)
+    for s in range(n_splits):
+        w = tl.exp(tl.load(lse_rows + s, mask=head_ok, other=NEG_INF, cache_modifier=".cg") - top)
         part = tl.load(
-            part_ptr + (row * split_stride + offs_s)[:, None] * DIM + offs_d[None, :],
-            mask=s_ok[:, None],
+            part_ptr + (rows * split_stride + s)[:, None] * DIM + offs_d[None, :],
+            mask=head_ok[:, None],
             other=0.0,
+            cache_modifier=".cg",
         )
-        out = tl.sum(part * weights[:, None], axis=0) / tl.sum(weights, axis=0)
-        tl.store(out_ptr + row * DIM + offs_d, out.to(out_ptr.dtype.element_ty))
+        acc += part * w[:, None]
+        total += w
+    out = acc / total[:, None]
+    tl.store(
+        out_ptr + rows[:, None] * DIM + offs_d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=head_ok[:, None],
+    )
 
 
 def max_decode_splits(length: int) -> int:
@@ -414,6 +427,8 @@ def paged_decode(
     part = torch.empty(batch, n_q, stride, dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(batch, n_q, stride, dtype=torch.float32, device=q.device)
     layout = {"TILE": DECODE_TILE, "MAX_S": MAX_SPLITS, "MIN_TILES": MIN_SPLIT_TILES}
+    if out is None:
+        out = empty_rows(tokens, n_q * dim, q.dtype, q.device).view(tokens, n_q, dim)  # feeds o
     _decode_split_kernel[(batch, n_kv, programs)](
         q.contiguous(),
         k_cache,
@@ -421,6 +436,8 @@ def paged_decode(
         _scales_or_any(kv_scales, k_cache),
         part,
         lse,
+        out,
+        arrival_counters(q.device, batch * n_kv),
         block_tables,
         seq_lens,
         counts,
@@ -438,10 +455,4 @@ def paged_decode(
         **layout,
         **pdl_options(q.device),
     )
-    if out is None:
-        out = empty_rows(tokens, n_q * dim, q.dtype, q.device).view(tokens, n_q, dim)  # feeds o
-    _decode_merge_kernel[(batch * n_q,)](
-        part, lse, out, seq_lens, counts, n_q, stride, DIM=dim, **MERGE_LAUNCH, **layout,
-        **pdl_options(q.device),
-    )  # fmt: skip
     return out
