@@ -336,12 +336,10 @@ def _decode_split_kernel(
         slot = (b * n_q_heads + heads) * split_stride + split
         tl.store(part_ptr + slot[:, None] * DIM + offs_d[None, :], part, mask=head_ok[:, None])
         tl.store(lse_ptr + slot, lse, mask=head_ok)
-    if arrive_last(arrivals_ptr + b * n_kv_heads + kh, programs):
-        if n_splits > 0:  # else a graph's padding: its output is left be
-            rows = b * n_q_heads + heads
-            _merge_splits(
-                part_ptr, lse_ptr, out_ptr, rows, head_ok, n_splits, split_stride, DIM, MAX_S
-            )
+    last = arrive_last(arrivals_ptr + b * n_kv_heads + kh, programs)
+    if last & (n_splits > 0):  # (no splits: a graph's padding, whose output is left be)
+        rows = b * n_q_heads + heads
+        _merge_splits(part_ptr, lse_ptr, out_ptr, rows, head_ok, n_splits, split_stride, DIM, MAX_S)
 
 
 @triton.jit
