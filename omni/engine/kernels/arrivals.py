@@ -1,5 +1,5 @@
 """The last program of a group to finish does the group's closing work in the same kernel
-(a split decode's merge, a split router's top-k), where it was a kernel of its own.
+(a split decode's merge), where it was a kernel of its own.
 
 A batch-1 decode step is hundreds of short kernels, and each start waits for the end of the
 kernel before (with dependent launches too: `pdl.wait_for_inputs`), so a kernel fewer is a

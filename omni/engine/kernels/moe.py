@@ -14,7 +14,6 @@ import triton
 import triton.language as tl
 from torch.nn import functional as F
 
-from .arrivals import arrival_counters, arrive_last
 from .matmul import linear
 from .pdl import pdl_options, wait_for_inputs
 
@@ -30,43 +29,6 @@ def route_ref(router_logits: torch.Tensor, k: int, renormalize: bool):
 
 
 @triton.jit
-def _route_rows(
-    parts_ptr, weights_ptr, ids_ptr, rows, live, EXPERTS, PARTS, K: tl.constexpr,
-    K_P: tl.constexpr, E_P: tl.constexpr, RENORMALIZE: tl.constexpr,
-):  # fmt: skip
-    """Tokens `rows` (where `live`): their logits, the sum in fp32 of their PARTS partial
-    rows in order rounded to the weights' dtype (one part: the logits as they are); the
-    softmax over them in fp32, the top K (ties to the lower id), optionally rescaled to sum
-    to 1. The parts may come from other programs of the kernel: read past L1."""
-    offs = tl.arange(0, E_P)
-    ok = (offs < EXPERTS)[None, :] & (rows >= 0)[:, None]  # (rows past `live`: zeros)
-    x = tl.zeros((rows.shape[0], E_P), tl.float32)
-    for part in range(PARTS):
-        at = parts_ptr + (rows[:, None] * PARTS + part) * EXPERTS + offs[None, :]
-        x += tl.load(at, mask=ok & live[:, None], other=0.0, cache_modifier=".cg").to(tl.float32)
-    x = x.to(weights_ptr.dtype.element_ty).to(tl.float32)  # as a linear layer's output
-    x = tl.where(ok, x, float("-inf"))
-    p = tl.exp(x - tl.max(x, axis=1)[:, None])
-    p = tl.where(ok, p, 0.0)
-    p = p / tl.sum(p, axis=1)[:, None]
-    slots = tl.arange(0, K_P)
-    top_w = tl.zeros((rows.shape[0], K_P), tl.float32)
-    top_i = tl.zeros((rows.shape[0], K_P), tl.int64)
-    for j in tl.static_range(K):
-        best = tl.max(p, axis=1)
-        at = tl.min(tl.where(p == best[:, None], offs[None, :], E_P), axis=1)
-        top_w = tl.where(slots[None, :] == j, best[:, None], top_w)
-        top_i = tl.where(slots[None, :] == j, at[:, None], top_i)
-        p = tl.where(offs[None, :] == at[:, None], -1.0, p)
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(top_w, axis=1)[:, None]
-    keep = live[:, None] & (slots[None, :] < K)
-    at = rows[:, None] * K + slots[None, :]
-    tl.store(weights_ptr + at, top_w.to(weights_ptr.dtype.element_ty), mask=keep)
-    tl.store(ids_ptr + at, top_i, mask=keep)
-
-
-@triton.jit
 def _route_kernel(
     parts_ptr,
     weights_ptr,
@@ -79,13 +41,36 @@ def _route_kernel(
     RENORMALIZE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """_route_rows for one token."""
+    """One token: its logits, the sum in fp32 of its PARTS partial rows in order rounded to
+    the weights' dtype (one row: the logits as they are); the softmax over them in fp32,
+    the top K (ties to the lower id), optionally rescaled to sum to 1."""
     wait_for_inputs(PDL)
-    rows = tl.program_id(0) + tl.arange(0, 1)
-    _route_rows(
-        parts_ptr, weights_ptr, ids_ptr, rows, rows >= 0, EXPERTS, PARTS, K, K_P, E_P,
-        RENORMALIZE,
-    )  # fmt: skip
+    t = tl.program_id(0)
+    offs = tl.arange(0, E_P)
+    ok = offs < EXPERTS
+    x = tl.zeros((E_P,), tl.float32)
+    for part in range(PARTS):
+        row = parts_ptr + (t * PARTS + part) * EXPERTS
+        x += tl.load(row + offs, mask=ok, other=0.0).to(tl.float32)
+    x = x.to(weights_ptr.dtype.element_ty).to(tl.float32)  # as a linear layer's output
+    x = tl.where(ok, x, float("-inf"))
+    p = tl.exp(x - tl.max(x, axis=0))
+    p = tl.where(ok, p, 0.0)
+    p = p / tl.sum(p, axis=0)
+    slots = tl.arange(0, K_P)
+    top_w = tl.zeros((K_P,), tl.float32)
+    top_i = tl.zeros((K_P,), tl.int64)
+    for j in tl.static_range(K):
+        best = tl.max(p, axis=0)
+        at = tl.min(tl.where(p == best, offs, E_P), axis=0)
+        top_w = tl.where(slots == j, best, top_w)
+        top_i = tl.where(slots == j, at, top_i)
+        p = tl.where(offs == at, -1.0, p)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(top_w, axis=0)
+    keep = slots < K
+    tl.store(weights_ptr + t * K + slots, top_w.to(weights_ptr.dtype.element_ty), mask=keep)
+    tl.store(ids_ptr + t * K + slots, top_i, mask=keep)
 
 
 def _route_parts(parts: torch.Tensor, k: int, renormalize: bool, dtype: torch.dtype):
@@ -110,41 +95,35 @@ def route(router_logits: torch.Tensor, k: int, renormalize: bool):
 
 # The router's matrix-vector product at batch 1 reads 0.5 MB (Qwen3-30B-A3B) on 8 programs
 # of the linear layer, each down all of K: ~5 us of latency on the H100. Here every
-# ROUTER_CHUNK of K is a program of its own, and the last of a row tile's programs to
-# finish (arrivals.py) adds the chunks' sums in order and picks the experts: one kernel
-# where there were a linear layer and the route kernel. Each row's sums are the same
-# whatever the step's size (one tile shape for all): batch invariance holds, with other
-# bits than the linear layer's. The pieces take ROUTER_PIECES_MAX fp32 values a token at
-# most (16 KiB: 64 MiB for an 8,192-token prefill chunk of Qwen3-30B-A3B's shape at 8 KiB);
-# a wider router (DeepSeek's 256 experts over 7,168 columns) keeps the linear layer, as
-# does one of over 256 experts (a program holds its 128 columns of every expert's row at
-# once: past 256 experts, over 64 KiB).
+# ROUTER_CHUNK of K is a program of its own, and the route kernel adds the chunks' sums in
+# order. Each row's sums are the same whatever the step's size (one tile shape for all):
+# batch invariance holds, with other bits than the linear layer's. The pieces take
+# ROUTER_PIECES_MAX fp32 values a token at most (16 KiB: 64 MiB for an 8,192-token prefill
+# chunk of Qwen3-30B-A3B's shape at 8 KiB); a wider router (DeepSeek's 256 experts over
+# 7,168 columns) keeps the linear layer, as does one of over 256 experts (a program holds
+# its 128 columns of every expert's row at once: past 256 experts, over 64 KiB).
+# (Routing in the last of a row tile's programs to finish, arrivals.py, instead of a
+# kernel of its own was slower on the H100 at batch 1: 8.8 us a layer against 2.6 + 2.9
+# without dependent launches, 265.9 against 277.9 tok/s with; its top-k ran over 16 rows.)
 ROUTER_CHUNK = 128
 ROUTER_BLOCK_M = 16
 ROUTER_PIECES_MAX = 4096
 
 
 @triton.jit(do_not_specialize=["M"])  # a step of a new size never waits for a build
-def _router_kernel(
+def _router_parts_kernel(
     x_ptr,
     w_ptr,
     parts_ptr,
-    arrivals_ptr,
-    weights_ptr,
-    ids_ptr,
     M,
     K,
     EXPERTS,
-    TOP_K: tl.constexpr,
-    K_P: tl.constexpr,
     E_P: tl.constexpr,
-    RENORMALIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     CHUNK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """parts[row, c] = x[row, chunk c] @ w[:, chunk c].T in fp32, for BLOCK_M rows; the
-    last of the row tile's programs routes its rows (_route_rows)."""
+    """parts[row, c] = x[row, chunk c] @ w[:, chunk c].T in fp32, for BLOCK_M rows."""
     c = tl.program_id(1)
     ks = c * CHUNK + tl.arange(0, CHUNK)
     es = tl.arange(0, E_P)
@@ -168,11 +147,6 @@ def _router_kernel(
         acc,
         mask=(rows[:, None] < M) & (es[None, :] < EXPERTS),
     )
-    if arrive_last(arrivals_ptr + tl.program_id(0), parts):
-        _route_rows(
-            parts_ptr, weights_ptr, ids_ptr, rows, rows < M, EXPERTS, parts, TOP_K, K_P, E_P,
-            RENORMALIZE,
-        )  # fmt: skip
 
 
 def router(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool):
@@ -183,17 +157,14 @@ def router(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool):
     if experts > 256 or n_parts * experts > ROUTER_PIECES_MAX:
         return route(linear(x, weight), k, renormalize)
     parts = torch.empty(m, n_parts, experts, dtype=torch.float32, device=x.device)
-    weights = torch.empty(m, k, dtype=x.dtype, device=x.device)
-    ids = torch.empty(m, k, dtype=torch.int64, device=x.device)
     if m:
-        tiles = triton.cdiv(m, ROUTER_BLOCK_M)
-        _router_kernel[(tiles, n_parts)](
-            x.contiguous(), weight, parts, arrival_counters(x.device, tiles), weights, ids, m,
-            hidden, experts, TOP_K=k, K_P=triton.next_power_of_2(k),
-            E_P=max(16, triton.next_power_of_2(experts)), RENORMALIZE=renormalize,
-            BLOCK_M=ROUTER_BLOCK_M, CHUNK=ROUTER_CHUNK, num_warps=4, **pdl_options(x.device),
+        grid = (triton.cdiv(m, ROUTER_BLOCK_M), n_parts)
+        _router_parts_kernel[grid](
+            x.contiguous(), weight, parts, m, hidden, experts,
+            E_P=max(16, triton.next_power_of_2(experts)), BLOCK_M=ROUTER_BLOCK_M,
+            CHUNK=ROUTER_CHUNK, num_warps=4, **pdl_options(x.device),
         )  # fmt: skip
-    return weights, ids
+    return _route_parts(parts, k, renormalize, x.dtype)
 
 
 def router_ref(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool):
