@@ -345,7 +345,7 @@ def _decode_split_kernel(
 @triton.jit
 def _merge_splits(
     part_ptr, lse_ptr, out_ptr, rows, head_ok, n_splits, split_stride, DIM: tl.constexpr,
-    MAX_S: tl.constexpr,
+    MAX_S: tl.constexpr, MERGE_UNROLL: tl.constexpr = 4,
 ):  # fmt: skip
     """out[rows] = the splits' partial outputs, each weighted by its share of the softmax's
     mass (exp of its log-sum-exp), added in split order. The splits were written by other
@@ -362,16 +362,21 @@ def _merge_splits(
     top = tl.max(lse, axis=1)
     acc = tl.zeros((rows.shape[0], DIM), tl.float32)
     total = tl.zeros((rows.shape[0],), tl.float32)
-    for s in range(n_splits):
-        w = tl.exp(tl.load(lse_rows + s, mask=head_ok, other=NEG_INF, cache_modifier=".cg") - top)
-        part = tl.load(
-            part_ptr + (rows * split_stride + s)[:, None] * DIM + offs_d[None, :],
-            mask=head_ok[:, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        acc += part * w[:, None]
-        total += w
+    for first in range(0, n_splits, MERGE_UNROLL):
+        for u in tl.static_range(MERGE_UNROLL):  # these splits' loads go out together
+            s = first + u
+            real = rows * 0 + s < n_splits
+            ok = head_ok & real
+            lse_s = tl.load(lse_rows + s, mask=ok, other=NEG_INF, cache_modifier=".cg")
+            w = tl.where(real, tl.exp(lse_s - top), 0.0)
+            part = tl.load(
+                part_ptr + (rows * split_stride + s)[:, None] * DIM + offs_d[None, :],
+                mask=ok[:, None],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            acc += part * w[:, None]
+            total += w
     out = acc / total[:, None]
     tl.store(
         out_ptr + rows[:, None] * DIM + offs_d[None, :],

@@ -34,7 +34,7 @@ def _route_kernel(
     weights_ptr,
     ids_ptr,
     EXPERTS,
-    PARTS,
+    PARTS: tl.constexpr,
     K: tl.constexpr,
     K_P: tl.constexpr,
     E_P: tl.constexpr,
@@ -49,7 +49,7 @@ def _route_kernel(
     offs = tl.arange(0, E_P)
     ok = offs < EXPERTS
     x = tl.zeros((E_P,), tl.float32)
-    for part in range(PARTS):
+    for part in tl.static_range(PARTS):  # unrolled: the loads go out together, then the adds
         row = parts_ptr + (t * PARTS + part) * EXPERTS
         x += tl.load(row + offs, mask=ok, other=0.0).to(tl.float32)
     x = x.to(weights_ptr.dtype.element_ty).to(tl.float32)  # as a linear layer's output
@@ -421,7 +421,7 @@ def add_slots(slots_ptr, t, offs, mask, HIDDEN, K: tl.constexpr, BLOCK: tl.const
     """slots[t, 0] + ... + slots[t, K - 1] at columns `offs`, in fp32 and in that order: the
     one sum of a token's slots, the slot-sum kernel's and the RMS norm's (norm.py)."""
     acc = tl.zeros((BLOCK,), tl.float32)
-    for j in range(K):
+    for j in tl.static_range(K):  # unrolled: the K loads go out together, then the adds
         acc += tl.load(slots_ptr + (t * K + j) * HIDDEN + offs, mask=mask, other=0.0)
     return acc
 
