@@ -27,7 +27,7 @@ import triton.language as tl
 from ..fp8 import FP8
 from .arrivals import arrival_counters, arrive_last
 from .hardware import sm_count
-from .pdl import pdl_options, wait_for_inputs
+from .pdl import pdl_options, prefetch_l2, wait_for_inputs
 from .rows import empty_rows
 
 NEG_INF = tl.constexpr(-1.0e30)  # finite: a fully masked row gives 0, not NaN
@@ -281,11 +281,13 @@ def _decode_split_kernel(
     KV_FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_inputs(PDL)
     b = tl.program_id(0)
     kh = tl.program_id(1)
     qk_scale, v_scale = _head_scales(kv_scale_ptr, kh, n_kv_heads, scale, KV_FP8)
     programs = tl.num_programs(2)
+    # Before the wait (PDL): the step's counts, lengths and block tables, which no kernel of
+    # the step writes, and this program's first tile of K and V asked into L2 (the rope
+    # kernel before may be writing the new token's: L2 sees its writes).
     live = b < tl.load(counts_ptr)  # rows past the step's decodes: a graph's padding
     length = tl.load(seq_lens_ptr + b, mask=live, other=1)
     per, n_splits = _split_layout(length, TILE, MAX_S, MIN_TILES)
@@ -293,6 +295,17 @@ def _decode_split_kernel(
     offs_g = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, DIM)
     offs_t = tl.arange(0, TILE)
+    if PDL:
+        first = tl.program_id(2) * per * TILE + offs_t
+        ahead = (first < length) & (tl.program_id(2) < n_splits)
+        block = tl.load(
+            block_tables_ptr + b * max_blocks + first // BLOCK_SIZE, mask=ahead, other=0
+        )
+        lines = (block * BLOCK_SIZE + first % BLOCK_SIZE) * n_kv_heads + kh
+        halves = tl.arange(0, 2) * (DIM // 2)  # a row's two halves: 128-byte lines at bf16
+        prefetch_l2(k_cache_ptr + lines[:, None] * DIM + halves[None, :])
+        prefetch_l2(v_cache_ptr + lines[:, None] * DIM + halves[None, :])
+    wait_for_inputs(PDL)
     head_ok = offs_g < GROUP
     heads = kh * GROUP + offs_g
     q = tl.load(

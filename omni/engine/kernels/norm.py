@@ -45,10 +45,11 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    wait_for_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
+    wait_for_inputs(PDL)
     if SLOTS:  # x: [rows, SLOTS, n_cols] fp32, added up in order and rounded
         x = add_slots(x_ptr, row, cols, mask, n_cols, SLOTS, BLOCK)
         x = x.to(res_out_ptr.dtype.element_ty).to(tl.float32)
@@ -58,7 +59,6 @@ def _rms_norm_kernel(
         x += tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(res_out_ptr + row * n_cols + cols, x.to(res_out_ptr.dtype.element_ty), mask=mask)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * n_cols + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -129,13 +129,15 @@ def _rope_cache_kernel(
 ):
     """Program (token, group): HEADS query heads, or HEADS key/value heads after the
     query groups."""
-    wait_for_inputs(PDL)
     t = tl.program_id(0)
     group = tl.program_id(1)
     j = tl.arange(0, BLOCK)
+    # the angles before the wait (PDL): positions are the step's input, which no kernel
+    # of the step writes (pdl.py)
     pos = tl.load(pos_ptr + t).to(tl.float32)
     angle = pos * tl.load(inv_freq_ptr + j, mask=j < HALF, other=0.0)
     cos, sin = tl.cos(angle)[None, :], tl.sin(angle)[None, :]
+    wait_for_inputs(PDL)
     dim = 2 * HALF
     q_groups = tl.cdiv(n_q_heads, HEADS)
     if group < q_groups:
