@@ -322,16 +322,22 @@ def _moe_down_kernel(
 ):
     """out[slot] = weight[slot] * (act[slot] @ down[e].T), fp32, for a block of slots of
     expert e and BLOCK_N of the hidden columns."""
-    wait_for_inputs(PDL)
+    # Before the wait (PDL): the kernel right before is gate/up, and the routing and the
+    # grouping were done before it (pdl.py): this block's expert, rows and routing weights
+    # are read while gate/up ends. (Asking L2 for its first two weight tiles there too was
+    # slower on the H100 at batch 1: 293.0 against 296.2 tok/s, .probe.)
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= EXPERTS:
+        wait_for_inputs(PDL)
         return
     rows = _block_rows(rows_ptr, block, slots, BLOCK_M, ONE_SLOT)
     valid = rows < slots
+    weight = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_base = w_ptr + expert.to(tl.int64) * HIDDEN * INTER
+    wait_for_inputs(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k in range(0, tl.cdiv(INTER, BLOCK_K)):
         ks = k * BLOCK_K + offs_k
@@ -346,7 +352,6 @@ def _moe_down_kernel(
             other=0.0,
         )
         acc = tl.dot(a, w, acc)
-    weight = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
     y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
     tl.store(
         out_ptr + rows[:, None] * HIDDEN + offs_n[None, :],
@@ -363,9 +368,11 @@ def _moe_down_kernel(
 # column widths, warps and stages keep them (.probe). Size classes wait for tiles proven
 # to keep the bits and to be faster in the engine (the sweep's, timed eagerly, were not).
 # (On the H100 at batch 1, BLOCK_K 128 with 4 stages runs a layer's gate/up matmul in
-# 20 us, 32 with 3 in 32 us: .probe figures.)
+# 20 us, 32 with 3 in 32 us: .probe figures. Batch-1 decode of the Qwen3-30B-A3B shape
+# under the engine's graphs, .probe: BLOCK_N 64 with 3 stages 300.0 tok/s, 32 with 4
+# 294.3, 16 with 4 289.9, 16 with 2 warps and 6 stages 291.0.)
 MOE_BLOCK_K = 128
-MOE_TILES = {"BLOCK_M": 16, "BLOCK_N": 32, "num_warps": 4, "num_stages": 4}
+MOE_TILES = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 
 
 # Up to this many (token, slot) rows a step gives each its own block, with no grouping

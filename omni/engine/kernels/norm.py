@@ -48,7 +48,11 @@ def _rms_norm_kernel(
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # a weight: before the wait
+    # before the wait (PDL): the weights, and the residual, which the kernel right before
+    # (a projection's, the experts') never writes
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        residual = tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     wait_for_inputs(PDL)
     if SLOTS:  # x: [rows, SLOTS, n_cols] fp32, added up in order and rounded
         x = add_slots(x_ptr, row, cols, mask, n_cols, SLOTS, BLOCK)
@@ -56,7 +60,7 @@ def _rms_norm_kernel(
     else:
         x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        x += tl.load(res_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        x += residual
         tl.store(res_out_ptr + row * n_cols + cols, x.to(res_out_ptr.dtype.element_ty), mask=mask)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     tl.store(out_ptr + row * n_cols + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)

@@ -7,12 +7,14 @@ it each one's start waits for the last one's tail. On the H100, batch-1 decode o
 Qwen3-30B-A3B shape went from 246.7 to 262.5 tok/s with it (.probe, printed only).
 
 The rule every kernel launched with it keeps: `wait_for_inputs` before it reads or writes
-anything a step writes (only weights may be touched before: the linear layer asks L2 for
-its first tiles), on every path through the kernel, so that a kernel done means every
-kernel before it done too. Letting the next kernel in before this one's own wait (so that
-chains of kernels sit waiting) was slower (228 tok/s), and so was asking L2 for all of the
-linear layer's weights before the wait (243 tok/s): both take the SMs and memory from the
-kernel that runs. OMNI_PDL=0 turns it off.
+anything the kernel right before it writes, on every path through the kernel, and only then
+let the next one in. A kernel done then means every kernel before it done too, and when a
+kernel starts, all but the one right before it are done: what those wrote (and the step's
+inputs, copied before its first kernel: positions, lengths, block tables) may be read
+before the wait, and weights may be, or be asked into L2. Letting the next kernel in before
+this one's own wait (so that chains of kernels sit waiting) was slower (228 tok/s), and so
+was asking L2 for all of the linear layer's weights before the wait (243 tok/s): both take
+the SMs and memory from the kernel that runs. OMNI_PDL=0 turns it off.
 """
 
 from __future__ import annotations
