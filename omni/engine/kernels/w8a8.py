@@ -4,7 +4,9 @@ Two kernels. The first quantizes each row of x to e4m3 by its own absolute max, 
 passes over the row, so a token's bits depend on that token alone. The second is the
 bf16 linear's kernel (matmul.py) on e4m3 tiles: every output element is one fp32
 accumulator chained through `tl.dot` over K in order, whatever the tile shape. The
-scales (the row's, the weight row's) and the bias are applied once, at the end.
+scales (the row's, the weight row's) and the bias are applied once, at the end. On
+Hopper both launch dependently (pdl.py), and a few rows' programs ask L2 for their first
+weight tiles before their wait, as the bf16 linear's do.
 """
 
 from __future__ import annotations
@@ -14,13 +16,17 @@ import triton
 import triton.language as tl
 
 from ..fp8 import FP8, FP8_MAX
-from .matmul import grouped_tile
+from .matmul import PREFETCH_TILES, grouped_tile
+from .pdl import pdl_options, prefetch_l2, wait_for_inputs
 
 QUANT_BLOCK = 1024  # a row's elements per loop step when quantizing it
 
 
 @triton.jit
-def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, FMAX: tl.constexpr, BLOCK: tl.constexpr):
+def _quantize_rows_kernel(
+    x_ptr, q_ptr, scale_ptr, K, FMAX: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), tl.float32)
@@ -43,7 +49,9 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty(m, k, dtype=FP8, device=x.device)
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
-        _quantize_rows_kernel[(m,)](x, q, scale, k, FMAX=FP8_MAX, BLOCK=QUANT_BLOCK)
+        _quantize_rows_kernel[(m,)](
+            x, q, scale, k, FMAX=FP8_MAX, BLOCK=QUANT_BLOCK, **pdl_options(x.device)
+        )
     return q, scale
 
 
@@ -64,8 +72,15 @@ def _fp8_linear_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     PROMOTE_K: tl.constexpr = 128,
+    PDL: tl.constexpr = False,
+    PREFETCH_TILES: tl.constexpr = 0,
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    if PREFETCH_TILES > 0:  # the first weight tiles into L2 while the kernel before ends
+        rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
+        cols = tl.minimum(tl.arange(0, PREFETCH_TILES * BLOCK_K // 128) * 128, K - 1)
+        prefetch_l2(w_ptr + rows[:, None] * K + cols[None, :])  # (128 e4m3: a line)
+    wait_for_inputs(PDL)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -133,8 +148,10 @@ def fp8_linear(
         cfg = fp8_tiles(m, n)
         tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
         bias_arg = bias if bias is not None else weight_scale
+        launch = pdl_options(x.device)
+        ahead = PREFETCH_TILES if launch["PDL"] and m <= 16 else 0
         _fp8_linear_kernel[(tiles,)](
             xq, xs, weight, weight_scale, bias_arg, out, m, n, k,
-            HAS_BIAS=bias is not None, GROUP_M=8, **cfg,
+            HAS_BIAS=bias is not None, GROUP_M=8, PREFETCH_TILES=ahead, **launch, **cfg,
         )  # fmt: skip
     return out.view(*shape[:-1], n)
