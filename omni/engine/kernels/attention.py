@@ -232,7 +232,10 @@ def paged_prefill(
 # MAX_SPLITS; a short one into a tile each, at least MIN_SPLIT_TILES splits from there, a
 # long one into runs of MIN_SPLIT_TILES tiles of DECODE_TILE tokens), each split's
 # partial result is kept apart and the merge combines them in a fixed order (split 0 first)
-# in whichever program of the sequence's KV head finishes last. How many
+# in whichever program of the sequence's KV head finishes last (H100, Llama-3-8B's heads,
+# contexts of 512, against the same merge in a kernel of its own, same bits: as fast or
+# faster from 1 to 512 sequences, 8.7 against 9.0 us at 1, 398.7 against 403.3 at 512;
+# .probe, printed only). How many
 # programs share the splits is then free to follow the batch (few sequences: many
 # programs, so a long context is read by the whole GPU) without changing a single bit
 # of any sequence's output: batch invariance.
