@@ -288,9 +288,9 @@ def _decode_split_kernel(
     kh = tl.program_id(1)
     qk_scale, v_scale = _head_scales(kv_scale_ptr, kh, n_kv_heads, scale, KV_FP8)
     programs = tl.num_programs(2)
-    # Before the wait (PDL): the step's counts, lengths and block tables, which no kernel of
-    # the step writes, and this program's first tile of K and V asked into L2 (the rope
-    # kernel before may be writing the new token's: L2 sees its writes).
+    # Before the wait (PDL): the step's counts, lengths and block tables, which the rope
+    # kernel right before does not write (pdl.py), and this program's first tile of K and V
+    # asked into L2 (the rope kernel may be writing the new token's: L2 sees its writes).
     live = b < tl.load(counts_ptr)  # rows past the step's decodes: a graph's padding
     length = tl.load(seq_lens_ptr + b, mask=live, other=1)
     per, n_splits = _split_layout(length, TILE, MAX_S, MIN_TILES)

@@ -69,6 +69,9 @@ def _rms_norm_kernel(
 def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(normed, new residual) as rms_norm_ref. On Hopper the kernel reads `residual` before
+    its wait for the kernel before (pdl.py): the residual must not be that kernel's output
+    (in the models it is the last norm's, and x the projection's or the experts')."""
     slots = 0
     if x.dim() == 3 and residual is not None:  # a MoE layer's slots (module docstring)
         slots = x.shape[1]

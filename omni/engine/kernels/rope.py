@@ -132,8 +132,8 @@ def _rope_cache_kernel(
     t = tl.program_id(0)
     group = tl.program_id(1)
     j = tl.arange(0, BLOCK)
-    # the angles before the wait (PDL): positions are the step's input, which no kernel
-    # of the step writes (pdl.py)
+    # the angles before the wait (PDL): the positions are the step's input, which the
+    # projection right before does not write (pdl.py)
     pos = tl.load(pos_ptr + t).to(tl.float32)
     angle = pos * tl.load(inv_freq_ptr + j, mask=j < HALF, other=0.0)
     cos, sin = tl.cos(angle)[None, :], tl.sin(angle)[None, :]
