@@ -46,6 +46,23 @@ TMA_ENABLED = os.environ.get("OMNI_LINEAR_TMA", "1") != "0"  # 0: the pointer ke
 PREFETCH_TILES = int(os.environ.get("OMNI_LINEAR_PREFETCH_TILES", "2"))
 
 
+def early_tiles(launch: dict, m: int) -> int:
+    """The weight tiles a linear kernel's programs ask L2 for before their wait: launched
+    dependently (`launch`: pdl_options') with up to 16 rows, PREFETCH_TILES; else none."""
+    return PREFETCH_TILES if launch["PDL"] and m <= 16 else 0
+
+
+@triton.jit
+def prefetch_weight_tiles(w_ptr, pid_n, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          TILES: tl.constexpr):  # fmt: skip
+    """Ask L2 for the first TILES tiles of K of this program's BLOCK_N weight rows ([N, K],
+    row-major), a 128-byte line at a time."""
+    line: tl.constexpr = 128 // (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
+    rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
+    cols = tl.minimum(tl.arange(0, TILES * BLOCK_K // line) * line, K - 1)
+    prefetch_l2(w_ptr + rows[:, None] * K + cols[None, :])
+
+
 def tile_config(m: int, n: int, itemsize: int = 2, tma: bool = False) -> dict:
     """The tiles measured fastest on an H100 (bf16) for this many rows, for the TMA kernel
     (`tma`: the hardware and the tensors allow it; then "persistent" is among the keys) or
@@ -158,9 +175,7 @@ def _linear_kernel(
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     if PREFETCH_TILES > 0:  # the first weight tiles into L2 while the kernel before ends
-        rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
-        cols = tl.minimum(tl.arange(0, PREFETCH_TILES * BLOCK_K // 64) * 64, K - 1)
-        prefetch_l2(w_ptr + rows[:, None] * K + cols[None, :])
+        prefetch_weight_tiles(w_ptr, pid_n, N, K, BLOCK_N, BLOCK_K, PREFETCH_TILES)
     wait_for_inputs(PDL)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -254,10 +269,9 @@ def launch_linear(
     bias_arg = bias if bias is not None else weight
     if "persistent" not in cfg:
         launch = pdl_options(x.device)
-        ahead = PREFETCH_TILES if launch["PDL"] and m <= 16 else 0
         _linear_kernel[(tiles,)](
             x, weight, bias_arg, out, m, n, k, HAS_BIAS=bias is not None, GROUP_M=8,
-            PREFETCH_TILES=ahead, **launch, **cfg,
+            PREFETCH_TILES=early_tiles(launch, m), **launch, **cfg,
         )  # fmt: skip
         return
     persistent = cfg.pop("persistent")

@@ -16,8 +16,8 @@ import triton
 import triton.language as tl
 
 from ..fp8 import FP8, FP8_MAX
-from .matmul import PREFETCH_TILES, grouped_tile
-from .pdl import pdl_options, prefetch_l2, wait_for_inputs
+from .matmul import early_tiles, grouped_tile, prefetch_weight_tiles
+from .pdl import pdl_options, wait_for_inputs
 
 QUANT_BLOCK = 1024  # a row's elements per loop step when quantizing it
 
@@ -77,9 +77,7 @@ def _fp8_linear_kernel(
 ):
     pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     if PREFETCH_TILES > 0:  # the first weight tiles into L2 while the kernel before ends
-        rows = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
-        cols = tl.minimum(tl.arange(0, PREFETCH_TILES * BLOCK_K // 128) * 128, K - 1)
-        prefetch_l2(w_ptr + rows[:, None] * K + cols[None, :])  # (128 e4m3: a line)
+        prefetch_weight_tiles(w_ptr, pid_n, N, K, BLOCK_N, BLOCK_K, PREFETCH_TILES)
     wait_for_inputs(PDL)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -149,9 +147,8 @@ def fp8_linear(
         tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
         bias_arg = bias if bias is not None else weight_scale
         launch = pdl_options(x.device)
-        ahead = PREFETCH_TILES if launch["PDL"] and m <= 16 else 0
         _fp8_linear_kernel[(tiles,)](
-            xq, xs, weight, weight_scale, bias_arg, out, m, n, k,
-            HAS_BIAS=bias is not None, GROUP_M=8, PREFETCH_TILES=ahead, **launch, **cfg,
+            xq, xs, weight, weight_scale, bias_arg, out, m, n, k, HAS_BIAS=bias is not None,
+            GROUP_M=8, PREFETCH_TILES=early_tiles(launch, m), **launch, **cfg,
         )  # fmt: skip
     return out.view(*shape[:-1], n)
