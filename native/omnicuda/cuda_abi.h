@@ -27,6 +27,23 @@ typedef struct {
     int id;
 } CUmemLocation;
 
+typedef struct { /* CUmemAllocationProp: what cuMemCreate makes */
+    int type;                 /* CUmemAllocationType */
+    int requestedHandleTypes; /* CUmemAllocationHandleType */
+    CUmemLocation location;
+    void *win32HandleMetaData;
+    struct {
+        unsigned char compressionType, gpuDirectRDMACapable;
+        unsigned short usage;
+        unsigned char reserved[4];
+    } allocFlags;
+} CUmemAllocationProp;
+
+typedef struct {
+    CUmemLocation location;
+    int flags; /* CUmemAccess_flags */
+} CUmemAccessDesc;
+
 typedef struct {
     unsigned long long total, free, used;
 } nvmlMemory_t;
@@ -38,6 +55,7 @@ typedef struct {
 
 #define CUDA_SUCCESS 0
 #define CUDA_ERROR_OUT_OF_MEMORY 2
+#define CUDA_ERROR_NOT_READY 600
 #define CUDA_ERROR_NOT_SUPPORTED 801
 #define cudaSuccess 0
 #define cudaErrorMemoryAllocation 2
@@ -51,6 +69,10 @@ typedef struct {
 #define CU_MEM_ADVISE_UNSET_READ_MOSTLY 2
 #define CU_MEM_ADVISE_SET_PREFERRED_LOCATION 3
 #define CU_STREAM_NON_BLOCKING 0x1
+#define CU_MEM_ALLOCATION_TYPE_PINNED 1
+#define CU_MEM_HANDLE_TYPE_NONE 0
+#define CU_MEM_ACCESS_FLAGS_PROT_READWRITE 3
+#define CU_MEM_ALLOC_GRANULARITY_MINIMUM 0
 #define CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM 0x2
 #define PITCH_ALIGN 512 /* what the allocator rounds a managed pitch row to */
 

@@ -64,6 +64,15 @@ class BlockManager:
         """Blocks a new allocation can take (free, or cached and evictable)."""
         return len(self._free) + len(self._cached)
 
+    def forget_contents(self) -> None:
+        """The pool's contents are gone (a swap-out released the memory, kv_pool.py): no
+        block holds a prefix to reuse any more. Blocks held by sequences stay theirs."""
+        for b in self.blocks:
+            b.key = b.hash = None
+        self._by_hash.clear()
+        self._free.extend(self._cached)
+        self._cached.clear()
+
     def _chain(self, owner: BlockOwner, n_full: int) -> list[tuple[int, tuple]]:
         """(hash, key) of at least the first n_full blocks of `owner` (its cached chain,
         extended where needed)."""

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from omni.cudashim.kv_pool import KVPool
+
 from . import kv_transfer
 from .block_manager import BlockManager
 from .grammar import Constraint, Grammars, GrammarSpec
@@ -164,7 +166,13 @@ class Engine:
         runner = LeaderRunner if model.cfg.tp > 1 else ModelRunner
         # a draft's cache takes as many blocks as the target's, from the same memory
         draft_bytes = draft_bytes_per_block(speculative, draft, block_size)
-        self.runner = runner(model, block_size, num_blocks, companion_bytes_per_block=draft_bytes)
+        # on one GPU under the shim, the KV cache comes from its pool (kv_pool.py)
+        pool = KVPool.open(model.lm_head.weight.device) if model.cfg.tp == 1 else None
+        self.runner = runner(
+            model, block_size, num_blocks, companion_bytes_per_block=draft_bytes, kv_pool=pool
+        )
+        self._in_pool = False  # between the pool's enter and leave (_enter_pool)
+        self._pool_epoch = self.runner.kv_pool.epoch() if self.runner.kv_pool else 0
         on_gpu = self.runner.device.type == "cuda"
         if on_gpu:
             builds.install()  # count (and, once warm, log) the steps that wait for Triton
@@ -354,8 +362,11 @@ class Engine:
         request. False: shut down."""
         while True:
             idle = not self.scheduler.has_work()
+            wait = idle and not self._idle_work
+            if wait:
+                self._leave_pool()
             try:
-                item = self._inbox.get(block=idle and not self._idle_work)
+                item = self._inbox.get(block=wait)
             except queue.Empty:
                 if idle:  # and work to do meanwhile
                     self._do_idle_work()
@@ -368,7 +379,27 @@ class Engine:
             else:
                 self._admit(*item)
 
+    def _enter_pool(self) -> None:
+        """Before GPU work: wait while a swap-out has the KV pool away, and forget the
+        prefixes cached in it if one took its contents since the last time."""
+        pool = self.runner.kv_pool
+        if pool is None or self._in_pool:
+            return
+        pool.enter()
+        self._in_pool = True
+        epoch = pool.epoch()
+        if epoch != self._pool_epoch:
+            self._pool_epoch = epoch
+            self.scheduler.blocks.forget_contents()
+
+    def _leave_pool(self) -> None:
+        """Idle: a swap-out may take the KV pool (once the steps queued so far are done)."""
+        if self._in_pool:
+            self.runner.kv_pool.leave()
+            self._in_pool = False
+
     def _do_idle_work(self) -> None:
+        self._enter_pool()
         task = self._idle_work.popleft()
         try:
             task()
@@ -447,6 +478,7 @@ class Engine:
         state.emit(out)
 
     def _step(self) -> None:
+        self._enter_pool()  # (before the scheduler looks for cached prefixes)
         if self._launched is not None:  # launched by the last step, right after its pick
             batch, logits = self._launched
             self._launched = None

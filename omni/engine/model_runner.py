@@ -7,10 +7,12 @@ slots, block tables, sequence lengths, query offsets.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,6 +29,9 @@ from .mixed_graphs import BUCKETS as MIXED_BUCKETS
 from .mixed_graphs import MixedGraphs
 from .scheduler import Batch
 from .sequence import PLACEHOLDER, Sequence
+
+if TYPE_CHECKING:
+    from omni.cudashim.kv_pool import KVPool
 
 # Step sizes (tokens) whose kernels warm_up compiles: one of each tile class of the linear
 # kernels (<= 16, <= 64, <= 128, <= 256, <= 1024, <= 4096, wider) and of Triton's integer
@@ -124,10 +129,13 @@ class ModelRunner:
         num_blocks: int | None = None,
         companion_bytes_per_block: int = 0,
         graphs: bool = True,
+        kv_pool: KVPool | None = None,
     ):
         """`companion_bytes_per_block`: another cache that holds as many blocks (a draft
         model's, indexed by the same block tables) shares the memory the pool is sized
-        from. `graphs`: CUDA graphs for its steps (where the device has them)."""
+        from. `graphs`: CUDA graphs for its steps (where the device has them). `kv_pool`:
+        the shim's pool to take the cache from, so that a swap-out releases it instead
+        of copying it (omni/cudashim/kv_pool.py); `self.kv_pool` is None unless it did."""
         self.model = model
         self.block_size = block_size
         self.device = model.lm_head.weight.device
@@ -141,8 +149,8 @@ class ModelRunner:
             torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN)
             self.num_blocks = int(n)
         shape = (cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
-        self.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.kv_pool = kv_pool
+        self.k_cache, self.v_cache = self._allocate_cache(shape, dtype)
         # decode steps replay one CUDA graph, other steps of up to 1,024 tokens another
         # (OMNI_CUDA_GRAPHS=0: neither)
         self.graphs: DecodeGraphs | None = None
@@ -155,6 +163,18 @@ class ModelRunner:
             max_blocks = -(-max_tokens // block_size)
             self.graphs = DecodeGraphs(model, self.k_cache, self.v_cache, max_blocks)
             self.mixed = MixedGraphs(model, self.k_cache, self.v_cache, max_blocks)
+
+    def _allocate_cache(
+        self, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Zeroed K and V caches: from the shim's pool where it gives one, else tensors."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        raw = self.kv_pool.allocate(2 * nbytes, self.device) if self.kv_pool else None
+        if raw is None:
+            self.kv_pool = None
+            return tuple(torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2))
+        k, v = (half.view(dtype).view(shape) for half in raw.split(nbytes))
+        return k, v
 
     def _cache_bytes(self) -> int:
         if self.device.type == "cuda":

@@ -118,6 +118,54 @@ CUresult cuMemPrefetchAsync_v2(CUdeviceptr d, size_t s, CUmemLocation loc, unsig
     logf_("prefetch %#llx %zu %s", d, s, loc.type == 2 ? "host" : "device");
     return 0;
 }
+/* Virtual memory management, for the shim's KV pool: addresses are host addresses no
+ * one touches, and every call is logged. */
+CUresult cuMemGetAllocationGranularity(size_t *g, const void *prop, int option) {
+    (void)prop;
+    (void)option;
+    *g = 2u << 20;
+    return 0;
+}
+CUresult cuMemAddressReserve(CUdeviceptr *d, size_t s, size_t align, CUdeviceptr addr,
+                             unsigned long long f) {
+    (void)align;
+    (void)addr;
+    (void)f;
+    *d = (CUdeviceptr)malloc(s);
+    logf_("cuMemAddressReserve %zu %#llx", s, *d);
+    return *d ? 0 : 2;
+}
+CUresult cuMemAddressFree(CUdeviceptr d, size_t s) {
+    logf_("cuMemAddressFree %#llx %zu", d, s);
+    free((void *)d);
+    return 0;
+}
+CUresult cuMemMap(CUdeviceptr d, size_t s, size_t off, unsigned long long h, unsigned long long f) {
+    (void)off;
+    (void)f;
+    __atomic_fetch_add(&g_live, s, __ATOMIC_RELAXED);
+    logf_("cuMemMap %#llx %zu %llu", d, s, h);
+    return 0;
+}
+CUresult cuMemUnmap(CUdeviceptr d, size_t s) {
+    __atomic_fetch_sub(&g_live, s, __ATOMIC_RELAXED);
+    logf_("cuMemUnmap %#llx %zu", d, s);
+    return 0;
+}
+CUresult cuMemSetAccess(CUdeviceptr d, size_t s, const void *desc, size_t n) {
+    (void)desc;
+    (void)n;
+    logf_("cuMemSetAccess %#llx %zu", d, s);
+    return 0;
+}
+CUresult cuMemsetD8_v2(CUdeviceptr d, unsigned char v, size_t s) {
+    logf_("cuMemsetD8 %#llx %u %zu", d, v, s);
+    return 0;
+}
+CUresult cuCtxSynchronize(void) {
+    logf_("cuCtxSynchronize");
+    return 0;
+}
 CUresult cuMemAdvise_v2(CUdeviceptr d, size_t s, int advice, CUmemLocation loc) {
     logf_("advise %#llx %zu %d %s", d, s, advice, loc.type == 2 ? "host" : "device");
     return 0;

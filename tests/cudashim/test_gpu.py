@@ -113,3 +113,31 @@ def test_swap_moves_the_memory_off_the_gpu_and_back(tmp_path, quota):
     # memory declared read-only (its host copy kept across the moves) is intact too
     assert ready["declared"] > 0 and rewritten["ro"] == ready["ro"]
     assert r["gemm_err"] < 1e-1 and r["llama_err"] < 1e-3
+
+
+def test_an_engine_s_kv_pool_is_released_at_a_swap_out_not_copied(tmp_path, quota):
+    """The KV cache comes from the shim's pool: a swap-out releases it (nothing copied)
+    once the idle engine has left it, a swap-in maps it back at the same addresses, and
+    the engine answers as before, its cached prefixes forgotten (their K/V are gone)."""
+    proc, block = child(tmp_path, "engine", quota, Mode.MANAGED)
+    try:
+        ready = read(proc)
+        used = block.stats()["used_bytes"]
+        out = swap_out(block, timeout_s=60)
+        back = swap_in(block, timeout_s=60)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        r = read(proc)
+    finally:
+        proc.stdin.close()
+        proc.wait(60)
+    assert proc.returncode == 0, proc.stderr.read()
+    assert ready["pool"] and ready["pool_bytes"] > used / 2, (ready, used)  # most of it
+    assert out.bytes <= used - ready["pool_bytes"], (out, used, ready["pool_bytes"])
+    assert back.bytes == out.bytes
+    first = ready["first"]
+    assert first["cached"] == [0, 0] and ready["again"]["cached"] == [32, 32]
+    assert ready["again"]["tokens"] == first["tokens"]
+    assert r["epoch"] == 1 and r["after"]["cached"] == [0, 0]  # nothing stale reused
+    assert r["after"]["tokens"] == first["tokens"]
+    assert r["again"]["cached"] == [32, 32] and r["again"]["tokens"] == first["tokens"]

@@ -119,5 +119,42 @@ def scenario_swap(quota: int) -> None:
     report(read_swapped_s=timed_read(w))
 
 
+def scenario_engine(quota: int) -> None:
+    """An engine whose KV cache is the shim's pool (omni/cudashim/kv_pool.py)."""
+    import tempfile
+    from pathlib import Path
+
+    from omni.engine.engine import Engine
+    from omni.engine.sampling import SamplingParams
+    from tests.checkpoints import small_random_llama
+    from tests.engine.runs import run_requests, tokens
+
+    model, tokenizer = small_random_llama(Path(tempfile.mkdtemp()))
+    engine = Engine(model, tokenizer)
+    prompts = [list(range(i, i + 40)) for i in (1, 500)]  # two full blocks each, and some
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def run() -> dict:
+        steps = run_requests(engine, prompts, params)
+        return {
+            "tokens": [tokens(s) for s in steps],
+            "cached": [s[-1].cached_tokens for s in steps],
+        }
+
+    pool = engine.runner.kv_pool
+    cache = engine.runner.k_cache
+    report(
+        pool=pool is not None,
+        pool_bytes=2 * cache.numel() * cache.element_size(),
+        first=run(),
+        again=run(),
+    )
+    sys.stdin.readline()  # the parent has swapped out and in again
+    after = run()
+    report(after=after, epoch=pool.epoch() if pool else None, again=run())
+    engine.shutdown()
+
+
 if __name__ == "__main__":
-    {"basics": scenario_basics, "swap": scenario_swap}[sys.argv[1]](int(sys.argv[2]))
+    scenarios = {"basics": scenario_basics, "swap": scenario_swap, "engine": scenario_engine}
+    scenarios[sys.argv[1]](int(sys.argv[2]))

@@ -41,6 +41,20 @@ def test_same_principal_reuses_full_blocks_but_computes_the_last_token(n_tokens,
     assert len(second.block_table) == len(first.block_table)
 
 
+def test_forgotten_contents_give_no_hits_and_every_unheld_block_is_free():
+    """A swap-out released the pool's memory (kv_pool.py): nothing cached is reusable,
+    and blocks still held stay with their holder."""
+    bm = BlockManager(16, BS)
+    bm.free(computed(bm, owner(range(12))))
+    held = computed(bm, owner(range(100, 108)))
+    bm.forget_contents()
+    assert bm.num_free == 16 - 2
+    again = owner(range(12))
+    assert bm.allocate(again) == 0
+    assert bm.allocate(owner(range(100, 109))) == 0  # the held blocks' prefix too
+    assert not set(again.block_table) & set(held.block_table)
+
+
 def test_other_principal_gets_no_hit():
     bm = BlockManager(16, BS)
     computed(bm, owner(range(12), "tenant-a"))
