@@ -386,10 +386,24 @@ def summarize(recs: list[dict], before: list[dict], after: list[dict], since: fl
         return {"n": len(vals), "p50_s": percentile(vals, 50), "p99_s": percentile(vals, 99)}
 
     hist = [h for i in after for h in i.get("swap_history") or []]
-    swaps = [h for h in hist if h.get("direction") == "in" and h.get("at", 0) >= since]
-    secs = [h["seconds"] for h in swaps if "seconds" in h]
-    per_gib = [h["seconds"] * 1e3 / (h["bytes"] / GIB) for h in swaps if h.get("bytes")]
-    count = sum(i.get("swaps_in", 0) for i in after) - sum(i.get("swaps_in", 0) for i in before)
+
+    def swap_stats(direction: str) -> dict:
+        swaps = [h for h in hist if h.get("direction") == direction and h.get("at", 0) >= since]
+        secs = [h["seconds"] for h in swaps if "seconds" in h]
+        per_gib = [h["seconds"] * 1e3 / (h["bytes"] / GIB) for h in swaps if h.get("bytes")]
+        key = f"swaps_{direction}"
+        count = sum(i.get(key, 0) for i in after) - sum(i.get(key, 0) for i in before)
+        return {
+            "count": count,
+            "p50_s": percentile(secs, 50),
+            "p99_s": percentile(secs, 99),
+            "ms_per_gib_p50": percentile(per_gib, 50),
+            "ms_per_gib_p99": percentile(per_gib, 99),
+            "history_count": len(swaps),  # < count: omnid's history is bounded
+            "seconds": secs,
+            "bytes": [h.get("bytes") for h in swaps],
+        }
+
     return {
         "requests": len(recs),
         "ok": len(ok),
@@ -403,16 +417,9 @@ def summarize(recs: list[dict], before: list[dict], after: list[dict], since: fl
             "top1": lat(lambda m: m == 0),
             "per_model": {f"m{k:02d}": lat(lambda m, k=k: m == k) for k in range(args.models)},
         },
-        "swap_in": {
-            "count": count,
-            "p50_s": percentile(secs, 50),
-            "p99_s": percentile(secs, 99),
-            "ms_per_gib_p50": percentile(per_gib, 50),
-            "ms_per_gib_p99": percentile(per_gib, 99),
-            "history_count": len(swaps),  # < count: omnid's history is bounded
-            "seconds": secs,
-            "bytes": [h.get("bytes") for h in swaps],
-        },
+        "swap_in": swap_stats("in"),
+        # (bytes: what the shim copied; the KV pool it releases is not among them)
+        "swap_out": swap_stats("out"),
     }
 
 
@@ -539,8 +546,8 @@ def fmt(x: float | None, spec: str = ".3f") -> str:
 
 def print_table(runs: dict) -> None:
     heads = ["run", "req/s", "ok/sent", "hot p50/p99 s", "cold p50/p99 s", "m00 p99"]
-    heads += ["swaps", "swap-in p50/p99 s", "ms/GiB", "busy"]
-    widths = [19, 7, 10, 15, 15, 8, 6, 18, 7, 5]
+    heads += ["swaps", "swap-in p50/p99 s", "ms/GiB", "swap-out p50/p99 s", "busy"]
+    widths = [19, 7, 10, 15, 15, 8, 6, 18, 7, 19, 5]
 
     def row(cells: list[str]) -> str:
         return cells[0].ljust(widths[0]) + "".join(map(str.rjust, cells[1:], widths[1:]))
@@ -555,7 +562,10 @@ def print_table(runs: dict) -> None:
         cells = [label, fmt(run["requests_per_s"], ".2f"), f"{run['ok']}/{run['requests']}"]
         cells += [f"{fmt(g['p50_s'])}/{fmt(g['p99_s'])}" for g in (hot, cold)]
         cells += [fmt(top1["p99_s"]), str(sw["count"]), f"{fmt(sw['p50_s'])}/{fmt(sw['p99_s'])}"]
-        cells += [fmt(sw["ms_per_gib_p50"], ".0f"), fmt(run["gpu_busy_fraction"], ".2f")]
+        out = run.get("swap_out", {})
+        cells += [fmt(sw["ms_per_gib_p50"], ".0f")]
+        cells += [f"{fmt(out.get('p50_s'))}/{fmt(out.get('p99_s'))}"]
+        cells += [fmt(run["gpu_busy_fraction"], ".2f")]
         print(row(cells))
     for label, run in runs.items():
         print(f"  {label}: statuses {run.get('status_counts')}")
