@@ -21,6 +21,12 @@ the whole budget, so a pool of processes compiles them into Triton's disk cache
 (kernel.warmup) ahead of the timing loop, in the same order.
 Writes bench/results/tune-linear-<gpu>.json.
 
+--fp8: the W8A8 kernels (omni/engine/kernels/w8a8.py) on e4m3 weights (lm_head stays
+bf16 in FP8 models: left out) and rows quantized once per M, against fp8_tiles; only
+tiles that take K 128 at a time with 64+ rows (the bits, see fp8_tiles); and per shape
+the bf16 kernel's time with tile_config's tiles on the same M, for FP8's speedup. Writes
+tune-linear-fp8-<gpu>.json.
+
 --small: tiny shapes and 3 configs under TRITON_INTERPRET=1 on the CPU in fp32 (the
 interpreter has no bf16), a check of the harness only: the interpreter's dot is numpy's,
 whose summation order follows the tile, so mismatches are expected there.
@@ -52,6 +58,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from bench import results_io  # noqa: E402
+from omni.engine.fp8 import quantize_weight  # noqa: E402
 from omni.engine.kernels.matmul import (  # noqa: E402
     SHARED_MEMORY,
     TMA_MIN_ROWS,
@@ -62,6 +69,8 @@ from omni.engine.kernels.matmul import (  # noqa: E402
     tile_config,
     tma_usable,
 )
+from omni.engine.kernels.w8a8 import fp8_linear, fp8_tiles, launch_fp8_linear  # noqa: E402
+from omni.engine.kernels.w8a8 import quantize_rows as quantize_rows_gpu  # noqa: E402
 
 SHAPES = {  # (N, K) of Llama-3-8B's weights, q/k/v and gate/up fused
     "qkv": (6144, 4096),
@@ -82,6 +91,8 @@ SPACE_MID = ((64, 128, 256), (16, 32), (64, 128, 256), (4, 8), (3, 4, 5, 6))
 TMA_SMALL = ((64, 128), (32, 64, 128), (64, 128), (4,), (4, 5, 6, 8), (0, 1))  # M <= 128
 TMA_MID = ((64, 128), (64, 128, 256), (64, 128), (4, 8), (3, 4, 5), (0, 1))  # M <= 1024
 TMA_LARGE = ((128, 256), (128, 256), (64, 128), (8,), (2, 3, 4), (0, 1))
+# --fp8, the TMA kernel: 64+ rows and K 128 a tile only (fp8_tiles says why)
+FP8_TMA = ((64, 128), (64, 128, 256), (128,), (4, 8), (3, 4, 5, 6), (0, 1))
 SMALL_SHAPES = {"o": (64, 128), "down": (48, 192)}  # tails of N and K masked
 SMALL_M_ORDER = (1, 4, 16)
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
@@ -108,9 +119,11 @@ class Tile(NamedTuple):
         return f"{self.block_m}x{self.block_n}x{self.block_k} w{self.warps} s{self.stages}{kind}"
 
 
-def candidates(m: int, current: list[Tile], small: bool, tma: bool) -> list[Tile]:
+def candidates(m: int, current: list[Tile], small: bool, tma: bool, fp8: bool = False):
     """tile_config's tiles first (always timed), then the search space for this M: the
     TMA kernel's where `linear` would use it, else the pointer kernel's."""
+    if fp8:
+        return fp8_candidates(m, current, tma)
     if small:
         extra = [Tile(16, 32, 64, 4, 3), Tile(32, 16, 32, 2, 3), Tile(16, 32, 64, 4, 3, 1)]
         return list(dict.fromkeys([*current, *extra]))
@@ -137,9 +150,44 @@ def candidates(m: int, current: list[Tile], small: bool, tma: bool) -> list[Tile
     return list(dict.fromkeys(current + fits))
 
 
-def launch(tile: Tile, x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
-    """As `linear()` launches it, without bias."""
-    launch_linear(x, w, None, out, tile.kwargs())
+def fp8_candidates(m: int, current: list[Tile], tma: bool) -> list[Tile]:
+    """--fp8: fp8_tiles' first, then tiles of 64+ rows taking K 128 at a time (e4m3 in, a
+    bf16 tile out of the TMA kernel's epilogue)."""
+    if tma and m >= TMA_MIN_ROWS:
+        space = (Tile._make(t) for t in itertools.product(*FP8_TMA))
+        fits = [
+            t
+            for t in space
+            if (t.block_m + t.block_n) * t.block_k * t.stages + t.block_m * t.block_n * 2
+            <= TMA_SHARED_MEMORY
+            and (t.warps == 4 or t.block_m * t.block_n >= 128 * 128)  # 8 warps: big tiles
+            and (t.warps == 8 or t.block_m * t.block_n <= 128 * 128)
+        ]
+    else:
+        dims = ((64,), (32, 64, 128), (128,), (4, 8), (3, 4, 5, 6))
+        fits = [
+            t
+            for t in (Tile._make(t) for t in itertools.product(*dims))
+            if (t.block_m + t.block_n) * t.block_k * t.stages <= SHARED_MEMORY
+        ]
+    return list(dict.fromkeys(current + fits))
+
+
+class Operands(NamedTuple):
+    """What a launch takes: bf16 x and w, or (--fp8) quantized rows and weights."""
+
+    x: torch.Tensor
+    w: torch.Tensor
+    x_scale: torch.Tensor | None = None
+    w_scale: torch.Tensor | None = None
+
+
+def launch(tile: Tile, ops: Operands, out: torch.Tensor) -> None:
+    """As `linear()` (or `fp8_linear()`) launches it, without bias."""
+    if ops.w_scale is None:
+        launch_linear(ops.x, ops.w, None, out, tile.kwargs())
+    else:
+        launch_fp8_linear(ops.x, ops.x_scale, ops.w, ops.w_scale, None, out, tile.kwargs())
 
 
 def _compile(kwargs: dict, m: int) -> str | None:
@@ -244,12 +292,24 @@ def sweep(args: argparse.Namespace, shapes: dict, m_order: tuple[int, ...]) -> d
         if k not in inputs:
             inputs[k] = torch.randn(max(m_order), k, device=dev, generator=gen).to(dtype)
     tma = tma_usable(inputs[next(iter(inputs))])
-    current = {
-        m: {s: Tile.of(tile_config(m, n, dtype.itemsize, tma)) for s, (n, _) in shapes.items()}
-        for m in m_order
-    }
-    plan = [(m, candidates(m, list(current[m].values()), args.small, tma)) for m in m_order]
-    pre, timer = Precompiler(args.jobs), Timer(len(shapes), args.warmup, args.iters)
+    fp8 = {name: quantize_weight(w) for name, w in weights.items()} if args.fp8 else None
+    itemsize = 1 if fp8 else dtype.itemsize
+
+    def tiles_now(m: int, n: int, k: int) -> Tile:
+        return Tile.of(fp8_tiles(m, n, k, tma) if fp8 else tile_config(m, n, itemsize, tma))
+
+    def operands(name: str, x: torch.Tensor) -> Operands:
+        if fp8 is None:
+            return Operands(x, weights[name])
+        xq, xs = quantize_rows_gpu(x)
+        return Operands(xq, fp8[name][0], xs, fp8[name][1])
+
+    current = {m: {s: tiles_now(m, n, k) for s, (n, k) in shapes.items()} for m in m_order}
+    plan = [
+        (m, candidates(m, list(current[m].values()), args.small, tma, bool(fp8))) for m in m_order
+    ]
+    pre = Precompiler(0 if fp8 else args.jobs)  # (its warm-up is the bf16 pointer kernel's)
+    timer = Timer(len(shapes), args.warmup, args.iters)
     for m, tiles in plan:
         for tile in tiles:
             pre.submit(tile, m)
@@ -257,7 +317,11 @@ def sweep(args: argparse.Namespace, shapes: dict, m_order: tuple[int, ...]) -> d
     first_launch_s, stopped = 0.0, None
     for m, tiles in plan:
         xs = {name: inputs[k][:m] for name, (_, k) in shapes.items()}
-        refs = {name: linear(xs[name], w) for name, w in weights.items()}
+        ops = {name: operands(name, x) for name, x in xs.items()}
+        if fp8:
+            refs = {name: fp8_linear(xs[name], *fp8[name]) for name in weights}
+        else:
+            refs = {name: linear(xs[name], w) for name, w in weights.items()}
         outs = {name: torch.empty_like(ref) for name, ref in refs.items()}
         timed: dict[Tile, dict[str, tuple[float, bool]]] = {}  # tile: shape: (µs, equal)
         t0, tried = time.monotonic(), 0
@@ -269,17 +333,18 @@ def sweep(args: argparse.Namespace, shapes: dict, m_order: tuple[int, ...]) -> d
             try:
                 t1 = time.perf_counter()
                 same = {}
-                for name, w in weights.items():  # compiles (or loads) it, checks the bits
-                    launch(tile, xs[name], w, outs[name])
+                for name in weights:  # compiles (or loads) it, checks the bits
+                    launch(tile, ops[name], outs[name])
                     same[name] = torch.equal(outs[name], refs[name])
                 first_launch_s += time.perf_counter() - t1
-                us = timer([partial(launch, tile, xs[n], w, outs[n]) for n, w in weights.items()])
+                us = timer([partial(launch, tile, ops[n], outs[n]) for n in weights])
             except Exception as exc:  # out of resources, compile errors
                 failed[type(exc).__name__] += 1
                 examples.setdefault(type(exc).__name__, f"{tile}: {exc}"[:300])
                 continue
             timed[tile] = {name: (u, same[name]) for name, u in zip(weights, us, strict=True)}
-        rows += summarize(m, shapes, current[m], timed, dtype.itemsize)
+        bf16 = bf16_times(m, shapes, xs, weights, tma, timer) if fp8 else {}
+        rows += summarize(m, shapes, current[m], timed, itemsize, bf16)
         per_m.append(step_summary(m, current[m], timed))
         per_m[-1] |= dict(configs=len(tiles), failed=tried - len(timed))
         per_m[-1]["seconds"] = round(time.monotonic() - t0, 1)
@@ -299,6 +364,18 @@ def sweep(args: argparse.Namespace, shapes: dict, m_order: tuple[int, ...]) -> d
     }
 
 
+def bf16_times(m: int, shapes: dict, xs: dict, weights: dict, tma: bool, timer) -> dict:
+    """--fp8: each shape's bf16 time with tile_config's tiles, on the same rows (µs)."""
+    outs, fns = {}, []
+    for name, (n, _) in shapes.items():
+        tile = Tile.of(tile_config(m, n, 2, tma))
+        outs[name] = torch.empty(m, n, dtype=torch.bfloat16, device=xs[name].device)
+        fns.append(partial(launch, tile, Operands(xs[name], weights[name]), outs[name]))
+    for f in fns:
+        f()
+    return dict(zip(shapes, timer(fns), strict=True))
+
+
 def figures(prefix: str, us: float, m: int, n: int, k: int, itemsize: int) -> dict:
     return {
         f"{prefix}_us": round(us, 2),
@@ -307,8 +384,11 @@ def figures(prefix: str, us: float, m: int, n: int, k: int, itemsize: int) -> di
     }
 
 
-def summarize(m: int, shapes: dict, current: dict, timed: dict, itemsize: int) -> list[dict]:
-    """Per shape: tile_config's tiles against the fastest bit-identical config."""
+def summarize(
+    m: int, shapes: dict, current: dict, timed: dict, itemsize: int, bf16: dict
+) -> list[dict]:
+    """Per shape: tile_config's tiles against the fastest bit-identical config (and, with
+    --fp8, the bf16 kernel's time and both FP8 times' speedup over it)."""
     rows = []
     for name, (n, k) in shapes.items():
         cur, got = current[name], {t: r[name] for t, r in timed.items()}
@@ -327,6 +407,12 @@ def summarize(m: int, shapes: dict, current: dict, timed: dict, itemsize: int) -
                 "top": [[str(t), round(us, 2)] for us, t in ok[:8]],
             }
         )
+        if name in bf16:
+            rows[-1] |= {
+                "bf16_us": round(bf16[name], 2),
+                "fp8_current_speedup": round(bf16[name] / cur_us, 3),
+                "fp8_best_speedup": round(bf16[name] / best_us, 3),
+            }
     return rows
 
 
@@ -400,6 +486,7 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="tiny shapes on the CPU interpreter")
     ap.add_argument("--out", type=Path, help="result file (default bench/results/...)")
     ap.add_argument("--m", help=f"row counts to sweep, in order (default {M_ORDER})")
+    ap.add_argument("--fp8", action="store_true", help="the W8A8 kernels (a GPU with FP8)")
     args = ap.parse_args()
     if args.small:
         args.warmup, args.iters = 1, 3
@@ -409,13 +496,17 @@ def main() -> None:
     shapes, m_order = (SMALL_SHAPES, SMALL_M_ORDER) if args.small else (SHAPES, M_ORDER)
     if args.m:
         m_order = tuple(int(m) for m in args.m.split(","))
+    if args.fp8:  # the lm head stays bf16 in an FP8 model
+        shapes = {name: shape for name, shape in shapes.items() if name != "lm_head"}
     res = sweep(args, shapes, m_order)
     print_table(res)
-    settings = {k: getattr(args, k) for k in ("budget_s", "warmup", "iters", "jobs", "small")}
+    keys = ("budget_s", "warmup", "iters", "jobs", "small", "fp8")
+    settings = {k: getattr(args, k) for k in keys}
     settings["m"] = list(m_order)
     notes = "no L2 flush: the o (33.5 MB) and qkv (50 MB) weights fit the 50 MB L2 in part"
     data = {"settings": settings, "notes": notes, **res}
-    print("wrote", save(f"tune-linear-{gpu_tag()}", data, args.out))
+    kind = "tune-linear-fp8" if args.fp8 else "tune-linear"
+    print("wrote", save(f"{kind}-{gpu_tag()}", data, args.out))
 
 
 if __name__ == "__main__":

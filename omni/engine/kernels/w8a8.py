@@ -1,12 +1,13 @@
 """The W8A8 linear layer on FP8 tensor cores (Ada, Hopper): fp8_linear_ref's sums, batch-invariant.
 
-Two kernels. The first quantizes each row of x to e4m3 by its own absolute max, in two
-passes over the row, so a token's bits depend on that token alone. The second is the
-bf16 linear's kernel (matmul.py) on e4m3 tiles: every output element is one fp32
-accumulator chained through `tl.dot` over K in order, whatever the tile shape. The
-scales (the row's, the weight row's) and the bias are applied once, at the end. On
-Hopper both launch dependently (pdl.py), and a few rows' programs ask L2 for their first
-weight tiles before their wait, as the bf16 linear's do.
+The first kernel quantizes each row of x to e4m3 by its own absolute max, in two passes
+over the row, so a token's bits depend on that token alone. The second is the bf16
+linear's kernel (matmul.py) on e4m3 tiles: every output element is one fp32 accumulator
+chained through `tl.dot` over K in order, whatever the tile shape. The scales (the
+row's, the weight row's) and the bias are applied once, at the end. On Hopper both
+launch dependently (pdl.py), and a few rows' programs ask L2 for their first weight
+tiles before their wait, as the bf16 linear's do; from TMA_MIN_ROWS rows a third kernel
+computes the second's sums with tiles the TMA engine brings in, as the bf16 linear does.
 """
 
 from __future__ import annotations
@@ -14,10 +15,22 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..fp8 import FP8, FP8_MAX
-from .matmul import early_tiles, grouped_tile, prefetch_weight_tiles
+from .hardware import sm_count
+from .matmul import (
+    TMA_ENABLED,
+    TMA_SHARED_MEMORY,
+    WIDE,
+    early_tiles,
+    grouped_tile,
+    prefetch_weight_tiles,
+    tma_usable,
+    weight_descriptor,
+)
 from .pdl import pdl_options, wait_for_inputs
+from .rows import TMA_MIN_ROWS, empty_rows, tile_rows
 
 QUANT_BLOCK = 1024  # a row's elements per loop step when quantizing it
 
@@ -46,7 +59,7 @@ def _quantize_rows_kernel(
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8.quantize_rows on the GPU: (e4m3 rows, fp32 scales [rows]) of x [M, K]."""
     m, k = x.shape
-    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    q = empty_rows(m, k, FP8, x.device)  # room for whole row tiles: the TMA loads (rows.py)
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
         _quantize_rows_kernel[(m,)](
@@ -107,7 +120,54 @@ def _fp8_linear_kernel(
     )
 
 
-def fp8_tiles(m: int, n: int) -> dict:
+# M and the program count follow the step's size: neither may be specialized on (matmul.py)
+@triton.jit(do_not_specialize=["M", "programs"])
+def _fp8_linear_tma_kernel(
+    x_desc,
+    x_scale_ptr,
+    w_desc,
+    w_scale_ptr,
+    bias_ptr,
+    out_desc,
+    M,
+    N,
+    K,
+    programs,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    PERSISTENT: tl.constexpr,
+    STAGES: tl.constexpr,
+    PROMOTE_K: tl.constexpr = 128,
+):
+    """The same sums as `_fp8_linear_kernel`, its tiles brought in by the TMA engine (as
+    matmul._linear_tma_kernel's are): out-of-bounds rows and columns read as zeros, the
+    store clips to M x N. Persistent (`programs` = SMs) or one program per tile."""
+    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, programs, flatten=PERSISTENT):
+        first_m = (tile // per_group) * GROUP_M
+        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
+        off_m = (first_m + (tile % per_group) % group_m) * BLOCK_M
+        off_n = ((tile % per_group) // group_m) * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=STAGES):
+            x = x_desc.load([off_m, k * BLOCK_K])
+            w = w_desc.load([off_n, k * BLOCK_K])
+            acc = tl.dot(x, w.T, acc, max_num_imprecise_acc=PROMOTE_K)
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        x_scale = tl.load(x_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
+        w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
+        acc = acc * x_scale[:, None] * w_scale[None, :]
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+        out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
+
+
+def fp8_tiles(m: int, n: int, k: int, tma: bool = False) -> dict:
     """Tiles by rows and output width. Every one has at least 64 rows and takes K 128 at a
     time: on Hopper a 16-row tile's FP8 MMA (mma) sums differently from a 64-row one's
     (wgmma), so a row's bits would follow the batch's size (the H100 test caught it);
@@ -115,7 +175,10 @@ def fp8_tiles(m: int, n: int) -> dict:
     16 rows, the widths measured fastest on the H100 for Llama-3-8B's projections at 1 and
     16 rows (printed only): at 1 row, gate/up 54.3 -> 47.1 us, q/k/v 13.1 -> 12.4, o
     12.1 -> 11.6, down 38.3 -> 37.9. K 256 a tile (promoted every 128) keeps the bits but
-    was no faster. Past 512 rows: a first cut, not yet tuned."""
+    was no faster. Past 512 rows: a first cut, not yet tuned. From TMA_MIN_ROWS with `tma`
+    (Hopper, usable tensors): the TMA kernel's tiles, with "persistent" (_fp8_tma_tiles)."""
+    if tma and m >= TMA_MIN_ROWS:
+        return _fp8_tma_tiles(m, n, k)
     if m <= 16:
         if n > 16384:  # gate/up
             return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
@@ -127,6 +190,74 @@ def fp8_tiles(m: int, n: int) -> dict:
     if m <= 512:  # at 300 rows: q/k/v 44.8 -> 25.3 us, down 74.4 -> 71.6 against 128-row tiles
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)
+
+
+# The TMA kernel's tiles, the fastest of a sweep on an H100 on Llama-3-8B's projections at
+# 128, 256, 512, 2,048 and 8,192 rows (bench/tune_linear.py --fp8, tune-linear-fp8-h100.json;
+# every config kept the bits): up to this many rows, by layer, (BLOCK_M, BLOCK_N, warps,
+# stages, persistent); BLOCK_K is 128 (the bits: fp8_tiles).
+FP8_TMA_TILES = (
+    (128, {"gate_up": (128, 128, 8, 6, 1), "down": (64, 64, 4, 6, 0),
+           "qkv": (64, 128, 4, 3, 0), "o": (64, 64, 4, 3, 0)}),
+    (256, {"gate_up": (128, 128, 8, 5, 1), "down": (64, 64, 4, 5, 0),
+           "qkv": (64, 64, 4, 4, 0), "o": (64, 128, 4, 3, 0)}),
+    (1024, {"gate_up": (128, 128, 8, 5, 1), "down": (64, 128, 4, 4, 0),
+            "qkv": (64, 64, 4, 4, 0), "o": (64, 128, 4, 4, 0)}),
+    (4096, dict.fromkeys(("gate_up", "down", "qkv", "o"), (128, 256, 8, 3, 0))),
+    (None, {"gate_up": (128, 128, 8, 5, 1), "down": (128, 256, 8, 3, 0),
+            "qkv": (128, 128, 8, 4, 1), "o": (128, 128, 8, 4, 1)}),
+)  # fmt: skip
+
+
+def _fp8_tma_tiles(m: int, n: int, k: int) -> dict:
+    """FP8_TMA_TILES' tiles for this many rows and this layer's shape."""
+    layer = "gate_up" if n >= WIDE else "qkv" if n > 4096 else "down" if k > 8192 else "o"
+    by_layer = next(tiles for most, tiles in FP8_TMA_TILES if most is None or m <= most)
+    bm, bn, warps, stages, persistent = by_layer[layer]
+    per_stage, epilogue = (bm + bn) * 128, bm * bn * 2  # e4m3 tiles in, a bf16 tile out
+    stages = max(1, min(stages, (TMA_SHARED_MEMORY - epilogue) // per_stage))
+    return dict(
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_warps=warps, num_stages=stages,
+        persistent=bool(persistent),
+    )  # fmt: skip
+
+
+def launch_fp8_linear(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    cfg: dict,
+) -> None:
+    """out = the W8A8 product of quantized rows with these tiles: TMA ones (with
+    "persistent") or the pointer kernel's."""
+    (m, k), n = xq.shape, weight.shape[0]
+    cfg = dict(cfg)
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    bias_arg = bias if bias is not None else weight_scale
+    if "persistent" not in cfg:
+        launch = pdl_options(xq.device)
+        _fp8_linear_kernel[(tiles,)](
+            xq, x_scale, weight, weight_scale, bias_arg, out, m, n, k, HAS_BIAS=bias is not None,
+            GROUP_M=8, PREFETCH_TILES=early_tiles(launch, m), **launch, **cfg,
+        )  # fmt: skip
+        return
+    persistent = cfg.pop("persistent")
+    slots = sm_count(xq.device) if xq.is_cuda else 4  # the interpreter: a few programs
+    programs = min(tiles, slots) if persistent else tiles
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    _fp8_linear_tma_kernel[(programs,)](
+        TensorDescriptor.from_tensor(tile_rows(xq, bm), [bm, bk]),  # see rows.py
+        x_scale,
+        weight_descriptor(weight, bn, bk),
+        weight_scale,
+        bias_arg,
+        TensorDescriptor.from_tensor(out, [bm, bn]),
+        m, n, k, programs, HAS_BIAS=bias is not None, GROUP_M=8, PERSISTENT=persistent,
+        STAGES=cfg["num_stages"], **cfg,
+    )  # fmt: skip
 
 
 def fp8_linear(
@@ -143,12 +274,6 @@ def fp8_linear(
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
         xq, xs = quantize_rows(x2)
-        cfg = fp8_tiles(m, n)
-        tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
-        bias_arg = bias if bias is not None else weight_scale
-        launch = pdl_options(x.device)
-        _fp8_linear_kernel[(tiles,)](
-            xq, xs, weight, weight_scale, bias_arg, out, m, n, k, HAS_BIAS=bias is not None,
-            GROUP_M=8, PREFETCH_TILES=early_tiles(launch, m), **launch, **cfg,
-        )  # fmt: skip
+        tma = TMA_ENABLED and m >= TMA_MIN_ROWS and tma_usable(xq, weight, out)
+        launch_fp8_linear(xq, xs, weight, weight_scale, bias, out, fp8_tiles(m, n, k, tma))
     return out.view(*shape[:-1], n)
