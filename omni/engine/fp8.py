@@ -76,6 +76,18 @@ def fp8_linear_ref(
     return y.to(x.dtype).view(*shape[:-1], weight.shape[0])
 
 
+def attach_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Give x [rows, K] its rows already quantized (quantize_rows' bits: a norm kernel that
+    wrote them beside x), so the FP8 projection it feeds skips quantizing them."""
+    x._omni_fp8_rows = (q, scale)
+    return x
+
+
+def attached_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """x's rows in e4m3 with their scales, if a kernel attached them (attach_rows)."""
+    return getattr(x, "_omni_fp8_rows", None)
+
+
 class Fp8Linear(nn.Module):
     """A projection with e4m3 weights and a scale per output channel (checkpoint names:
     `weight`, `weight_scale`, `bias`), through the `ops` switch."""

@@ -128,14 +128,18 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, device=None):
+    def __init__(self, dim: int, eps: float, device=None, feeds_fp8: bool = False):
+        """`feeds_fp8`: its output goes to an FP8 projection, to which the kernel hands the
+        rows quantized (kernels/norm.py)."""
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, device=device))
         self.eps = eps
+        self.feeds_fp8 = feeds_fp8
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Normed x; with a residual, (normed x + residual, x + residual)."""
-        out, new_residual = ops(x.device).rms_norm(x, self.weight, self.eps, residual)
+        norm = ops(x.device).rms_norm
+        out, new_residual = norm(x, self.weight, self.eps, residual, quantize=self.feeds_fp8)
         return out if residual is None else (out, new_residual)
 
 
@@ -273,9 +277,10 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: LlamaConfig, layer: int, device=None):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        fp8 = cfg.quantization == "fp8"  # (dense models only: the MLP's gate/up is FP8 too)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, fp8)
         self.self_attn = Attention(cfg, layer, device)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device, fp8)
         if cfg.moe is not None and layer not in cfg.moe.dense_layers:
             self.mlp: nn.Module = SparseMoE(cfg.moe, cfg.hidden_size, device)
         else:

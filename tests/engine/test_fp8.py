@@ -191,6 +191,41 @@ def test_an_fp8_model_runs_on_the_gpu_with_cuda_graphs_near_bf16(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not GPU_FP8, reason="needs FP8 tensor cores")
+def test_a_norm_hands_its_fp8_projection_the_rows_quantize_rows_would_give(tmp_path):
+    """The norm kernel's e4m3 rows (kernels/norm.py, `quantize`): quantize_rows' bits on its
+    output, and an FP8 model's logits the same with them as without."""
+    from omni.engine.fp8 import attached_rows
+    from omni.engine.kernels import norm
+    from omni.engine.kernels import w8a8 as kernel
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    x = torch.randn(300, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    x[:, 9] *= 40  # an outlier channel
+    res = torch.randn(300, 4096, generator=gen, device="cuda").to(torch.bfloat16)
+    w = torch.rand(4096, generator=gen, device="cuda").to(torch.bfloat16) + 0.5
+    out, new_res = norm.rms_norm(x, w, 1e-5, res, quantize=True)
+    plain, plain_res = norm.rms_norm(x, w, 1e-5, res)
+    assert torch.equal(out, plain) and torch.equal(new_res, plain_res)
+    q, scale = attached_rows(out)
+    want_q, want_scale = kernel.quantize_rows(out)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(scale, want_scale)
+    assert attached_rows(plain) is None
+
+    _, ckpt = tiny_checkpoint(tmp_path / "bf16", ARCHES["qwen2"]())
+    prompts = [[5, 17, 3, 40, 8], [9, 61, 2]]
+    fp8 = LlamaForCausalLM.load(ckpt, "cuda", torch.bfloat16, quantization="fp8")
+    norms = [m for m in fp8.modules() if getattr(m, "feeds_fp8", False)]
+    assert len(norms) == 2 * len(fp8.model.layers)
+    tokens, fused = greedy_steps(fp8, prompts, 6)
+    for m in norms:
+        m.feeds_fp8 = False
+    _, separate = greedy_steps(fp8, prompts, 6, forced=tokens)
+    assert all(torch.equal(a, b) for a, b in zip(fused, separate, strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU_FP8, reason="needs FP8 tensor cores")
 def test_fp8_on_the_gpu_stays_near_bf16_on_smollm2_over_2000_tokens(text_model_dir):
     """The same text through the Triton kernels: W8A8, the e4m3 KV cache, and both."""
     figures = measure(Checkpoint.open(text_model_dir), "cuda", VARIANTS)

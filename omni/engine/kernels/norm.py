@@ -4,6 +4,10 @@ x may also be a mixture-of-experts layer's output as its k weighted slots [token
 hidden] in fp32 (fused_moe(summed=False)): the norm adds them up in slot order and rounds
 them to the residual's dtype first, the bits of the slot-sum kernel, with one kernel
 fewer a layer.
+
+Before an FP8 projection (`quantize`), the kernel also writes its output's rows in e4m3
+with their scales, the bits of w8a8.quantize_rows on that output, attached to it for the
+projection (fp8.attach_rows): one kernel fewer a projection.
 """
 
 from __future__ import annotations
@@ -12,15 +16,21 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fp8 import FP8, FP8_MAX, attach_rows
 from .moe import add_slots, sum_slots_ref
 from .pdl import pdl_options, wait_for_inputs
 from .rows import empty_rows
 
 
 def rms_norm_ref(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    quantize: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(normed, new residual): with a residual, x + residual is both normed and returned."""
+    """(normed, new residual): with a residual, x + residual is both normed and returned.
+    (`quantize`: nothing here; the reference FP8 projection quantizes its input itself.)"""
     if residual is not None:
         if x.dim() == 3:  # a MoE layer's slots (module docstring)
             x = sum_slots_ref(x, residual.dtype)
@@ -38,12 +48,16 @@ def _rms_norm_kernel(
     w_ptr,
     out_ptr,
     res_out_ptr,
+    q_ptr,
+    scale_ptr,
     n_cols,
     eps,
     HAS_RESIDUAL: tl.constexpr,
     SLOTS: tl.constexpr,
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
+    QUANTIZE: tl.constexpr = False,
+    FMAX: tl.constexpr = 448.0,
 ):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
@@ -63,15 +77,28 @@ def _rms_norm_kernel(
         x += residual
         tl.store(res_out_ptr + row * n_cols + cols, x.to(res_out_ptr.dtype.element_ty), mask=mask)
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    tl.store(out_ptr + row * n_cols + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+    y = (x * rstd * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * n_cols + cols, y, mask=mask)
+    if QUANTIZE:  # w8a8._quantize_rows_kernel's math on the row just written
+        yf = y.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(yf), axis=0), 1e-12) / FMAX
+        tl.store(scale_ptr + row, scale)
+        q = tl.minimum(tl.maximum(yf / scale, -FMAX), FMAX)
+        tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    quantize: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(normed, new residual) as rms_norm_ref. On Hopper the kernel reads `residual` before
-    its wait for the kernel before (pdl.py): the residual must not be that kernel's output
-    (in the models it is the last norm's, and x the projection's or the experts')."""
+    """(normed, new residual) as rms_norm_ref; `quantize`: the normed rows in e4m3 too,
+    attached for an FP8 projection (module docstring). On Hopper the kernel reads
+    `residual` before its wait for the kernel before (pdl.py): the residual must not be
+    that kernel's output (in the models it is the last norm's, and x the projection's or
+    the experts')."""
     slots = 0
     if x.dim() == 3 and residual is not None:  # a MoE layer's slots (module docstring)
         slots = x.shape[1]
@@ -84,6 +111,10 @@ def rms_norm(
     out = empty_rows(rows, cols, dtype, x2.device)  # feeds a linear layer
     res_in = residual.reshape(-1, cols).contiguous() if residual is not None else x2
     res_out = torch.empty(rows, cols, dtype=dtype, device=x2.device) if residual is not None else x2
+    if quantize:  # (room for whole row tiles: the W8A8 TMA kernel's loads, rows.py)
+        q, scale = empty_rows(rows, cols, FP8, x2.device), torch.empty(rows, device=x2.device)
+    else:
+        q, scale = out, out  # (not written)
     block = triton.next_power_of_2(cols)
     _rms_norm_kernel[(rows,)](
         x2,
@@ -91,12 +122,19 @@ def rms_norm(
         weight,
         out,
         res_out,
+        q,
+        scale,
         cols,
         eps,
         HAS_RESIDUAL=residual is not None,
         SLOTS=slots,
         BLOCK=block,
         num_warps=min(16, max(1, block // 256)),
+        QUANTIZE=quantize,
+        FMAX=FP8_MAX,
         **pdl_options(x.device),
     )
-    return out.view(shape), (res_out.view(shape) if residual is not None else None)
+    normed = out.view(shape)
+    if quantize:
+        attach_rows(normed, q, scale)
+    return normed, (res_out.view(shape) if residual is not None else None)

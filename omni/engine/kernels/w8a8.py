@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..fp8 import FP8, FP8_MAX
+from ..fp8 import FP8, FP8_MAX, attached_rows
 from .hardware import sm_count
 from .matmul import (
     TMA_ENABLED,
@@ -273,7 +273,7 @@ def fp8_linear(
     (m, k), n = x2.shape, weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m:
-        xq, xs = quantize_rows(x2)
+        xq, xs = attached_rows(x) or quantize_rows(x2)  # (a norm's, before q/k/v and gate/up)
         tma = TMA_ENABLED and m >= TMA_MIN_ROWS and tma_usable(xq, weight, out)
         launch_fp8_linear(xq, xs, weight, weight_scale, bias, out, fp8_tiles(m, n, k, tma))
     return out.view(*shape[:-1], n)
