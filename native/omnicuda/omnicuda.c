@@ -686,10 +686,11 @@ EXPORT void *dlsym(void *handle, const char *symbol) {
  * nothing but the prefixes it cached. Its addresses are reserved once and physical
  * memory is mapped under them (virtual memory management), so a swap-out unmaps and
  * releases it, nothing copied, and a swap-in maps fresh zeroed memory at the same
- * addresses: pointers and captured CUDA graphs stay valid. (On the H100, 1.4 GiB went
- * in ~1 ms each way; copied as unified memory it took ~150 ms out and ~40 ms back.
- * Discarding unified memory, cuMemDiscardBatchAsync, was tried: driver 580 kept the
- * contents and the prefetch to the host took as long as a copy.)
+ * addresses: pointers and captured CUDA graphs stay valid. (Probes, printed only: 1.4
+ * GiB unmapped and released, or mapped and zeroed, in ~1 ms each way on an H200; 1 GiB
+ * of unified memory took 60-230 ms to the host and 22 ms back on an H100. Discarding
+ * unified memory, cuMemDiscardBatchAsync, was tried there: driver 580 kept the contents
+ * and the prefetch to the host after it took as long as a copy.)
  *
  * The process must not touch the pool while it is away: it calls omni_pool_enter
  * before work that may (blocking while the pool is away) and omni_pool_leave once it
@@ -834,7 +835,11 @@ static CUresult pool_out(void) {
     if (deadline.tv_nsec >= 1000000000L) deadline.tv_sec++, deadline.tv_nsec -= 1000000000L;
     pthread_mutex_lock(&g_pool.lock);
     CUresult rc = CUDA_SUCCESS;
-    if (!g_pool.va || g_pool.away || !sync) goto done;
+    if (!g_pool.va || g_pool.away) goto done;
+    if (!sync) {
+        rc = CUDA_ERROR_NOT_SUPPORTED;
+        goto done;
+    }
     g_pool.closing = 1; /* no new enter from here on */
     while (g_pool.inside && rc == CUDA_SUCCESS)
         if (pthread_cond_timedwait(&g_pool.cond, &g_pool.lock, &deadline) == ETIMEDOUT)
