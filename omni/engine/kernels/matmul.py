@@ -226,13 +226,10 @@ def _linear_tma_kernel(
     address arithmetic or masks in the loop, so the SM's warps only feed the tensor cores.
     Persistent (`programs` = SMs), each program walks tiles, and the next tile's loads overlap
     this tile's epilogue; otherwise one program per tile."""
-    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, programs, flatten=PERSISTENT):
-        first_m = (tile // per_group) * GROUP_M
-        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-        off_m = (first_m + (tile % per_group) % group_m) * BLOCK_M
-        off_n = ((tile % per_group) // group_m) * BLOCK_N
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, programs, flatten=PERSISTENT):
+        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=STAGES):
             x = x_desc.load([off_m, k * BLOCK_K])  # out of bounds: zeros
@@ -259,6 +256,13 @@ def weight_descriptor(weight: torch.Tensor, block_n: int, block_k: int) -> Tenso
     return desc
 
 
+def tma_programs(device: torch.device, tiles: int, persistent: bool) -> int:
+    """A TMA kernel's program count: one per SM walking the tiles (persistent), else one
+    per tile (in the interpreter, on the CPU, a few programs walk them)."""
+    slots = sm_count(device) if device.type == "cuda" else 4
+    return min(tiles, slots) if persistent else tiles
+
+
 def launch_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor, cfg: dict
 ) -> None:
@@ -275,9 +279,7 @@ def launch_linear(
         )  # fmt: skip
         return
     persistent = cfg.pop("persistent")
-    # the interpreter (on the CPU): a few programs, each walking several tiles
-    slots = sm_count(x.device) if x.is_cuda else 4
-    programs = min(tiles, slots) if persistent else tiles
+    programs = tma_programs(x.device, tiles, persistent)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     _linear_tma_kernel[(programs,)](
         TensorDescriptor.from_tensor(tile_rows(x, bm), [bm, bk]),  # see rows.py

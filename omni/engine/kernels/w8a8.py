@@ -18,7 +18,6 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..fp8 import FP8, FP8_MAX, attached_rows
-from .hardware import sm_count
 from .matmul import (
     TMA_ENABLED,
     TMA_SHARED_MEMORY,
@@ -26,6 +25,7 @@ from .matmul import (
     early_tiles,
     grouped_tile,
     prefetch_weight_tiles,
+    tma_programs,
     tma_usable,
     weight_descriptor,
 )
@@ -145,13 +145,10 @@ def _fp8_linear_tma_kernel(
     """The same sums as `_fp8_linear_kernel`, its tiles brought in by the TMA engine (as
     matmul._linear_tma_kernel's are): out-of-bounds rows and columns read as zeros, the
     store clips to M x N. Persistent (`programs` = SMs) or one program per tile."""
-    tiles_m, tiles_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * tiles_n
-    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, programs, flatten=PERSISTENT):
-        first_m = (tile // per_group) * GROUP_M
-        group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-        off_m = (first_m + (tile % per_group) % group_m) * BLOCK_M
-        off_n = ((tile % per_group) // group_m) * BLOCK_N
+    tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), tiles, programs, flatten=PERSISTENT):
+        pid_m, pid_n = grouped_tile(tile, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+        off_m, off_n = pid_m * BLOCK_M, pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for k in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=STAGES):
             x = x_desc.load([off_m, k * BLOCK_K])
@@ -245,8 +242,7 @@ def launch_fp8_linear(
         )  # fmt: skip
         return
     persistent = cfg.pop("persistent")
-    slots = sm_count(xq.device) if xq.is_cuda else 4  # the interpreter: a few programs
-    programs = min(tiles, slots) if persistent else tiles
+    programs = tma_programs(xq.device, tiles, persistent)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     _fp8_linear_tma_kernel[(programs,)](
         TensorDescriptor.from_tensor(tile_rows(xq, bm), [bm, bk]),  # see rows.py
