@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import threading
@@ -71,6 +72,13 @@ def auth(tenant: str) -> dict:
     return {"Authorization": f"Bearer {KEYS[tenant]}"}
 
 
+def permits_in_use(base: str) -> float:
+    """The edge's permits held for the test model, from its /metrics."""
+    page = httpx.get(f"{base}/metrics").text
+    found = re.search(r'^omni_edge_permits_in_use\{model="tiny"\} (\S+)$', page, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
 def complete(base, tenant, **body) -> httpx.Response:
     body = {"model": "tiny", "prompt": "t1 t2", "max_tokens": 2, **body}
     return httpx.post(f"{base}/v1/completions", json=body, headers=auth(tenant), timeout=60)
@@ -122,7 +130,8 @@ def test_a_queued_request_past_its_deadline_gets_504_early(edge):
     ]
     for t in busy:
         t.start()  # the model's only permit stays taken for a while
-    time.sleep(0.1)
+    # (not a fixed sleep: on a loaded host the busy requests reached the edge after it)
+    wait_until(lambda: permits_in_use(base) >= 1, 30, "a busy request holding the permit")
     t0 = time.monotonic()
     late = httpx.post(
         f"{base}/v1/completions",
