@@ -20,6 +20,7 @@ from ..fp8 import FP8, FP8_MAX, attach_rows
 from .moe import add_slots, sum_slots_ref
 from .pdl import pdl_options, wait_for_inputs
 from .rows import empty_rows
+from .w8a8 import e4m3_scale, e4m3_values
 
 
 def rms_norm_ref(
@@ -79,11 +80,11 @@ def _rms_norm_kernel(
     rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n_cols + eps)
     y = (x * rstd * w).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * n_cols + cols, y, mask=mask)
-    if QUANTIZE:  # w8a8._quantize_rows_kernel's math on the row just written
+    if QUANTIZE:  # quantize_rows' math on the row just written
         yf = y.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(yf), axis=0), 1e-12) / FMAX
+        scale = e4m3_scale(tl.max(tl.abs(yf), axis=0), FMAX)
         tl.store(scale_ptr + row, scale)
-        q = tl.minimum(tl.maximum(yf / scale, -FMAX), FMAX)
+        q = e4m3_values(yf, scale, FMAX)
         tl.store(q_ptr + row * n_cols + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
 
 

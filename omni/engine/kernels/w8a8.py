@@ -36,6 +36,18 @@ QUANT_BLOCK = 1024  # a row's elements per loop step when quantizing it
 
 
 @triton.jit
+def e4m3_scale(amax, FMAX: tl.constexpr):
+    """A row's scale from its absolute max: quantize_rows' (this file's kernel, the norm's)."""
+    return tl.maximum(amax, 1e-12) / FMAX
+
+
+@triton.jit
+def e4m3_values(x, scale, FMAX: tl.constexpr):
+    """fp32 values of a row scaled into e4m3's range, before the cast: quantize_rows'."""
+    return tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
+
+
+@triton.jit
 def _quantize_rows_kernel(
     x_ptr, q_ptr, scale_ptr, K, FMAX: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
 ):
@@ -47,12 +59,12 @@ def _quantize_rows_kernel(
         ks = k * BLOCK + offs
         x = tl.load(x_ptr + row * K + ks, mask=ks < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / FMAX
+    scale = e4m3_scale(tl.max(amax, axis=0), FMAX)
     tl.store(scale_ptr + row, scale)
     for k in range(0, tl.cdiv(K, BLOCK)):
         ks = k * BLOCK + offs
         x = tl.load(x_ptr + row * K + ks, mask=ks < K, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
+        q = e4m3_values(x, scale, FMAX)
         tl.store(q_ptr + row * K + ks, q.to(q_ptr.dtype.element_ty), mask=ks < K)
 
 
