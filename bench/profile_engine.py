@@ -207,6 +207,7 @@ def main() -> None:
     )
     parser.add_argument("--name", help="result file bench/results/<name>.json")
     parser.add_argument("--no-engine", action="store_true", help="skip the engine's cProfile")
+    parser.add_argument("--quantization", choices=["fp8"], help="the model's projections in FP8")
     args = parser.parse_args()
     from omni.engine.checkpoint import Checkpoint
     from omni.engine.engine import Engine
@@ -215,7 +216,7 @@ def main() -> None:
 
     path, _ = write_checkpoint(Path(args.ckpt_root), llama3_8b_config(False), 4, 0)
     ckpt = Checkpoint.open(path)
-    model = LlamaForCausalLM.load(ckpt, "cuda", torch.bfloat16)
+    model = LlamaForCausalLM.load(ckpt, "cuda", torch.bfloat16, quantization=args.quantization)
     res = step_profile(model, args.decode)
     torch.cuda.empty_cache()
     if not args.no_engine:

@@ -191,8 +191,8 @@ def fp8_tiles(m: int, n: int, k: int, tma: bool = False) -> dict:
     if m <= 16:
         if n > 16384:  # gate/up
             return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
-        if n > 4096:  # fused q/k/v
-            return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=3)
+        if n > 4096:  # fused q/k/v (8 stages: 16.7 -> 11.6 us at 1 row, weights from HBM)
+            return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=8)
         return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=8, num_stages=6)  # o, down
     if m <= 128:  # (3 stages here: down at 64 rows 46.3 -> 62.5 us)
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5)
