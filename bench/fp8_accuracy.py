@@ -31,11 +31,12 @@ VARIANTS = {
 }
 
 
-def text_ids(ckpt) -> list[int]:
+def text_ids(ckpt, tokens: int = TOKENS) -> list[int]:
+    """The text's first `tokens` tokens."""
     from omni.engine.tokenizer import TextTokenizer
 
-    ids = TextTokenizer(ckpt).encode(TEXT.read_text())[:TOKENS]
-    assert len(ids) == TOKENS, len(ids)
+    ids = TextTokenizer(ckpt).encode(TEXT.read_text())[:tokens]
+    assert len(ids) == tokens, len(ids)
     return ids
 
 
@@ -70,11 +71,12 @@ def closeness(logits: torch.Tensor, base: torch.Tensor, ids: list[int]) -> dict[
     }
 
 
-def measure(ckpt, device: str, variants: dict[str, dict]) -> dict[str, dict]:
-    """Each variant against bf16 on `device` (cpu: the reference math)."""
+def measure(ckpt, device: str, variants: dict[str, dict], tokens: int = TOKENS) -> dict[str, dict]:
+    """Each variant against bf16 on `device` (cpu: the reference math), on the text's first
+    `tokens` tokens."""
     from omni.engine.llama import LlamaForCausalLM
 
-    ids = text_ids(ckpt)
+    ids = text_ids(ckpt, tokens)
     bf16 = torch.bfloat16
     base = all_logits(LlamaForCausalLM.load(ckpt, device, bf16), ids)
     out = {}

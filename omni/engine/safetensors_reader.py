@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .checkpoint import CheckpointError
+
 # Pinning host memory costs about 0.6 s a GiB, once per process (torch caches pinned
 # blocks): 8 MiB chunks x 2 buffers x 8 threads pin 128 MiB and still fill PCIe (larger
 # chunks measured no faster on an H100, and a first load slower).
@@ -52,10 +54,6 @@ _DTYPE_NAMES = {
 DTYPES: dict[str, torch.dtype] = {
     code: getattr(torch, name) for code, name in _DTYPE_NAMES.items() if hasattr(torch, name)
 }
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be served; the message names the file."""
 
 
 @dataclass(frozen=True)

@@ -186,6 +186,7 @@ async def slow_stream(port: int, tenant: str, max_tokens: int) -> bool:
     return b"[DONE]" in tail
 
 
+@pytest.mark.serial  # streams per second: another test's load on the host moves them
 def test_early_release_raises_throughput_with_slow_readers(cluster):
     """One permit; the node makes each 8 MB answer as fast as it can (far more than the
     socket buffers hold) and a slow client takes ~1 s to read it: with early release the

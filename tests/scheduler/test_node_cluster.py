@@ -84,6 +84,7 @@ def complete(base: str, headers: dict[str, str] | None = None) -> httpx.Response
     return httpx.post(f"{base}/v1/completions", json=body, headers=headers, timeout=60)
 
 
+@pytest.mark.serial  # RTTs and lease timing: another test's load on the host moves them
 def test_nodes_report_load_and_latency_to_the_cluster(tmp_path, telemetry):
     """Two omnids with --etcd: the one that serves reports its requests and tokens to the
     telemetry server the leader named in etcd (the other reports its idle permits), and
