@@ -197,10 +197,7 @@ def write_json(path: Path, data: dict) -> None:
 
 
 def pytest_collection_modifyitems(config, items):
-    """The files marked `long` first (make test's workers take files in this order with
-    --no-loadscope-reorder, so both end near the same time); GPU tests run where a GPU is
-    (the device machine), CI skips them."""
-    items.sort(key=lambda item: "long" not in item.keywords)  # stable: files stay whole
+    """GPU tests run where a GPU is (the device machine); CI skips them."""
     try:
         import torch
 

@@ -7,11 +7,8 @@ import time
 
 import httpx
 import openai
-import pytest
 
 from .conftest import wait_until
-
-pytestmark = pytest.mark.long  # over a minute on a 2-core CPU: make test starts it first
 
 TEXT = "smollm2-135m-instruct"
 N_CLIENTS = 32

@@ -15,8 +15,6 @@ import pytest
 
 from .conftest import wait_until
 
-pytestmark = pytest.mark.long  # over a minute on a 2-core CPU: make test starts it first
-
 TEXT = "smollm2-135m-instruct"
 EMBED = "all-minilm-l6-v2"
 

@@ -26,8 +26,6 @@ from omni.runtime.defaults import SMOLLM_FILE, SMOLLM_PACKAGE, package_dir
 from .checkpoints import save_word_level_tokenizer
 from .engine.runs import greedy_steps, run_requests, tokens
 
-pytestmark = pytest.mark.long  # over a minute on a 2-core CPU: make test starts it first
-
 TEXTS = ["Hello, world! 12345 café 🚀 naïve", "  two spaces\n\ttab", "def f(x):\n    return x**2"]
 
 

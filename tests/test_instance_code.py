@@ -19,10 +19,7 @@ from tests.nodes import Omnid
 
 REPO = Path(__file__).resolve().parents[1]
 
-pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0, reason="sandboxed instances need root"),
-    pytest.mark.long,  # over a minute on a 2-core CPU: make test starts it first
-]
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="sandboxed instances need root")
 
 
 @pytest.fixture(scope="module")

@@ -9,11 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import openai
-import pytest
 
 from .json_schemas import schemas
-
-pytestmark = pytest.mark.long  # over a minute on a 2-core CPU: make test starts it first
 
 TEXT = "smollm2-135m-instruct"
 SCHEMAS = schemas(50, seed=21)

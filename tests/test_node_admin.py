@@ -20,8 +20,6 @@ from tests.checkpoints import tiny_llama
 from tests.conftest import wait_until
 from tests.nodes import Omnid
 
-pytestmark = pytest.mark.long  # over a minute on a 2-core CPU: make test starts it first
-
 NOBODY = 65534
 
 

@@ -12,8 +12,6 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-pytestmark = pytest.mark.long  # over a minute on a 2-core CPU: make test starts it first
-
 TEXT = "smollm2-135m-instruct"
 WEATHER = {
     "type": "function",

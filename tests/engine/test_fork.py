@@ -17,8 +17,6 @@ from omni.engine.sampling import SamplingParams
 
 from .runs import run_requests, tokens
 
-pytestmark = pytest.mark.long  # over a minute on a 2-core CPU: make test starts it first
-
 
 @pytest.fixture(scope="module")
 def prompt(engine) -> list[int]:

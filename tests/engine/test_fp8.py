@@ -18,8 +18,6 @@ from omni.engine.llama import LlamaForCausalLM
 from ..test_engine import ARCHES, tiny_checkpoint
 from .runs import greedy_steps
 
-pytestmark = pytest.mark.long  # over a minute on a 2-core CPU: make test starts it first
-
 REPO = Path(__file__).resolve().parents[2]
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 

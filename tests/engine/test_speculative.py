@@ -27,8 +27,6 @@ from tests.checkpoints import pruned_llama
 
 from .runs import run_requests, tokens
 
-pytestmark = pytest.mark.long  # over a minute on a 2-core CPU: make test starts it first
-
 PASSAGE = (
     "The lighthouse keeper climbed the spiral stairs at dusk, lit the great lamp, and "
     "wrote in the log that the sea was calm, the wind was from the west, and two fishing "

@@ -26,8 +26,6 @@ from .etcd import EtcdServer
 from .netlab import NetLab, unavailable_reason
 from .omnictl import omnictl_json
 
-pytestmark = pytest.mark.long  # over a minute on a 2-core CPU: make test starts it first
-
 DELAY_MS = 40.0
 TTL = 3  # nodes' and schedulers' leases, seconds
 INTERVAL = 1.0  # the scheduler's reconcile period

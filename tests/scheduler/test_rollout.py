@@ -44,8 +44,6 @@ from tests.nodes import Omnid
 from .etcd import EtcdServer
 from .omnictl import REPO, omnictl, omnictl_json
 
-pytestmark = pytest.mark.long  # over a minute on a 2-core CPU: make test starts it first
-
 V1 = Version("v1", "/models/m-v1")
 REQ = RolloutRequest("r1", "v2", "/models/m-v2", steps=(25, 100), step_s=60, min_requests=10)
 
