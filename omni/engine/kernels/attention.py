@@ -38,27 +38,43 @@ def paged_attention_ref(
     q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, scale, kv_scales=None
 ):
     """q: [tokens, q_heads, dim]; caches: [blocks, block_size, kv_heads, dim], values
-    times `kv_scales` [2, kv_heads] where given (an FP8 cache)."""
+    times `kv_scales` [2, kv_heads] where given (an FP8 cache).
+
+    One sequence at a time, so a row's result never depends on its batch. The query
+    heads that share a KV head are one matrix against it (as the GPU kernels pack them),
+    not copies of K and V per query head as torch's SDPA makes: on SmolLM2 at 32
+    sequences this takes a CPU decode step's attention from 195 to 100 ms (of 510-600)."""
     out = torch.empty_like(q)
-    k_scale = v_scale = None
+    block_size, kv_heads, dim = k_cache.shape[1:]
+    lens, starts = seq_lens.tolist(), cu_seqlens_q.tolist()
+    # every sequence's blocks in one gather per cache, then a slice each: a gather a
+    # sequence cost more than its attention
+    counts = [-(-length // block_size) for length in lens]
+    ids = [i for row, c in zip(block_tables.tolist(), counts, strict=False) for i in row[:c]]
+    ids = torch.tensor(ids, dtype=torch.long, device=k_cache.device)
+    k_all = k_cache.index_select(0, ids).flatten(0, 1).float()  # [blocks * size, kv, d]
+    v_all = v_cache.index_select(0, ids).flatten(0, 1).float()
     if kv_scales is not None:
-        k_scale, v_scale = (s.float()[:, None] for s in kv_scales)  # [kv, 1, 1] as below
-    block_size = k_cache.shape[1]
-    for b in range(seq_lens.shape[0]):
-        length = int(seq_lens[b])
-        qs, qe = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
-        n_blocks = -(-length // block_size)
-        blocks = block_tables[b, :n_blocks].long()
-        k = k_cache[blocks].flatten(0, 1)[:length].transpose(0, 1).float()  # [kv, L, d]
-        v = v_cache[blocks].flatten(0, 1)[:length].transpose(0, 1).float()
-        if kv_scales is not None:
-            k, v = k * k_scale[:, None], v * v_scale[:, None]
-        q_pos = torch.arange(length - (qe - qs), length, device=q.device)
-        mask = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]
-        attn = torch.nn.functional.scaled_dot_product_attention(
-            q[qs:qe].transpose(0, 1).float(), k, v, attn_mask=mask, scale=scale, enable_gqa=True
+        k_scale, v_scale = (scales.float()[None, :, None] for scales in kv_scales)
+        k_all, v_all = k_all * k_scale, v_all * v_scale
+    first = 0  # the sequence's first row in k_all and v_all
+    for b, length in enumerate(lens):
+        qs, qe = starts[b], starts[b + 1]
+        n = qe - qs
+        k, v = k_all[first : first + length], v_all[first : first + length]  # [L, kv, d]
+        first += counts[b] * block_size
+        # [kv, n * group, d]: KV head j's query heads, token by token
+        grouped = (
+            q[qs:qe].float().view(n, kv_heads, -1, dim).transpose(0, 1).reshape(kv_heads, -1, dim)
         )
-        out[qs:qe] = attn.transpose(0, 1).to(q.dtype)
+        logits = torch.bmm(grouped, k.permute(1, 2, 0)) * scale  # [kv, n * group, L]
+        if n > 1:  # causal: token t (at position length - n + t) sees keys up to itself
+            q_pos = torch.arange(length - n, length, device=q.device)
+            q_pos = q_pos.repeat_interleave(grouped.shape[1] // n)
+            keys = torch.arange(length, device=q.device)
+            logits.masked_fill_(keys[None, :] > q_pos[:, None], float("-inf"))
+        attn = torch.bmm(torch.softmax(logits, dim=-1), v.transpose(0, 1))  # [kv, n * g, d]
+        out[qs:qe] = attn.view(kv_heads, n, -1, dim).transpose(0, 1).reshape(n, -1, dim).to(q.dtype)
     return out
 
 
