@@ -47,8 +47,8 @@ def paged_attention_ref(
     out = torch.empty_like(q)
     block_size, kv_heads, dim = k_cache.shape[1:]
     lens, starts = seq_lens.tolist(), cu_seqlens_q.tolist()
-    # every sequence's blocks in one gather per cache, then a slice each: a gather a
-    # sequence cost more than its attention
+    # every sequence's blocks in one gather per cache, then a slice each: two gathers
+    # per sequence cost about as much as its attention
     counts = [-(-length // block_size) for length in lens]
     ids = [i for row, c in zip(block_tables.tolist(), counts, strict=False) for i in row[:c]]
     ids = torch.tensor(ids, dtype=torch.long, device=k_cache.device)
