@@ -69,7 +69,12 @@ from omni.engine.kernels.matmul import (  # noqa: E402
     tile_config,
     tma_usable,
 )
-from omni.engine.kernels.w8a8 import fp8_linear, fp8_tiles, launch_fp8_linear  # noqa: E402
+from omni.engine.kernels.w8a8 import (  # noqa: E402
+    FEW_ROWS,
+    fp8_linear,
+    fp8_tiles,
+    launch_fp8_linear,
+)
 from omni.engine.kernels.w8a8 import quantize_rows as quantize_rows_gpu  # noqa: E402
 
 SHAPES = {  # (N, K) of Llama-3-8B's weights, q/k/v and gate/up fused
@@ -498,6 +503,9 @@ def main() -> None:
         m_order = tuple(int(m) for m in args.m.split(","))
     if args.fp8:  # the lm head stays bf16 in an FP8 model
         shapes = {name: shape for name, shape in shapes.items() if name != "lm_head"}
+        # up to FEW_ROWS rows FP8 runs the few-rows kernel, whose tiles bench/fp8_few_rows.py
+        # measured; this sweep covers the pointer and TMA kernels
+        m_order = tuple(m for m in m_order if m > FEW_ROWS)
     res = sweep(args, shapes, m_order)
     print_table(res)
     keys = ("budget_s", "warmup", "iters", "jobs", "small", "fp8")

@@ -172,9 +172,43 @@ def test_the_w8a8_kernel_computes_the_reference_and_rows_do_not_depend_on_the_ba
     assert torch.equal(xq.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(xs, ref_s)
     y = kernel.fp8_linear(x, wq, ws, bias)
     torch.testing.assert_close(y, fp8_linear_ref(x, wq, ws, bias), rtol=3e-2, atol=3e-2)  # bf16 out
-    # every tile size: the pointer kernel's (1, 16, 64 rows), the TMA kernel's (200, 300)
-    for rows in (slice(0, 1), slice(5, 21), slice(40, 104), slice(100, 300), slice(0, 300)):
+    # every kernel: the few-rows one (1, 3, 16 rows), the pointer one (64), the TMA one
+    # (200, 300)
+    for rows in (slice(0, 1), slice(7, 10), slice(5, 21), slice(40, 104), slice(100, 300)):
         assert torch.equal(kernel.fp8_linear(x[rows], wq, ws, bias), y[rows]), rows
+    # a down projection's shape (K 14,336: the few-rows kernel's deeper pipeline), and rows
+    # too long to quantize in one read
+    for k, n in ((14336, 4096), (20000, 512)):
+        x = torch.randn(80, k, generator=gen, device="cuda").to(torch.bfloat16)
+        w = (torch.randn(n, k, generator=gen, device="cuda") * k**-0.5).to(torch.bfloat16)
+        wq, ws = quantize_weight(w)
+        xq, xs = kernel.quantize_rows(x)
+        ref_q, ref_s = quantize_rows(x)
+        assert torch.equal(xq.view(torch.uint8), ref_q.view(torch.uint8)), k
+        assert torch.equal(xs, ref_s), k
+        y = kernel.fp8_linear(x, wq, ws)
+        for rows in (slice(0, 1), slice(60, 76)):
+            assert torch.equal(kernel.fp8_linear(x[rows], wq, ws), y[rows]), (k, rows)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU_FP8, reason="needs FP8 tensor cores")
+def test_silu_and_mul_hands_its_fp8_projection_the_rows_quantize_rows_would_give():
+    from omni.engine.fp8 import attached_rows
+    from omni.engine.kernels import activation
+    from omni.engine.kernels import w8a8 as kernel
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    for rows, width in ((1, 14336), (37, 14336), (5, 1000)):
+        x = torch.randn(rows, 2 * width, generator=gen, device="cuda").to(torch.bfloat16)
+        x[:, 3] *= 20  # an outlier channel
+        out = activation.silu_and_mul(x, quantize=True)
+        plain = activation.silu_and_mul(x)
+        assert torch.equal(out, plain) and attached_rows(plain) is None
+        q, scale = attached_rows(out)
+        want_q, want_scale = kernel.quantize_rows(plain)
+        assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), (rows, width)
+        assert torch.equal(scale, want_scale), (rows, width)
 
 
 @pytest.mark.gpu

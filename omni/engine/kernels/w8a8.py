@@ -1,13 +1,14 @@
 """The W8A8 linear layer on FP8 tensor cores (Ada, Hopper): fp8_linear_ref's sums, batch-invariant.
 
-The first kernel quantizes each row of x to e4m3 by its own absolute max, in two passes
-over the row, so a token's bits depend on that token alone. The second is the bf16
-linear's kernel (matmul.py) on e4m3 tiles: every output element is one fp32 accumulator
-chained through `tl.dot` over K in order, whatever the tile shape. The scales (the
-row's, the weight row's) and the bias are applied once, at the end. On Hopper both
-launch dependently (pdl.py), and a few rows' programs ask L2 for their first weight
-tiles before their wait, as the bf16 linear's do; from TMA_MIN_ROWS rows a third kernel
-computes the second's sums with tiles the TMA engine brings in, as the bf16 linear does.
+The first kernel quantizes each row of x to e4m3 by its own absolute max, so a token's
+bits depend on that token alone. The second is the bf16 linear's kernel (matmul.py) on
+e4m3 tiles: every output element is one fp32 accumulator chained through `tl.dot` over K
+in order, whatever the tile shape. The scales (the row's, the weight row's) and the bias
+are applied once, at the end. Up to FEW_ROWS rows a third kernel computes the same sums
+with the operands swapped (the weight rows as the MMA's 64 rows), and from TMA_MIN_ROWS
+rows a fourth with tiles the TMA engine brings in, as the bf16 linear does. On Hopper
+they launch dependently (pdl.py), and a few rows' programs ask L2 for their first weight
+tiles before their wait, as the bf16 linear's do.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from .matmul import (
 from .pdl import pdl_options, wait_for_inputs
 from .rows import TMA_MIN_ROWS, empty_rows, tile_rows
 
-QUANT_BLOCK = 1024  # a row's elements per loop step when quantizing it
+QUANT_BLOCK = 1024  # a row's elements per loop step when quantizing a long row
+FEW_ROWS = 16  # up to this many rows, the few-rows kernel (its token tile)
+WHOLE_ROW = 16384  # rows up to this long are quantized in one read (Llama-3-8B's down: 14,336)
 
 
 @triton.jit
@@ -49,34 +52,53 @@ def e4m3_values(x, scale, FMAX: tl.constexpr):
 
 @triton.jit
 def _quantize_rows_kernel(
-    x_ptr, q_ptr, scale_ptr, K, FMAX: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+    x_ptr,
+    q_ptr,
+    scale_ptr,
+    K,
+    FMAX: tl.constexpr,
+    BLOCK: tl.constexpr,
+    WHOLE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
-    amax = tl.zeros((BLOCK,), tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK)):
-        ks = k * BLOCK + offs
-        x = tl.load(x_ptr + row * K + ks, mask=ks < K, other=0.0).to(tl.float32)
-        amax = tl.maximum(amax, tl.abs(x))
-    scale = e4m3_scale(tl.max(amax, axis=0), FMAX)
-    tl.store(scale_ptr + row, scale)
-    for k in range(0, tl.cdiv(K, BLOCK)):
-        ks = k * BLOCK + offs
-        x = tl.load(x_ptr + row * K + ks, mask=ks < K, other=0.0).to(tl.float32)
+    if WHOLE:  # the whole row in registers (BLOCK >= K): one read
+        x = tl.load(x_ptr + row * K + offs, mask=offs < K, other=0.0).to(tl.float32)
+        scale = e4m3_scale(tl.max(tl.abs(x), axis=0), FMAX)
+        tl.store(scale_ptr + row, scale)
         q = e4m3_values(x, scale, FMAX)
-        tl.store(q_ptr + row * K + ks, q.to(q_ptr.dtype.element_ty), mask=ks < K)
+        tl.store(q_ptr + row * K + offs, q.to(q_ptr.dtype.element_ty), mask=offs < K)
+    else:  # two passes, BLOCK at a time
+        amax = tl.zeros((BLOCK,), tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK)):
+            ks = k * BLOCK + offs
+            x = tl.load(x_ptr + row * K + ks, mask=ks < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        scale = e4m3_scale(tl.max(amax, axis=0), FMAX)
+        tl.store(scale_ptr + row, scale)
+        for k in range(0, tl.cdiv(K, BLOCK)):
+            ks = k * BLOCK + offs
+            x = tl.load(x_ptr + row * K + ks, mask=ks < K, other=0.0).to(tl.float32)
+            q = e4m3_values(x, scale, FMAX)
+            tl.store(q_ptr + row * K + ks, q.to(q_ptr.dtype.element_ty), mask=ks < K)
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8.quantize_rows on the GPU: (e4m3 rows, fp32 scales [rows]) of x [M, K]."""
+    """fp8.quantize_rows on the GPU: (e4m3 rows, fp32 scales [rows]) of x [M, K]. A row of
+    up to WHOLE_ROW elements is read once into registers (a decode step's o and down
+    inputs: each of the two passes over L2 was a round trip of its own), longer ones in
+    QUANT_BLOCK pieces twice; the bits are the same."""
     m, k = x.shape
     q = empty_rows(m, k, FP8, x.device)  # room for whole row tiles: the TMA loads (rows.py)
     scale = torch.empty(m, dtype=torch.float32, device=x.device)
     if m:
+        block = triton.next_power_of_2(k) if k <= WHOLE_ROW else QUANT_BLOCK
         _quantize_rows_kernel[(m,)](
-            x, q, scale, k, FMAX=FP8_MAX, BLOCK=QUANT_BLOCK, **pdl_options(x.device)
-        )
+            x, q, scale, k, FMAX=FP8_MAX, BLOCK=block, WHOLE=block >= k,
+            num_warps=min(16, max(4, block // 512)), **pdl_options(x.device),
+        )  # fmt: skip
     return q, scale
 
 
@@ -132,6 +154,60 @@ def _fp8_linear_kernel(
     )
 
 
+@triton.jit(do_not_specialize=["M"])  # M follows the step's size (see matmul.py)
+def _fp8_few_rows_kernel(
+    x_ptr,
+    x_scale_ptr,
+    w_ptr,
+    w_scale_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PROMOTE_K: tl.constexpr = 128,
+    PDL: tl.constexpr = False,
+    PREFETCH_TILES: tl.constexpr = 0,
+):
+    """`_fp8_linear_kernel`'s sums for up to BLOCK_T rows, its operands swapped: BLOCK_N
+    (64+) weight rows are the MMA's rows and the tokens its columns, so a program's shared
+    memory holds weight tiles and a sliver of x where the other kernel pads x to 64 rows.
+    Each output element is the same fp32 chain over K with the same MMA, and the scales
+    are applied in the same order (x's, then the weight's): the same bits (the H100 test)."""
+    pid_n, pid_t = tl.program_id(0), tl.program_id(1)
+    if PREFETCH_TILES > 0:  # the first weight tiles into L2 while the kernel before ends
+        prefetch_weight_tiles(w_ptr, pid_n, N, K, BLOCK_N, BLOCK_K, PREFETCH_TILES)
+    wait_for_inputs(PDL)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + offs_n[:, None] * K + offs_k[None, :]
+    x_ptrs = x_ptr + offs_t[None, :] * K + offs_k[:, None]
+    acc = tl.zeros((BLOCK_N, BLOCK_T), tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        w = tl.load(w_ptrs, mask=(offs_n[:, None] < N) & (offs_k[None, :] < k_left), other=0.0)
+        x = tl.load(x_ptrs, mask=(offs_t[None, :] < M) & (offs_k[:, None] < k_left), other=0.0)
+        acc = tl.dot(w, x, acc, max_num_imprecise_acc=PROMOTE_K)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    x_scale = tl.load(x_scale_ptr + offs_t, mask=offs_t < M, other=0.0)
+    w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
+    acc = acc * x_scale[None, :] * w_scale[:, None]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+    tl.store(
+        out_ptr + offs_t[None, :] * N + offs_n[:, None],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(offs_t[None, :] < M) & (offs_n[:, None] < N),
+    )
+
+
 # M and the program count follow the step's size: neither may be specialized on (matmul.py)
 @triton.jit(do_not_specialize=["M", "programs"])
 def _fp8_linear_tma_kernel(
@@ -177,23 +253,21 @@ def _fp8_linear_tma_kernel(
 
 
 def fp8_tiles(m: int, n: int, k: int, tma: bool = False) -> dict:
-    """Tiles by rows and output width. Every one has at least 64 rows and takes K 128 at a
-    time: on Hopper a 16-row tile's FP8 MMA (mma) sums differently from a 64-row one's
-    (wgmma), so a row's bits would follow the batch's size (the H100 test caught it);
-    within that family, column width, warps and stages keep the bits (.probe sweep). Up to
-    16 rows, the widths measured fastest on the H100 for Llama-3-8B's projections at 1 and
-    16 rows (printed only): at 1 row, gate/up 54.3 -> 47.1 us, q/k/v 13.1 -> 12.4, o
-    12.1 -> 11.6, down 38.3 -> 37.9. K 256 a tile (promoted every 128) keeps the bits but
-    was no faster. Past 512 rows: a first cut, not yet tuned. From TMA_MIN_ROWS with `tma`
-    (Hopper, usable tensors): the TMA kernel's tiles, with "persistent" (_fp8_tma_tiles)."""
+    """Tiles by rows and output width. Every one has at least 64 rows (of x, or of the
+    weight in the few-rows kernel) and takes K 128 at a time: on Hopper a 16-row tile's FP8
+    MMA (mma) sums differently from a 64-row one's (wgmma), so a row's bits would follow the
+    batch's size (the H100 test caught it); within that family, column width, warps and
+    stages keep the bits (.probe sweep). Up to FEW_ROWS rows, the few-rows kernel: on the
+    H100, Llama-3-8B's four projections at 1 row, 32 layers' weights back to back, took
+    85 us a layer against 93 with the best pointer-kernel tiles (down 28.4 -> 23.3 us;
+    bench/fp8_few_rows.py). Past 512 rows: a first cut, not yet tuned. From TMA_MIN_ROWS
+    with `tma` (Hopper, usable tensors): the TMA kernel's tiles, with "persistent"
+    (_fp8_tma_tiles)."""
     if tma and m >= TMA_MIN_ROWS:
         return _fp8_tma_tiles(m, n, k)
-    if m <= 16:
-        if n > 16384:  # gate/up
-            return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
-        if n > 4096:  # fused q/k/v (8 stages: 16.7 -> 11.6 us at 1 row, weights from HBM)
-            return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=8)
-        return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=8, num_stages=6)  # o, down
+    if m <= FEW_ROWS:  # the few-rows kernel: 64 weight rows a program, K 128 at a time
+        return dict(BLOCK_N=64, BLOCK_T=FEW_ROWS, BLOCK_K=128, num_warps=4,
+                    num_stages=12 if k > 8192 else 8)  # fmt: skip
     if m <= 128:  # (3 stages here: down at 64 rows 46.3 -> 62.5 us)
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=5)
     if m <= 512:  # at 300 rows: q/k/v 44.8 -> 25.3 us, down 74.4 -> 71.6 against 128-row tiles
@@ -240,12 +314,20 @@ def launch_fp8_linear(
     out: torch.Tensor,
     cfg: dict,
 ) -> None:
-    """out = the W8A8 product of quantized rows with these tiles: TMA ones (with
-    "persistent") or the pointer kernel's."""
+    """out = the W8A8 product of quantized rows with these tiles: the few-rows kernel's
+    (with "BLOCK_T"), TMA ones (with "persistent") or the pointer kernel's."""
     (m, k), n = xq.shape, weight.shape[0]
     cfg = dict(cfg)
-    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     bias_arg = bias if bias is not None else weight_scale
+    if "BLOCK_T" in cfg:  # the few-rows kernel
+        launch = pdl_options(xq.device)
+        grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_T"]))
+        _fp8_few_rows_kernel[grid](
+            xq, x_scale, weight, weight_scale, bias_arg, out, m, n, k, HAS_BIAS=bias is not None,
+            PREFETCH_TILES=early_tiles(launch, m), **launch, **cfg,
+        )  # fmt: skip
+        return
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     if "persistent" not in cfg:
         launch = pdl_options(xq.device)
         _fp8_linear_kernel[(tiles,)](
