@@ -271,8 +271,7 @@ class MLP(nn.Module):
         self.down_proj = projection(cfg, cfg.intermediate_size, cfg.hidden_size, False, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fp8 = isinstance(self.down_proj, Fp8Linear)  # the activation quantizes its rows too
-        return self.down_proj(ops(x.device).silu_and_mul(self.gate_up_proj(x), quantize=fp8))
+        return self.down_proj(ops(x.device).silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
