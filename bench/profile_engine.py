@@ -167,7 +167,8 @@ def step_profile(model, shapes: list[tuple[int, int]]) -> dict:
             assert step.decode_only
             tag = f"b{n}_ctx{context}"
             cfg = model.cfg
-            kv_bytes = n * context * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+            per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
+            kv_bytes = n * context * per_token * runner.k_cache.element_size()
             res["decode"][tag] = {
                 "kv_gb": round(kv_bytes / 1e9, 3),
                 "graph_replay_ms": round(replay, 3),
@@ -208,6 +209,7 @@ def main() -> None:
     parser.add_argument("--name", help="result file bench/results/<name>.json")
     parser.add_argument("--no-engine", action="store_true", help="skip the engine's cProfile")
     parser.add_argument("--quantization", choices=["fp8"], help="the model's projections in FP8")
+    parser.add_argument("--kv-cache-dtype", choices=["fp8"], help="the KV cache in e4m3")
     args = parser.parse_args()
     from omni.engine.checkpoint import Checkpoint
     from omni.engine.engine import Engine
@@ -216,7 +218,10 @@ def main() -> None:
 
     path, _ = write_checkpoint(Path(args.ckpt_root), llama3_8b_config(False), 4, 0)
     ckpt = Checkpoint.open(path)
-    model = LlamaForCausalLM.load(ckpt, "cuda", torch.bfloat16, quantization=args.quantization)
+    model = LlamaForCausalLM.load(
+        ckpt, "cuda", torch.bfloat16, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )  # fmt: skip
     res = step_profile(model, args.decode)
     torch.cuda.empty_cache()
     if not args.no_engine:
