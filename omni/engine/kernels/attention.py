@@ -12,7 +12,12 @@ tile, so the dot products run on tensor cores.
 
 An FP8 cache (e4m3) holds each value divided by its KV head's scale (kv_scales:
 [2, kv_heads] fp32, K's then V's; kv_cache.py): the kernels read it in the model's dtype
-and fold the scales into the logits' scale and the output.
+and fold the scales into the logits' scale and the output. Decode in a bf16 model reads
+it in fp16 instead, in which e4m3 values are exact: the conversion is one instruction a pair where
+bf16 takes three, and decode at few bytes a token is bound by that work (H100, 400
+sequences of 450 tokens, Llama-3-8B's heads: 279 -> 242 us a layer; 16 of 1,500: 38 ->
+31; .probe, printed only). The query goes to fp16 too (exact for |q| in fp16's normal
+range; clamped to its max) and the probabilities (finer than bf16).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from .pdl import pdl_options, prefetch_l2, wait_for_inputs
 from .rows import empty_rows
 
 NEG_INF = tl.constexpr(-1.0e30)  # finite: a fully masked row gives 0, not NaN
+F16_MAX = tl.constexpr(65504.0)
 PREFILL_BLOCK_M = 64  # queries a prefill program takes
 
 
@@ -332,6 +338,9 @@ def _decode_split_kernel(
         mask=head_ok[:, None],
         other=0.0,
     )
+    if KV_FP8:  # noqa: SIM102 (a constexpr, then the dtype: both resolved at compile time)
+        if q.dtype == tl.bfloat16:  # K, V and the products in fp16 (module docstring)
+            q = tl.clamp(q.to(tl.float32), -F16_MAX, F16_MAX).to(tl.float16)
     for split in range(tl.program_id(2), n_splits, programs):
         m_i = tl.full((BLOCK_H,), NEG_INF, tl.float32)
         l_i = tl.zeros((BLOCK_H,), tl.float32)
