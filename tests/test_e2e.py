@@ -153,7 +153,8 @@ def test_killed_instance_restarts_and_serves_again(client, server):
     assert int(errors[0].response.headers["retry-after"]) >= 1
     assert errors[0].body["code"] == "unavailable"
 
-    # (not just "ready": until omnid has seen the exit, the dead one still reads ready)
+    # (a new live pid, not just "ready": /proc loses the pid a moment before omnid sees
+    # the exit, and until then the dead one still reads ready)
     after = wait_replaced(server, TEXT, before["pid"], 120)
     assert after["restarts"] == before["restarts"] + 1
     assert "SIGKILL" in after["last_exit"]

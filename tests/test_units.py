@@ -223,3 +223,44 @@ def test_greedy_with_a_repetition_penalty_avoids_the_seen_token():
     params = SamplingParams(temperature=0, repetition_penalty=2.0)
     assert sample(logits, SamplingParams(temperature=0), make_generator(0)) == 1
     assert sample(logits, params, make_generator(0), prompt=[1]) == 2  # 5/2 < 4
+
+
+def test_an_instance_whose_process_exits_stops_reading_live_before_its_teardown(tmp_path):
+    """The state leaves starting/ready as soon as the process is gone: the sandbox's
+    teardown, the last output and the GPU's release all come before the backoff, and a
+    status read then said "ready" with no process behind it."""
+    import asyncio
+    import sys
+    import time
+    from dataclasses import replace
+
+    from omni.isolation.sandbox import ProcessSandbox
+    from omni.runtime.instance import Instance, State
+
+    class SlowTeardown(ProcessSandbox):
+        async def wait(self):
+            await asyncio.sleep(1.5)
+            return await super().wait()
+
+    def factory(spec):
+        return SlowTeardown(replace(spec, argv=[sys.executable, "-c", "pass"]))
+
+    async def go():
+        entry = ModelEntry("quick", tmp_path, "generate", "admin")
+        inst = Instance(entry, tmp_path / "instances", factory, Backoff(initial_s=5, max_s=5))
+        inst.start()
+        deadline = time.monotonic() + 20
+        while inst.state in (State.STOPPED, State.STARTING):  # (stopped: not yet begun)
+            assert time.monotonic() < deadline, inst.to_json()
+            await asyncio.sleep(0.01)
+        seen, restarts = inst.state, inst.restarts
+        while inst.state != State.BACKOFF:
+            assert time.monotonic() < deadline, inst.to_json()
+            await asyncio.sleep(0.01)
+        last_exit = inst.last_exit
+        await inst.stop()
+        return seen, restarts, last_exit
+
+    seen, restarts, last_exit = asyncio.run(go())
+    assert (seen, restarts) == (State.STOPPING, 0)  # before the teardown had returned
+    assert last_exit == "exited (code 0)"

@@ -157,6 +157,11 @@ class IsolatedSandbox:
             step, path, reason = marshal.loads(report)
             raise SandboxError(name, step, path, reason)
 
+    async def exited(self) -> None:
+        """The launcher has exited (its sandbox's init with it); the teardown is wait's."""
+        assert self._proc is not None, "not started"
+        await self._proc.wait()
+
     async def wait(self) -> ExitStatus:
         assert self._proc is not None, "not started"
         await self._proc.wait()

@@ -65,6 +65,10 @@ class Sandbox(Protocol):
 
     async def start(self) -> None: ...
 
+    async def exited(self) -> None:
+        """Returns once its process has exited, before any teardown (wait's)."""
+        ...
+
     async def wait(self) -> ExitStatus: ...
 
     async def stop(self, grace_s: float = 5.0) -> ExitStatus: ...
@@ -103,6 +107,10 @@ class ProcessSandbox:
                 log.close()
         self.pid = self._proc.pid
         self.output = self._proc.stdout
+
+    async def exited(self) -> None:
+        assert self._proc is not None, "not started"
+        await self._proc.wait()
 
     async def wait(self) -> ExitStatus:
         assert self._proc is not None, "not started"

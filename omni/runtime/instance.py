@@ -472,21 +472,24 @@ class Instance:
     async def _run_until_exit(self) -> ExitStatus:
         """Wait for the process to exit, killing it on stop, restart or failed health."""
         assert self._sandbox is not None
-        exited = asyncio.ensure_future(self._sandbox.wait())
+        exited = asyncio.ensure_future(self._sandbox.exited())
         checker = asyncio.ensure_future(self._check_health())
         woken = asyncio.ensure_future(self._wake.wait())
         try:
             await asyncio.wait({exited, checker, woken}, return_when=asyncio.FIRST_COMPLETED)
             self._ready.clear()  # route nothing more to it
-            if exited.done():
-                return exited.result()
+            # not ready from here on, whichever way it ends: the sandbox's teardown, its
+            # last output and the GPU's release come before the backoff (a status read in
+            # between said "ready" with no process behind it)
             self.state = State.STOPPING
+            if exited.done():
+                return await self._sandbox.wait()
             status = await self._sandbox.stop()
             reason = "unhealthy" if checker.done() else (self._restart_reason or "restarted")
             self._restart_reason = None
             return ExitStatus(status.returncode, reason)
         finally:
-            for fut in (checker, woken):
+            for fut in (exited, checker, woken):
                 fut.cancel()
 
     async def _probe(self) -> bool:
