@@ -13,11 +13,12 @@ tile, so the dot products run on tensor cores.
 An FP8 cache (e4m3) holds each value divided by its KV head's scale (kv_scales:
 [2, kv_heads] fp32, K's then V's; kv_cache.py): the kernels read it in the model's dtype
 and fold the scales into the logits' scale and the output. Decode in a bf16 model reads
-it in fp16 instead, in which e4m3 values are exact: the conversion is one instruction a pair where
-bf16 takes three, and decode at few bytes a token is bound by that work (H100, 400
-sequences of 450 tokens, Llama-3-8B's heads: 279 -> 242 us a layer; 16 of 1,500: 38 ->
-31; .probe, printed only). The query goes to fp16 too (exact for |q| in fp16's normal
-range; clamped to its max) and the probabilities (finer than bf16).
+it in fp16 instead, in which e4m3 values are exact: the conversion is one instruction a
+pair where bf16 takes three (H100, 400 sequences of 450 tokens, Llama-3-8B's heads: 279
+-> 242 us a layer; 16 of 1,500: 38 -> 31; .probe, printed only). The query goes to fp16
+too (exact for |q| in fp16's normal range; clamped to its max), and so do the
+probabilities (finer than bf16). The kernel is still bound by its work per token rather
+than its bytes over an e4m3 cache (README).
 """
 
 from __future__ import annotations

@@ -259,7 +259,7 @@ def fp8_tiles(m: int, n: int, k: int, tma: bool = False) -> dict:
     batch's size (the H100 test caught it); within that family, column width, warps and
     stages keep the bits (.probe sweep). Up to FEW_ROWS rows, the few-rows kernel: on the
     H100, Llama-3-8B's four projections at 1 row, 32 layers' weights back to back, took
-    85 us a layer against 93 with the best pointer-kernel tiles (down 28.4 -> 23.3 us;
+    85.5 us a layer against 93.8 with the pointer kernel's tiles (down 28.4 -> 23.3 us;
     bench/fp8_few_rows.py). Past 512 rows: a first cut, not yet tuned. From TMA_MIN_ROWS
     with `tma` (Hopper, usable tensors): the TMA kernel's tiles, with "persistent"
     (_fp8_tma_tiles)."""
