@@ -176,6 +176,15 @@ def test_the_w8a8_kernel_computes_the_reference_and_rows_do_not_depend_on_the_ba
     # (200, 300)
     for rows in (slice(0, 1), slice(7, 10), slice(5, 21), slice(40, 104), slice(100, 300)):
         assert torch.equal(kernel.fp8_linear(x[rows], wq, ws, bias), y[rows]), rows
+    # past VENDOR_MIN_ROWS on Hopper, torch._scaled_mm: the kernels' bits (no bias: theirs
+    # is not added in our order). A size's first call compares the two and returns ours.
+    big = torch.randn(3000, k, generator=gen, device="cuda").to(torch.bfloat16)
+    first, again = kernel.fp8_linear(big, wq, ws), kernel.fp8_linear(big, wq, ws)
+    assert torch.equal(first, again)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert kernel._VENDOR_GIVES_OUR_BITS[(big.device.index, n, k, 4096)] is True
+    for rows in (slice(0, 1), slice(5, 21), slice(100, 300), slice(0, 1500), slice(0, 1500)):
+        assert torch.equal(kernel.fp8_linear(big[rows], wq, ws), again[rows]), rows
     # a down projection's shape (K 14,336: the few-rows kernel's deeper pipeline), and rows
     # too long to quantize in one read
     for k, n in ((14336, 4096), (20000, 512)):

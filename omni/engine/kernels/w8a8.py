@@ -3,15 +3,25 @@
 The first kernel quantizes each row of x to e4m3 by its own absolute max, so a token's
 bits depend on that token alone. The second is the bf16 linear's kernel (matmul.py) on
 e4m3 tiles: every output element is one fp32 accumulator chained through `tl.dot` over K
-in order, whatever the tile shape. The scales (the row's, the weight row's) and the bias
-are applied once, at the end. Up to FEW_ROWS rows a third kernel computes the same sums
-with the operands swapped (the weight rows as the MMA's 64 rows), and from TMA_MIN_ROWS
-rows a fourth with tiles the TMA engine brings in, as the bf16 linear does. On Hopper
-they launch dependently (pdl.py), and a few rows' programs ask L2 for their first weight
-tiles before their wait, as the bf16 linear's do.
+in order, whatever the tile shape. The scales (the weight row's, then the row's:
+EPILOGUE) and the bias are applied once, at the end. Up to FEW_ROWS rows a third kernel
+computes the same sums with the operands swapped (the weight rows as the MMA's 64 rows),
+and from TMA_MIN_ROWS rows a fourth with tiles the TMA engine brings in, as the bf16
+linear does. On Hopper they launch dependently (pdl.py), and a few rows' programs ask L2
+for their first weight tiles before their wait, as the bf16 linear's do.
+
+From VENDOR_MIN_ROWS rows, where torch's own row-wise FP8 GEMM (torch._scaled_mm: CUTLASS
+on Hopper) is faster, it runs instead, for as long as it gives these kernels' bits: it
+chains the same MMA over K, promoted every 128, and scales the same way (EPILOGUE), so a
+row's bits still do not depend on its batch. Each layer shape is checked once, on first
+use at each size class, against the kernels here on that call's rows; where it differs, the
+kernels here keep that size (fp8_linear).
 """
 
 from __future__ import annotations
+
+import logging
+import os
 
 import torch
 import triton
@@ -19,6 +29,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..fp8 import FP8, FP8_MAX, attached_rows
+from .hardware import capability
 from .matmul import (
     TMA_ENABLED,
     TMA_SHARED_MEMORY,
@@ -34,6 +45,17 @@ from .pdl import pdl_options, wait_for_inputs
 from .rows import TMA_MIN_ROWS, empty_rows, tile_rows
 
 QUANT_BLOCK = 1024  # a row's elements per loop step when quantizing a long row
+# The epilogue's order, acc * weight scale * row scale, is torch._scaled_mm's row-wise one
+# on Hopper: with x's scale first, 1 to 4 of 65,536-458,752 outputs differed from it in
+# the last bit at 16 rows; with the weight's first, none (H100, Llama-3-8B's o, gate/up
+# and down; .probe, printed only). EPILOGUE names it where the kernels apply it.
+EPILOGUE = "acc * w_scale * x_scale"
+# From this many rows torch._scaled_mm takes over (module docstring): on the H100, a
+# Llama-3-8B layer's four projections 491 -> 356 us at 1,024 rows, 3,465 -> 2,736 at 8,192
+# (.probe, printed only); at 400 rows it was slower (280 against 234). Above the mixed
+# steps' CUDA graphs (up to 1,024 tokens), so the first use's check never runs in a capture.
+VENDOR_MIN_ROWS = 1025
+VENDOR = os.environ.get("OMNI_FP8_VENDOR", "1") != "0"  # 0: our kernels at every size
 FEW_ROWS = 16  # up to this many rows, the few-rows kernel (its token tile)
 WHOLE_ROW = 16384  # rows up to this long are quantized in one read (Llama-3-8B's down: 14,336)
 
@@ -144,7 +166,7 @@ def _fp8_linear_kernel(
         w_ptrs += BLOCK_K
     x_scale = tl.load(x_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
     w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
-    acc = acc * x_scale[:, None] * w_scale[None, :]
+    acc = acc * w_scale[None, :] * x_scale[:, None]  # (the order: EPILOGUE)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     tl.store(
@@ -177,7 +199,7 @@ def _fp8_few_rows_kernel(
     (64+) weight rows are the MMA's rows and the tokens its columns, so a program's shared
     memory holds weight tiles and a sliver of x where the other kernel pads x to 64 rows.
     Each output element is the same fp32 chain over K with the same MMA, and the scales
-    are applied in the same order (x's, then the weight's): the same bits (the H100 test)."""
+    are applied in the same order (EPILOGUE): the same bits (the H100 test)."""
     pid_n, pid_t = tl.program_id(0), tl.program_id(1)
     if PREFETCH_TILES > 0:  # the first weight tiles into L2 while the kernel before ends
         prefetch_weight_tiles(w_ptr, pid_n, N, K, BLOCK_N, BLOCK_K, PREFETCH_TILES)
@@ -198,7 +220,7 @@ def _fp8_few_rows_kernel(
         x_ptrs += BLOCK_K
     x_scale = tl.load(x_scale_ptr + offs_t, mask=offs_t < M, other=0.0)
     w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
-    acc = acc * x_scale[None, :] * w_scale[:, None]
+    acc = acc * w_scale[:, None] * x_scale[None, :]  # (the order: EPILOGUE)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
     tl.store(
@@ -246,7 +268,7 @@ def _fp8_linear_tma_kernel(
         offs_n = off_n + tl.arange(0, BLOCK_N)
         x_scale = tl.load(x_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
         w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
-        acc = acc * x_scale[:, None] * w_scale[None, :]
+        acc = acc * w_scale[None, :] * x_scale[:, None]  # (the order: EPILOGUE)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
@@ -361,9 +383,57 @@ def fp8_linear(
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
     (m, k), n = x2.shape, weight.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m:
-        xq, xs = attached_rows(x) or quantize_rows(x2)  # (a norm's, before q/k/v and gate/up)
-        tma = TMA_ENABLED and m >= TMA_MIN_ROWS and tma_usable(xq, weight, out)
-        launch_fp8_linear(xq, xs, weight, weight_scale, bias, out, fp8_tiles(m, n, k, tma))
-    return out.view(*shape[:-1], n)
+    if not m:
+        return torch.empty(*shape[:-1], n, dtype=x.dtype, device=x.device)
+    xq, xs = attached_rows(x) or quantize_rows(x2)  # (a norm's, before q/k/v and gate/up)
+    if vendor_usable(xq, weight, bias, x.dtype):
+        key = (x.device.index, n, k, triton.next_power_of_2(m))
+        use = _VENDOR_GIVES_OUR_BITS.get(key)
+        if use is not False:
+            theirs = vendor_fp8_linear(xq, xs, weight, weight_scale)
+            if use:
+                return theirs.view(*shape[:-1], n)
+            ours = our_fp8_linear(xq, xs, weight, weight_scale, None, x.dtype)
+            _VENDOR_GIVES_OUR_BITS[key] = same = torch.equal(ours, theirs)
+            if not same:
+                log.warning(
+                    "torch._scaled_mm does not give the W8A8 kernels' bits at %d x %d, %d "
+                    "rows: this size stays on them", n, k, m,
+                )  # fmt: skip
+            return ours.view(*shape[:-1], n)
+    return our_fp8_linear(xq, xs, weight, weight_scale, bias, x.dtype).view(*shape[:-1], n)
+
+
+def our_fp8_linear(xq, xs, weight, weight_scale, bias, dtype: torch.dtype) -> torch.Tensor:
+    """The product by the kernels here, with the tiles fp8_tiles picks."""
+    (m, k), n = xq.shape, weight.shape[0]
+    out = torch.empty(m, n, dtype=dtype, device=xq.device)
+    tma = TMA_ENABLED and m >= TMA_MIN_ROWS and tma_usable(xq, weight, out)
+    launch_fp8_linear(xq, xs, weight, weight_scale, bias, out, fp8_tiles(m, n, k, tma))
+    return out
+
+
+log = logging.getLogger(__name__)
+# (device, N, K, rows rounded up to a power of two): whether torch._scaled_mm gave the
+# kernels' bits the first time it ran there (it picks its tiles by size)
+_VENDOR_GIVES_OUR_BITS: dict[tuple, bool] = {}
+
+
+def vendor_usable(xq: torch.Tensor, weight: torch.Tensor, bias, dtype: torch.dtype) -> bool:
+    """Whether torch._scaled_mm may take this product: enough rows, on Hopper, outside a
+    CUDA graph's capture (its first run at a size is compared with ours, which waits for
+    the GPU), no bias (its bias is not added in our order), bf16 out, multiples of 16."""
+    (m, k), n = xq.shape, weight.shape[0]
+    return (
+        VENDOR and m >= VENDOR_MIN_ROWS and bias is None and dtype == torch.bfloat16
+        and xq.is_cuda and capability(xq.device)[0] == 9 and k % 16 == 0 and n % 16 == 0
+        and not torch.cuda.is_current_stream_capturing()
+    )  # fmt: skip
+
+
+def vendor_fp8_linear(xq, xs, weight, weight_scale) -> torch.Tensor:
+    """The product by torch._scaled_mm with per-row and per-channel scales."""
+    return torch._scaled_mm(
+        xq, weight.t(), scale_a=xs.view(-1, 1), scale_b=weight_scale.view(1, -1),
+        out_dtype=torch.bfloat16, use_fast_accum=False,
+    )  # fmt: skip
