@@ -51,8 +51,8 @@ QUANT_BLOCK = 1024  # a row's elements per loop step when quantizing a long row
 # and down; .probe, printed only). EPILOGUE names it where the kernels apply it.
 EPILOGUE = "acc * w_scale * x_scale"
 # From this many rows torch._scaled_mm takes over (module docstring): on the H100, a
-# Llama-3-8B layer's four projections 491 -> 356 us at 1,024 rows, 3,465 -> 2,736 at 8,192
-# (.probe, printed only); at 400 rows it was slower (280 against 234). Above the mixed
+# Llama-3-8B layer's four projections 481 -> 361 us at 1,024 rows, 3,795 -> 2,886 at 8,192
+# (bench/fp8_large_rows.py); at 400 rows it was slower (282 against 233). Above the mixed
 # steps' CUDA graphs (up to 1,024 tokens), so the first use's check never runs in a capture.
 VENDOR_MIN_ROWS = 1025
 VENDOR = os.environ.get("OMNI_FP8_VENDOR", "1") != "0"  # 0: our kernels at every size
