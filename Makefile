@@ -56,11 +56,10 @@ chromium:
 			apt-get install -y -qq --no-install-recommends chromium >/dev/null) || \
 		echo "make: could not install chromium; the dashboards' browser tests will be skipped" >&2
 
-# Two workers, a test file each at a time (their servers are per file), the longest files
-# first (tests/conftest.py: LONGEST_FIRST); then, alone, the tests whose figures a busy
-# host would move.
+# Two workers, a test file each at a time (their servers are per file); then, alone, the
+# tests whose figures a busy host would move.
 test: lint systemd-tools etcd-server
-	$(VENV)/bin/pytest -n 2 --dist loadfile --no-loadscope-reorder -m "not serial"
+	$(VENV)/bin/pytest -n 2 --dist loadfile -m "not serial"
 	$(VENV)/bin/pytest -m serial
 
 clean:

@@ -196,32 +196,8 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data))
 
 
-# The files that take longest on the 2-core test machine (a minute or more of CPU each),
-# longest first. `make test` runs them first (pytest -n 2 --dist loadfile
-# --no-loadscope-reorder): a long file that starts last keeps one worker busy while the
-# other has nothing left to run. xdist's own order (by number of tests) started
-# few-but-long files such as the API ones late.
-LONGEST_FIRST = (
-    "tests/engine/test_speculative.py",
-    "tests/test_tools_api.py",
-    "tests/test_json_schemas_api.py",
-    "tests/test_e2e.py",
-    "tests/engine/test_fp8.py",
-    "tests/test_node_admin.py",
-    "tests/test_batching.py",
-    "tests/scheduler/test_rollout.py",
-    "tests/test_engine.py",
-    "tests/scheduler/test_cluster_lab.py",
-    "tests/cudashim/test_node_overcommit.py",
-)
-
-
 def pytest_collection_modifyitems(config, items):
-    """LONGEST_FIRST's files first (a stable sort: every other file, and the tests within
-    each, keep their order). GPU tests run where a GPU is (the device machine); CI skips
-    them."""
-    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+    """GPU tests run where a GPU is (the device machine); CI skips them."""
     try:
         import torch
 
