@@ -4,7 +4,7 @@ The first kernel quantizes each row of x to e4m3 by its own absolute max, so a t
 bits depend on that token alone. The second is the bf16 linear's kernel (matmul.py) on
 e4m3 tiles: every output element is one fp32 accumulator chained through `tl.dot` over K
 in order, whatever the tile shape. The scales (the weight row's, then the row's:
-EPILOGUE) and the bias are applied once, at the end. Up to FEW_ROWS rows a third kernel
+`scaled`) and the bias are applied once, at the end. Up to FEW_ROWS rows a third kernel
 computes the same sums with the operands swapped (the weight rows as the MMA's 64 rows),
 and from TMA_MIN_ROWS rows a fourth with tiles the TMA engine brings in, as the bf16
 linear does. On Hopper they launch dependently (pdl.py), and a few rows' programs ask L2
@@ -12,7 +12,7 @@ for their first weight tiles before their wait, as the bf16 linear's do.
 
 From VENDOR_MIN_ROWS rows, where torch's own row-wise FP8 GEMM (torch._scaled_mm: CUTLASS
 on Hopper) is faster, it runs instead, for as long as it gives these kernels' bits: it
-chains the same MMA over K, promoted every 128, and scales the same way (EPILOGUE), so a
+chains the same MMA over K, promoted every 128, and scales the same way (`scaled`), so a
 row's bits still do not depend on its batch. Each layer shape is checked once, on first
 use at each size class, against the kernels here on that call's rows; where it differs, the
 kernels here keep that size (fp8_linear).
@@ -45,11 +45,6 @@ from .pdl import pdl_options, wait_for_inputs
 from .rows import TMA_MIN_ROWS, empty_rows, tile_rows
 
 QUANT_BLOCK = 1024  # a row's elements per loop step when quantizing a long row
-# The epilogue's order, acc * weight scale * row scale, is torch._scaled_mm's row-wise one
-# on Hopper: with x's scale first, 1 to 4 of 65,536-458,752 outputs differed from it in
-# the last bit at 16 rows; with the weight's first, none (H100, Llama-3-8B's o, gate/up
-# and down; .probe, printed only). EPILOGUE names it where the kernels apply it.
-EPILOGUE = "acc * w_scale * x_scale"
 # From this many rows torch._scaled_mm takes over (module docstring): on the H100, a
 # Llama-3-8B layer's four projections 481 -> 361 us at 1,024 rows, 3,795 -> 2,886 at 8,192
 # (bench/fp8_large_rows.py); at 400 rows it was slower (282 against 233). Above the mixed
@@ -70,6 +65,16 @@ def e4m3_scale(amax, FMAX: tl.constexpr):
 def e4m3_values(x, scale, FMAX: tl.constexpr):
     """fp32 values of a row scaled into e4m3's range, before the cast: quantize_rows'."""
     return tl.minimum(tl.maximum(x / scale, -FMAX), FMAX)
+
+
+@triton.jit
+def scaled(acc, w_scale, x_scale):
+    """The epilogue's scales (both broadcast to acc's shape) in the one order every kernel
+    here applies them: the weight row's, then the row's. It is torch._scaled_mm's
+    row-wise order on Hopper: with the row's first, 1 to 4 of 65,536-458,752 outputs
+    differed from it in the last bit at 16 rows; with the weight's, none (H100,
+    Llama-3-8B's o, gate/up and down; .probe, printed only)."""
+    return acc * w_scale * x_scale
 
 
 @triton.jit
@@ -166,7 +171,7 @@ def _fp8_linear_kernel(
         w_ptrs += BLOCK_K
     x_scale = tl.load(x_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
     w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
-    acc = acc * w_scale[None, :] * x_scale[:, None]  # (the order: EPILOGUE)
+    acc = scaled(acc, w_scale[None, :], x_scale[:, None])
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
     tl.store(
@@ -199,7 +204,7 @@ def _fp8_few_rows_kernel(
     (64+) weight rows are the MMA's rows and the tokens its columns, so a program's shared
     memory holds weight tiles and a sliver of x where the other kernel pads x to 64 rows.
     Each output element is the same fp32 chain over K with the same MMA, and the scales
-    are applied in the same order (EPILOGUE): the same bits (the H100 test)."""
+    are applied in the same order (`scaled`): the same bits (the H100 test)."""
     pid_n, pid_t = tl.program_id(0), tl.program_id(1)
     if PREFETCH_TILES > 0:  # the first weight tiles into L2 while the kernel before ends
         prefetch_weight_tiles(w_ptr, pid_n, N, K, BLOCK_N, BLOCK_K, PREFETCH_TILES)
@@ -220,7 +225,7 @@ def _fp8_few_rows_kernel(
         x_ptrs += BLOCK_K
     x_scale = tl.load(x_scale_ptr + offs_t, mask=offs_t < M, other=0.0)
     w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
-    acc = acc * w_scale[:, None] * x_scale[None, :]  # (the order: EPILOGUE)
+    acc = scaled(acc, w_scale[:, None], x_scale[None, :])
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
     tl.store(
@@ -268,7 +273,7 @@ def _fp8_linear_tma_kernel(
         offs_n = off_n + tl.arange(0, BLOCK_N)
         x_scale = tl.load(x_scale_ptr + offs_m, mask=offs_m < M, other=0.0)
         w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < N, other=0.0)
-        acc = acc * w_scale[None, :] * x_scale[:, None]  # (the order: EPILOGUE)
+        acc = scaled(acc, w_scale[None, :], x_scale[:, None])
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
         out_desc.store([off_m, off_n], acc.to(out_desc.dtype))
