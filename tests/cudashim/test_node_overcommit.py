@@ -59,8 +59,8 @@ class Node:
             },
         )
 
-    def complete(self, model: str) -> httpx.Response:
-        return httpx.post(
+    def complete(self, model: str, client: httpx.Client | None = None) -> httpx.Response:
+        return (client or httpx).post(
             f"{self.omnid.base_url}/v1/completions",
             json={"model": model, "prompt": "t1 t2 t3 t4", "max_tokens": 3, "temperature": 0},
             timeout=180,
@@ -154,8 +154,21 @@ def test_concurrent_requests_for_a_cold_instance_share_one_swap_in(node):
             assert r.status_code == 200, r.text
             assert r.json()["residency"] == "swapped"
     swaps_before = node.omnid.instances()[name]["swaps_in"]
+    # The six must arrive together: an instance idle for 0.2 s (residency.EVICT_IDLE_S)
+    # goes out again. A fresh client in each thread (an SSL context each, under the GIL)
+    # can spread them by more than that on a busy 2-core host: a fresh clone's make test
+    # once saw two swap-ins. So the clients are made first, and a barrier starts them.
+    clients = [httpx.Client() for _ in range(6)]
+    together = threading.Barrier(6)
+
+    def complete(client: httpx.Client) -> httpx.Response:
+        together.wait()
+        return node.complete(name, client)
+
     with ThreadPoolExecutor(6) as pool:
-        responses = list(pool.map(node.complete, [name] * 6))
+        responses = list(pool.map(complete, clients))
+    for client in clients:
+        client.close()
     assert [r.status_code for r in responses] == [200] * 6
     after = node.omnid.instances()[name]
     assert after["swaps_in"] == swaps_before + 1
