@@ -144,10 +144,10 @@ def hold_the_line(figures: dict[str, dict]) -> None:
 def test_fp8_stays_near_bf16_on_smollm2_over_1000_tokens(text_model_dir):
     """The real weights and a fixed text (tests/data/accuracy_text.md: the opening of this
     repository's README as of this test), bf16 against FP8 weights and KV cache together
-    on the CPU reference. One variant over the text's first 1,000 tokens (about 28 s on
-    this repository's 2-core CPU with both threads, in the threads make test gives each
-    worker otherwise); all 2,000 with every variant are bench/fp8_accuracy.py's (2,000
-    tokens there: ratio 1.018, mean cosine 0.9970; 1,000 here: 1.008, 0.9967)."""
+    on the CPU reference. One variant over the text's first 1,000 tokens (on this
+    repository's 2-core CPU: 28 s with both threads, 44 s with the one make test gives
+    each worker); all 2,000 with every variant are bench/fp8_accuracy.py's (2,000 tokens
+    there: ratio 1.018, mean cosine 0.9970; 1,000 here: 1.008, 0.9967)."""
     variants = {"w8a8+kv_cache": VARIANTS["w8a8+kv_cache"]}
     hold_the_line(measure(Checkpoint.open(text_model_dir), "cpu", variants, tokens=1000))
 
