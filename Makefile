@@ -60,7 +60,7 @@ chromium:
 # tests whose figures a busy host would move. The two workers, and the instances their
 # servers start, share the cores: each gets half of them for torch's threads (on this
 # 2-core machine, 4 threads spinning on 2 cores cost 13% more CPU for the same tests).
-TEST_THREADS := $(shell n=$$(nproc); echo $$(( n > 3 ? n / 2 : 1 )))
+TEST_THREADS := $(shell n=$$(nproc); echo $$(( n > 1 ? n / 2 : 1 )))
 test: lint systemd-tools etcd-server
 	OMP_NUM_THREADS=$(TEST_THREADS) $(VENV)/bin/pytest -n 2 --dist loadfile -m "not serial"
 	$(VENV)/bin/pytest -m serial

@@ -7,6 +7,7 @@ runtime, so the shim accounts for it and omnid's swaps move it as on a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
 import tempfile
@@ -158,17 +159,15 @@ def test_concurrent_requests_for_a_cold_instance_share_one_swap_in(node):
     # goes out again. A fresh client in each thread (an SSL context each, under the GIL)
     # can spread them by more than that on a busy 2-core host: a fresh clone's make test
     # once saw two swap-ins. So the clients are made first, and a barrier starts them.
-    clients = [httpx.Client() for _ in range(6)]
     together = threading.Barrier(6)
 
     def complete(client: httpx.Client) -> httpx.Response:
         together.wait()
         return node.complete(name, client)
 
-    with ThreadPoolExecutor(6) as pool:
+    with contextlib.ExitStack() as stack, ThreadPoolExecutor(6) as pool:
+        clients = [stack.enter_context(httpx.Client()) for _ in range(6)]
         responses = list(pool.map(complete, clients))
-    for client in clients:
-        client.close()
     assert [r.status_code for r in responses] == [200] * 6
     after = node.omnid.instances()[name]
     assert after["swaps_in"] == swaps_before + 1
