@@ -21,12 +21,12 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.decode_attention_bench import DIM, N_KV, N_Q, PAGE
 from bench.engine_bench import device_tag, measure_bandwidth
 from bench.results_io import write_result
 from omni.engine.fp8 import FP8
 from omni.engine.kernels import attention
 
-PAGE, N_Q, N_KV, DIM = 16, 32, 8, 128
 SHAPES = ((400, 450), (128, 640), (16, 1500))  # (sequences, context): big, mid, tail steps
 SIDES = (
     ("fp16", "fp16"),
@@ -45,14 +45,19 @@ def cache(pages: int, dtype: str, gen: torch.Generator) -> torch.Tensor:
     return x.to(FP8) if dtype == "e4m3" else x
 
 
+def paged(batch: int, ctx: int, gen: torch.Generator) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """(pages, a shuffled block table, every sequence's length) for batch x ctx."""
+    pages = batch * -(-ctx // PAGE)
+    table = torch.randperm(pages, generator=gen, device="cuda").int().view(batch, -1)
+    return pages, table, torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+
+
 def timed(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=30) * 1000
 
 
 def sides(batch: int, ctx: int, gen: torch.Generator) -> list[dict]:
-    pages = batch * -(-ctx // PAGE)
-    table = torch.randperm(pages, generator=gen, device="cuda").int().view(batch, -1)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    pages, table, lens = paged(batch, ctx, gen)
     q = torch.randn(batch, N_Q, DIM, generator=gen, device="cuda").half()
     scales = torch.ones(2, N_KV, device="cuda")
     rows = []
@@ -67,9 +72,7 @@ def sides(batch: int, ctx: int, gen: torch.Generator) -> list[dict]:
 
 
 def launches(batch: int, ctx: int, gen: torch.Generator) -> list[dict]:
-    pages = batch * -(-ctx // PAGE)
-    table = torch.randperm(pages, generator=gen, device="cuda").int().view(batch, -1)
-    lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    pages, table, lens = paged(batch, ctx, gen)
     q = torch.randn(batch, N_Q, DIM, generator=gen, device="cuda").bfloat16()
     engine = (attention.DECODE_TILE, attention.MIN_SPLIT_TILES, dict(attention.SPLIT_LAUNCH))
     rows = []
