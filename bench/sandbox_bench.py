@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -48,10 +49,21 @@ async def run_once(make, spec: SandboxSpec) -> tuple[float, float]:
 
 
 async def measure(runs: int) -> dict:
+    """Its /tmp/omni-bench-* dir and bench-<pid> cgroups are removed when it is done."""
     root = Path(tempfile.mkdtemp(prefix="omni-bench-", dir="/tmp"))
+    try:
+        cgroups = CgroupManager.detect(f"bench-{os.getpid()}")
+        try:
+            return await measure_in(root, cgroups, runs)
+        finally:
+            cgroups.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def measure_in(root: Path, cgroups: CgroupManager, runs: int) -> dict:
     model = root / "model"
     model.mkdir()
-    cgroups = CgroupManager.detect(f"bench-{os.getpid()}")
     bpf = export_bpf(root / "seccomp.bpf")
 
     def isolated(spec: SandboxSpec) -> IsolatedSandbox:

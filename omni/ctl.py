@@ -160,17 +160,43 @@ def swap_in(ctx: click.Context, name: str) -> None:
 @main.command()
 @click.pass_context
 def node(ctx: click.Context) -> None:
-    """The node: draining or not, and each GPU's budget and resident instances."""
+    """The node: draining or not, which sandbox limits hold, and each GPU's budget and
+    resident instances."""
     data = ctx.obj["admin"].call("GET", "/v1/node")
     if ctx.obj["json"]:
         click.echo(json.dumps(data, indent=2))
         return
     click.echo(f"draining: {data['draining']}, instances: {data['instances']}")
+    for line in _sandbox_lines(data.get("sandbox")):
+        click.echo(line)
     for gpu in data["gpus"]:
         click.echo(
             f"gpu {gpu['index']}: {_mib(gpu['charged_bytes'])}/{_mib(gpu['budget_bytes'])} MiB "
             f"charged, resident: {', '.join(gpu['resident']) or '-'}, waiting: {gpu['waiting']}"
         )
+
+
+def _sandbox_lines(sandbox: dict | None) -> list[str]:
+    """The sandbox's line (`sandbox: isolated (cgroup v1, seccomp on); enforced: memory,
+    ...; NOT enforced: -`), and one for the config's required limits that do not hold."""
+    if not sandbox:
+        return []
+    how = sandbox["mode"]
+    if sandbox["mode"] == "isolated":
+        seccomp = "on" if sandbox["seccomp"] else "off"
+        how += f" (cgroup v{sandbox['cgroup_version']}, seccomp {seccomp})"
+    held = [k for k, v in sandbox["enforced"].items() if v]
+    not_held = [k for k, v in sandbox["enforced"].items() if not v]
+    lines = [
+        f"sandbox: {how}; enforced: {', '.join(held) or '-'}; "
+        f"NOT enforced: {', '.join(not_held) or '-'}"
+    ]
+    if sandbox.get("missing"):
+        lines.append(
+            f"required but NOT enforced: {', '.join(sandbox['missing'])} "
+            "(require_limits): no instance starts"
+        )
+    return lines
 
 
 @main.command()

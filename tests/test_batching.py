@@ -15,7 +15,7 @@ N_CLIENTS = 32
 
 
 def instance_health(server) -> dict:
-    sock = server.runtime_dir / "instances" / TEXT / "sock"
+    sock = server.runtime_dir / "instances" / TEXT / "io" / "sock"
     with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url="http://i") as c:
         return c.get("/health").json()
 

@@ -138,6 +138,7 @@ def test_the_page_shows_the_live_instances_and_follows_a_swap(node, proxy, brows
         expect(gpu0.locator('.seg[data-name="g1"]')).to_be_visible()
         expect(gpu0.locator('.seg[data-name="g2"]')).to_be_visible()
         expect(p.locator("#no-gpu")).to_be_hidden()
+        expect(p.locator("#node-sandbox")).to_contain_text("sandbox: process · enforced: none")
         expect(p.locator("#chart-gpu-0 canvas")).to_have_count(1)
 
         swap = node.admin("POST", "/v1/instances/g1/swap-out")
@@ -177,6 +178,8 @@ def test_the_snapshot_holds_what_the_node_records(node):
     assert models[CPU_MODEL]["residency"] is None and models[CPU_MODEL]["gpus"] == []
     assert models["g1"]["quota_bytes"] == QUOTA and models["g1"]["state"] == "ready"
     assert snap["swaps"]["out"] >= models["g1"]["swaps_out"]
+    sandbox = snap["node"]["sandbox"]  # --sandbox process: no limit holds
+    assert sandbox["mode"] == "process" and not any(sandbox["enforced"].values())
 
 
 def test_the_routes_are_read_only_and_not_on_the_inference_port(node, proxy):

@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from omni.isolation import hostfs
+
 MAGIC = 0x494E4D4F  # "OMNI"
 VERSION = 1
 
@@ -65,16 +67,25 @@ class SwapError(RuntimeError):
     pass
 
 
+def _name(kind: type[enum.IntEnum], value: int) -> str:
+    """A field's name; the instance writes its half of the block, so any number may be there."""
+    return kind(value).name.lower() if value in kind._value2member_map_ else f"unknown ({value})"
+
+
 class ControlBlock:
     """omnid's handle on one instance's shim."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, fd: int | None = None):
+        """The block at `path`, or the one `fd` holds (a sealed memfd, kept open to be
+        handed to the instance's sandbox; `path` then only names it)."""
         self.path = Path(path)
-        fd = os.open(self.path, os.O_RDWR)
+        self.fd = fd
+        own = fd if fd is not None else os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
         try:
-            self._map = mmap.mmap(fd, ctypes.sizeof(ControlStruct))
+            self._map = mmap.mmap(own, ctypes.sizeof(ControlStruct))
         finally:
-            os.close(fd)
+            if fd is None:
+                os.close(own)
         self._ctl = ControlStruct.from_buffer(self._map)
         if self._ctl.magic != MAGIC or self._ctl.version != VERSION:
             raise ValueError(f"{path}: not a version {VERSION} control block")
@@ -84,31 +95,36 @@ class ControlBlock:
         """A fresh block; `owner` (the sandbox uid) may write its half of it."""
         ctl = ControlStruct(magic=MAGIC, version=VERSION, quota_bytes=quota_bytes, mode=mode)
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(bytes(ctl))
-        if owner is not None:
-            os.chown(tmp, owner, owner)
-        tmp.chmod(0o600)
-        os.replace(tmp, path)
+        hostfs.create_file(path, bytes(ctl), 0o600, owner)  # in omnid's directory, never a link
         return cls(path)
+
+    @classmethod
+    def create_sealed(cls, name: str, quota_bytes: int, mode: Mode, owner: int):
+        """A fresh block in a sealed memfd (`fd`) that `owner` may write, never resize: for a
+        sandboxed instance, which must not be able to make omnid's reads fault."""
+        ctl = ControlStruct(magic=MAGIC, version=VERSION, quota_bytes=quota_bytes, mode=mode)
+        fd = hostfs.sealed_memfd(name, bytes(ctl), 0o600, owner)
+        return cls(Path(f"/proc/self/fd/{fd}"), fd)
 
     def stats(self) -> dict:
         c = self._ctl
         return {
             "quota_bytes": c.quota_bytes,
-            "mode": Mode(c.mode).name.lower(),
+            "mode": _name(Mode, c.mode),
             "used_bytes": c.used_bytes,
             "peak_bytes": c.peak_bytes,
             "live_allocs": c.live_allocs,
             "last_activity_ns": c.last_activity_ns,
-            "residency": Residency(c.residency).name.lower(),
+            "residency": _name(Residency, c.residency),
             "alloc_failures": c.alloc_failures,
             "pid": c.pid,
         }
 
     @property
     def residency(self) -> Residency:
-        return Residency(self._ctl.residency)
+        """Where the shim says the memory is; a value no shim writes reads as moving."""
+        value = self._ctl.residency
+        return Residency(value) if value in Residency._value2member_map_ else Residency.MOVING
 
     def set_quota(self, quota_bytes: int) -> None:
         self._ctl.quota_bytes = quota_bytes
@@ -134,3 +150,6 @@ class ControlBlock:
     def close(self) -> None:
         del self._ctl
         self._map.close()
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

@@ -2,8 +2,10 @@
 
 v2 (GPU hosts) is written directly; v1 (this CI) goes through cgroupspy.
 Either way an instance gets a memory limit without swap, a CPU quota and
-weight, and a pids limit; teardown kills every process in the group, however
-it was forked, before the group is removed.
+weight, and a pids limit, where the host lets omnid's subtree have those
+controllers (`CgroupManager.enforced()` says which); teardown kills every
+process in the group, however it was forked, before the group is removed, and
+`close()` removes omnid's own directories when it stops.
 """
 
 from __future__ import annotations
@@ -29,6 +31,17 @@ V1_CONTROLLERS = ("memory", "cpu", "pids", "freezer")
 V2_CONTROLLERS = ("memory", "cpu", "pids")
 CPU_PERIOD_US = 100_000
 SUBTREE = "omni"  # instances live under <own cgroup>/omni/<scope>/<instance>
+# v1: the files each limit is written to, in its hierarchy (cpu: quota and weight)
+V1_LIMIT_FILES = {
+    "memory": ("memory.limit_in_bytes",),
+    "cpu": ("cpu.cfs_quota_us", "cpu.shares"),
+    "pids": ("pids.max",),
+}
+NOT_ENFORCED = {  # logged once for each limit a host keeps from omnid's subtree
+    "memory": "memory controller not delegated: instances cannot start",
+    "cpu": "cpu controller not delegated: CPU quota and weight not enforced",
+    "pids": "pids controller not delegated: process counts are capped by RLIMIT_NPROC only",
+}
 
 
 class CgroupError(RuntimeError):
@@ -115,16 +128,14 @@ class CgroupV2:
             if limits.pids is not None:
                 _write(self.path / "pids.max", limits.pids)
         else:
-            _warn_once(
-                "pids controller not delegated: process counts are capped by RLIMIT_NPROC only"
-            )
+            _warn_once(NOT_ENFORCED["pids"])
         if "cpu" in available:
             if limits.cpu_cores is not None:
                 quota = max(1000, int(limits.cpu_cores * CPU_PERIOD_US))
                 _write(self.path / "cpu.max", f"{quota} {CPU_PERIOD_US}")
             _write(self.path / "cpu.weight", limits.cpu_weight)
         else:
-            _warn_once("cpu controller not delegated: CPU quota and weight not enforced")
+            _warn_once(NOT_ENFORCED["cpu"])
 
     def join_files(self) -> list[str]:
         return [str(self.path / "cgroup.procs")]
@@ -283,6 +294,51 @@ class CgroupManager:
             {"type": "cgroup", "dst": f"/sys/fs/cgroup/{name}", "fstype": "cgroup", "options": c}
             for name, c in sorted(self.hierarchies.items())
         ]
+
+    def enforced(self) -> dict[str, bool]:
+        """Which of an instance's limits this host enforces: memory, cpu (quota and
+        weight), pids (without it only the launcher's RLIMIT_NPROC, per uid, caps process
+        counts). v2: the controllers the scope enables for its groups; v1: the limit files
+        of each mounted hierarchy. Each one missing is logged once."""
+        if self.version == 2:
+            enabled = set(_read(self.base[""] / "cgroup.subtree_control").split())
+            out = {c: c in enabled for c in V2_CONTROLLERS}
+        else:
+            out = {
+                c: all((self.base[c] / f).exists() for f in files)
+                for c, files in V1_LIMIT_FILES.items()
+            }
+        for limit, held in out.items():
+            if not held:
+                _warn_once(NOT_ENFORCED[limit])
+        return out
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Remove the scope's directories, and omnid's subtree where no other scope is
+        left in it. A group still inside (a stop that failed) is destroyed first."""
+        scopes = sorted(set(self.base.values()))
+        names = {d.name for s in scopes if s.is_dir() for d in s.iterdir() if d.is_dir()}
+        for name in sorted(names):
+            log.warning("cgroup %s left behind at shutdown: destroying it", name)
+            try:
+                self._group(name).destroy(timeout_s)
+            except CgroupError as exc:
+                log.warning("%s", exc)
+        for path in [*scopes, *sorted({s.parent for s in scopes})]:
+            try:
+                os.rmdir(path)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:  # the subtree: another omnid's scope is in it
+                if path in scopes:
+                    log.warning("cannot remove cgroup %s: %s", path, exc.strerror)
+
+    def _group(self, name: str) -> CgroupV1 | CgroupV2:
+        """The existing group `name`."""
+        if self.version == 2:
+            return CgroupV2(self.base[""] / name)
+        found = {c: _node_chain(b / name) for c, b in self.base.items() if (b / name).is_dir()}
+        return CgroupV1(name, found)
 
     @classmethod
     def detect(cls, scope: str) -> CgroupManager:

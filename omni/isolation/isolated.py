@@ -16,11 +16,12 @@ import shutil
 import signal
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from omni.proc import die_with_parent
 
-from . import launch
+from . import hostfs, launch
 from .cgroups import CgroupManager
 from .sandbox import ExitStatus, SandboxSpec, open_log
 from .view import ViewConfig, build_plan
@@ -72,13 +73,17 @@ class IsolatedSandbox:
         spec = self.spec
         shutil.rmtree(self.workdir, ignore_errors=True)
         (self.workdir / "root").mkdir(parents=True, mode=0o700)
-        for path in (spec.socket_dir, *spec.extra_rw):  # its own, and nobody else's
-            path.mkdir(parents=True, exist_ok=True)
-            os.chown(path, self.view.uid, self.view.gid)
-            path.chmod(0o700)
-        plan = build_plan(spec, self.view, self.workdir, self._cgroups.view_mounts())
-        plan["env"] = {**spec.env, "HOME": "/tmp"}
+        uid = self.view.uid
+        spec.socket_dir.parent.mkdir(parents=True, exist_ok=True)
+        hostfs.mount_tmpfs(spec.socket_dir, spec.limits.io_bytes, uid)  # fresh, bounded
+        for path in spec.extra_rw:  # its own, nobody else's, and empty
+            path.parent.mkdir(parents=True, exist_ok=True)
+            hostfs.fresh_dir(path, 0o700, owner=uid)
+        view = replace(self.view, tmp_bytes=spec.limits.tmp_bytes)
+        plan = build_plan(spec, view, self.workdir, self._cgroups.view_mounts())
+        plan["env"] = {**plan["env"], "HOME": "/tmp"}
         plan["seccomp"] = str(self.seccomp_bpf) if self.seccomp_bpf else None
+        plan["held_fds"] = list(spec.pass_fds)
         if spec.limits.cpu_cores:  # thread pools sized to the quota, not the host
             plan["env"].setdefault("OMP_NUM_THREADS", str(max(1, int(spec.limits.cpu_cores))))
         self._cgroup = self._cgroups.create(spec.name, spec.limits)
@@ -106,7 +111,7 @@ class IsolatedSandbox:
                 "-S",
                 str(LAUNCHER),
                 str(plan_path),
-                pass_fds=(err_w,),
+                pass_fds=(err_w, *spec.pass_fds),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=subprocess.STDOUT,
@@ -167,6 +172,15 @@ class IsolatedSandbox:
         await self._proc.wait()
         return await self._teardown()
 
+    def owns(self, pid: int, uid: int) -> bool:
+        """Its uid, and a process in its cgroup (where nothing else can enter)."""
+        if uid != self.view.uid or self._cgroup is None:
+            return False
+        try:
+            return pid in self._cgroup.pids()
+        except OSError:
+            return False
+
     async def stop(self, grace_s: float = 5.0) -> ExitStatus:
         assert self._proc is not None, "not started"
         if self._proc.returncode is None:
@@ -190,6 +204,10 @@ class IsolatedSandbox:
             await asyncio.to_thread(self._cgroup.destroy)
         code = await self._proc.wait() if self._proc is not None else None
         shutil.rmtree(self.workdir, ignore_errors=True)
+        try:  # what it wrote goes with it: nothing of it stays on the host
+            await asyncio.to_thread(hostfs.remove_tree, self.spec.socket_dir)
+        except OSError as exc:
+            log.error("sandbox %s: cannot remove %s: %s", self.spec.name, self.spec.socket_dir, exc)
         if oom:
             reason = "oom"
         elif code == launch.SETUP_FAILED:

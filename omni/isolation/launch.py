@@ -5,14 +5,18 @@ library so it starts in milliseconds. omnid has already put this process in
 the instance's cgroup (before exec), so everything below is accounted there.
 
     launcher (host pid namespace)
+      start the thread that will answer sysinfo (none can start after unshare(pid))
       unshare(pid, mount, uts, ipc, net, cgroup); bring up lo, its only interface
       fork ──> init (pid 1 of the new namespace)
+                 vm.memfd_noexec = 2 for the namespace,
                  private mounts, tmpfs root, bind mounts (read-only all the way down),
                  /proc, a /sys of allowed parts, its own cgroup, /dev, pivot_root,
                  hostname, rlimits, drop capabilities, setuid, no_new_privs, seccomp
+                 (its notification listener handed to the launcher)
                  fork ──> the instance (exec)
                  reap orphans, forward signals; exit when the instance exits,
                  which makes the kernel kill whatever is left in the namespace
+      answer the instance's sysinfo(2) calls (the thread, through init's listener);
       forward signals to init; report the instance's wait status as its own
 
 A step that fails (a mount, the exec) is reported to omnid on the error pipe as
@@ -22,14 +26,18 @@ succeeded, so omnid knows the sandbox is up or exactly why it is not.
 
 from __future__ import annotations
 
-# The C module under `signal`: the wrapper imports enum, 3.6 ms of our start-up here.
+# The C modules under `signal` and `socket`: the wrappers import enum, 3.6 ms of our
+# start-up here.
 import _signal as signal
+import _socket
+import _thread
 import ctypes
 import errno
 import marshal
 import os
 import resource
 import sys
+import time
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWPID, CLONE_NEWNET, CLONE_NEWCGROUP = 0x20000000, 0x40000000, 0x02000000
@@ -40,12 +48,19 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8  # = the MOUNT_AT
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
 MNT_DETACH = 0x2
 AT_FDCWD, AT_RECURSIVE = -100, 0x8000
-PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
-PR_SET_SECCOMP, SECCOMP_MODE_FILTER = 22, 2
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 4, 24, 38
+SECCOMP_SET_MODE_FILTER, SECCOMP_FILTER_FLAG_NEW_LISTENER = 1, 0x8
 PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
 AF_INET, SOCK_DGRAM, SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 2, 2, 0x8913, 0x8914, 0x1
 SYS_PIVOT_ROOT = {"x86_64": 155, "aarch64": 41}[os.uname().machine]
 SYS_MOUNT_SETATTR = 442  # Linux 5.12+, the same number on x86-64 and arm64
+SYS_SECCOMP = {"x86_64": 317, "aarch64": 277}[os.uname().machine]
+SYS_SYSINFO = {"x86_64": 99, "aarch64": 179}[os.uname().machine]
+# SECCOMP_IOCTL_NOTIF_*: _IOWR('!', 0, struct seccomp_notif), _IOWR('!', 1, struct
+# seccomp_notif_resp), _IOW('!', 2, __u64); the same on x86-64 and arm64.
+NOTIF_RECV, NOTIF_SEND, NOTIF_ID_VALID = 0xC0502100, 0xC0182101, 0x40082102
+# Per pid namespace (Linux 6.3+): 2 makes every memfd non-executable, and refuses MFD_EXEC.
+MEMFD_NOEXEC = "/proc/sys/vm/memfd_noexec"
 SETUP_FAILED = 125  # exit code when the sandbox itself could not be built
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 RO_FLAGS = MS_RDONLY | MS_NOSUID | MS_NODEV
@@ -184,7 +199,8 @@ def apply_mount(root: str, m: dict) -> None:
             mount("tmpfs", dst, "tmpfs", flags, m.get("options"), step="tmpfs")
         elif kind == "proc":
             make_target(dst, True)
-            mount("proc", dst, "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, step="proc")
+            flags = MS_NOSUID | MS_NODEV | MS_NOEXEC | m.get("flags", 0)  # MS_RDONLY
+            mount("proc", dst, "proc", flags, step="proc")
         elif kind == "sysfs":
             mount_sysfs(root, m)
         elif kind == "cgroup":  # in our cgroup namespace: rooted at the instance's own group
@@ -229,18 +245,200 @@ def drop_privileges(plan: dict) -> None:
     check(prctl(PR_SET_NO_NEW_PRIVS, 1), "no_new_privs")
 
 
+def deny_exec_memfds() -> None:
+    """vm.memfd_noexec = 2 in the sandbox's pid namespace (we are its init, still root,
+    the host's /proc still mounted): a memfd the instance writes can never be executed
+    (execve of /proc/self/fd/N; seccomp refuses fexecve). Before Linux 6.3 there is none."""
+    if not os.path.exists(MEMFD_NOEXEC):
+        return
+    try:
+        fd = os.open(MEMFD_NOEXEC, os.O_WRONLY)
+        try:
+            os.write(fd, b"2")
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise SetupError("memfd_noexec", MEMFD_NOEXEC, exc.strerror or str(exc)) from None
+
+
 class SockFprog(ctypes.Structure):
     _fields_ = (("len", ctypes.c_ushort), ("filter", ctypes.c_void_p))
 
 
-def load_seccomp(bpf: bytes) -> None:
-    """Install omnid's prebuilt filter (raw struct sock_filter[]); needs no_new_privs."""
+def load_seccomp(bpf: bytes) -> int:
+    """Install omnid's prebuilt filter (raw struct sock_filter[]); needs no_new_privs.
+    Returns the listener for the calls it leaves to us (seccomp.NOTIFIED)."""
     buf = ctypes.create_string_buffer(bpf, len(bpf))
     prog = SockFprog(len(bpf) // 8, ctypes.addressof(buf))
-    check(
-        libc.prctl(PR_SET_SECCOMP, ctypes.c_ulong(SECCOMP_MODE_FILTER), ctypes.byref(prog), 0, 0),
-        "seccomp",
+    flags = ctypes.c_uint(SECCOMP_FILTER_FLAG_NEW_LISTENER)
+    listener = libc.syscall(SYS_SECCOMP, SECCOMP_SET_MODE_FILTER, flags, ctypes.byref(prog))
+    return check(listener, "seccomp")
+
+
+class SeccompData(ctypes.Structure):
+    _fields_ = (
+        ("nr", ctypes.c_int),
+        ("arch", ctypes.c_uint32),
+        ("instruction_pointer", ctypes.c_uint64),
+        ("args", ctypes.c_uint64 * 6),
     )
+
+
+class Notif(ctypes.Structure):  # struct seccomp_notif
+    _fields_ = (
+        ("id", ctypes.c_uint64),
+        ("pid", ctypes.c_uint32),  # in our (the host's) pid namespace
+        ("flags", ctypes.c_uint32),
+        ("data", SeccompData),
+    )
+
+
+class NotifResp(ctypes.Structure):  # struct seccomp_notif_resp
+    _fields_ = (
+        ("id", ctypes.c_uint64),
+        ("val", ctypes.c_int64),
+        ("error", ctypes.c_int32),  # 0 or -errno
+        ("flags", ctypes.c_uint32),
+    )
+
+
+class SysInfo(ctypes.Structure):  # struct sysinfo
+    _fields_ = (
+        ("uptime", ctypes.c_long),
+        ("loads", ctypes.c_ulong * 3),
+        ("totalram", ctypes.c_ulong),
+        ("freeram", ctypes.c_ulong),
+        ("sharedram", ctypes.c_ulong),
+        ("bufferram", ctypes.c_ulong),
+        ("totalswap", ctypes.c_ulong),
+        ("freeswap", ctypes.c_ulong),
+        ("procs", ctypes.c_ushort),
+        ("pad", ctypes.c_ushort),
+        ("totalhigh", ctypes.c_ulong),
+        ("freehigh", ctypes.c_ulong),
+        ("mem_unit", ctypes.c_uint),
+        ("_f", ctypes.c_char * (20 - 2 * ctypes.sizeof(ctypes.c_ulong) - 4)),
+    )
+
+
+class SysinfoServer:
+    """Answers the instance's sysinfo(2) (a seccomp user notification) with its own
+    figures: its memory limit as all the RAM (free: the limit less its cgroup's usage),
+    no swap, no load, one process, the sandbox's age as uptime. The host's would tell
+    of its RAM, load and process count; and glibc's sysconf(_SC_PHYS_PAGES) reads the
+    struct whatever sysinfo returns, so an errno would hand it garbage.
+
+    Runs on a thread of the launcher, root in the host's pid namespace: the caller's pid
+    is a host pid, its memory written through the host's /proc (a directory descriptor
+    opened before the sandbox's namespaces were made). Init loads the filter and hands
+    the listener over a socket pair; the instance never holds it.
+    """
+
+    def __init__(self, memory_bytes: int | None):
+        self.memory_bytes = memory_bytes
+        self.started = time.monotonic()
+        self.proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY)
+        self.usage = _memory_usage_file()
+        self.sock, self.init_sock = _socket.socketpair(_socket.AF_UNIX, _socket.SOCK_STREAM)
+
+    def close_in_init(self) -> None:
+        """Init keeps none of the launcher's descriptors: only its end of the socket."""
+        for fd in (self.proc, self.usage):
+            if fd is not None:
+                os.close(fd)
+        self.sock.close()
+
+    def hand_over(self, listener: int) -> None:
+        """In init: pass the filter's listener to the launcher, keep no copy of it."""
+        fd = listener.to_bytes(4, sys.byteorder)
+        self.init_sock.sendmsg([b"L"], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, fd)])
+        os.close(listener)
+
+    def start(self) -> None:
+        """Serve on a thread of the launcher, started before unshare(CLONE_NEWPID) (after
+        it, the kernel refuses new threads), waiting for init's listener. It never takes
+        the signals we forward: the main thread, waiting in waitpid, must see them."""
+        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+        _thread.start_new_thread(self.serve, ())
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+
+    def serve(self) -> None:
+        listener = self._receive_listener()
+        if listener is None:  # init failed, or no filter: nothing will ask
+            return
+        notif = Notif()
+        while True:
+            ctypes.memset(ctypes.byref(notif), 0, ctypes.sizeof(notif))  # the kernel checks
+            if libc.ioctl(listener, ctypes.c_ulong(NOTIF_RECV), ctypes.byref(notif)) == -1:
+                if ctypes.get_errno() in (errno.EINTR, errno.ENOENT):  # ENOENT: caller died
+                    continue
+                return
+            resp = NotifResp(id=notif.id, error=-errno.ENOSYS)
+            if notif.data.nr == SYS_SYSINFO:
+                resp.error = self._answer(listener, notif)
+            libc.ioctl(listener, ctypes.c_ulong(NOTIF_SEND), ctypes.byref(resp))  # ENOENT: died
+
+    def _receive_listener(self) -> int | None:
+        try:
+            _, ancillary, _, _ = self.sock.recvmsg(1, _socket.CMSG_SPACE(4))
+        except OSError:
+            return None
+        finally:
+            self.sock.close()
+        for level, kind, data in ancillary:
+            if (level, kind) == (_socket.SOL_SOCKET, _socket.SCM_RIGHTS):
+                return int.from_bytes(data[:4], sys.byteorder)
+        return None
+
+    def _answer(self, listener: int, notif: Notif) -> int:
+        """Write the struct into the caller's buffer: 0, or -EFAULT as the kernel would."""
+        info = bytes(self.sysinfo())
+        try:
+            mem = os.open(f"{notif.pid}/mem", os.O_WRONLY, dir_fd=self.proc)
+        except OSError:
+            return -errno.EFAULT
+        try:
+            # The pid was still the caller's when opened (the reply would fail otherwise):
+            # never write into a process that took over a dead caller's pid.
+            request = ctypes.c_uint64(notif.id)
+            if libc.ioctl(listener, ctypes.c_ulong(NOTIF_ID_VALID), ctypes.byref(request)):
+                return -errno.ENOENT
+            os.pwrite(mem, info, notif.data.args[0])
+        except OSError:  # EIO: an unmapped address
+            return -errno.EFAULT
+        finally:
+            os.close(mem)
+        return 0
+
+    def sysinfo(self) -> SysInfo:
+        host = SysInfo()
+        libc.sysinfo(ctypes.byref(host))
+        total, free = host.totalram * host.mem_unit, host.freeram * host.mem_unit
+        if self.memory_bytes:
+            used = int(os.pread(self.usage, 32, 0)) if self.usage is not None else 0
+            total, free = self.memory_bytes, max(0, self.memory_bytes - used)
+        uptime = int(time.monotonic() - self.started)
+        return SysInfo(uptime=uptime, totalram=total, freeram=free, procs=1, mem_unit=1)
+
+
+def _memory_usage_file() -> int | None:
+    """Our memory cgroup's usage file (omnid put us in the instance's group), opened
+    while the host's /sys is in view; None where it is not at the usual place."""
+    with open("/proc/self/cgroup") as f:
+        lines = f.read().splitlines()
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            name = f"/sys/fs/cgroup{path}/memory.current".replace("//", "/")
+        elif "memory" in controllers.split(","):
+            name = f"/sys/fs/cgroup/memory{path}/memory.usage_in_bytes".replace("//", "/")
+        else:
+            continue
+        try:
+            return os.open(name, os.O_RDONLY)
+        except OSError:
+            continue
+    return None
 
 
 def build_view(plan: dict) -> None:
@@ -285,16 +483,51 @@ def loopback_up() -> None:
         os.close(fd)
 
 
-def run_init(plan: dict, seccomp: bytes | None, status_w: int, err_w: int) -> None:
+def fork(reason: str) -> int:
+    """os.fork, a refusal for the process limit told as such (`reason`: which limit)."""
+    try:
+        return os.fork()
+    except BlockingIOError:  # EAGAIN
+        raise SetupError("fork", "", f"{os.strerror(errno.EAGAIN)}: {reason}") from None
+
+
+def _process_limits(plan: dict) -> str:
+    """What refuses the instance's fork with EAGAIN, for the setup report."""
+    nproc = plan.get("rlimits", {}).get("RLIMIT_NPROC")
+    rlimit = f"RLIMIT_NPROC {nproc[0]}, " if nproc else ""
+    return (
+        f"the process limit of uid {plan['uid']} was reached ({rlimit}which counts all "
+        "its processes on the host), or the cgroup's pids.max"
+    )
+
+
+def hold_fds(fds: list[int]) -> None:
+    """Descriptors omnid handed over (sealed control blocks): init keeps them for the
+    instance's processes to open as /proc/1/fd/N, any of them, however started; none
+    inherits them. setresuid cleared init's dumpable flag, without which a process of its
+    uid may not open them: set again (init holds nothing the instance could not have)."""
+    for fd in fds:
+        os.set_inheritable(fd, False)
+    if fds:
+        prctl(PR_SET_DUMPABLE, 1)
+
+
+def run_init(
+    plan: dict, seccomp: bytes | None, status_w: int, err_w: int, server: SysinfoServer
+) -> None:
     """pid 1 of the sandbox: build the view, start the instance, reap, report."""
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    server.close_in_init()
+    deny_exec_memfds()
     build_view(plan)
     drop_privileges(plan)
     if seccomp:
-        load_seccomp(seccomp)
+        server.hand_over(load_seccomp(seccomp))
+    server.init_sock.close()
+    hold_fds(plan.get("held_fds", ()))
     os.chdir(plan.get("cwd", "/"))
     argv = plan["argv"]
-    child = os.fork()
+    child = fork(_process_limits(plan))
     if child == 0:  # a failure here reaches main's handler too, and the error pipe
         for sig in FORWARDED:
             signal.signal(sig, signal.SIG_DFL)
@@ -341,22 +574,25 @@ def main() -> None:
         if plan.get("seccomp"):  # read now: the file is out of sight after pivot_root
             with open(plan["seccomp"], "rb") as f:
                 seccomp = f.read()
+        server = SysinfoServer(plan.get("memory_bytes"))
+        server.start()
         check(libc.unshare(NAMESPACES), "unshare")
         loopback_up()
+        status_r, status_w = os.pipe()
+        init = fork("the instance's cgroup is at its pids.max")
     except (SetupError, OSError) as exc:
         report_failure(err_w, plan["hostname"], exc)
         os._exit(SETUP_FAILED)
-    status_r, status_w = os.pipe()
-    init = os.fork()
     if init == 0:
         os.close(status_r)
         try:
-            run_init(plan, seccomp, status_w, err_w)
+            run_init(plan, seccomp, status_w, err_w, server)
         except BaseException as exc:  # report, never fall back into the launcher's code
             report_failure(err_w, plan["hostname"], exc)
             os._exit(SETUP_FAILED)
     os.close(err_w)
     os.close(status_w)
+    server.init_sock.close()  # init's end: the listener comes through it, or EOF
     forward_signals(init)
     while True:
         try:

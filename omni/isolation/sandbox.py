@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 import subprocess
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from typing import Protocol
 
 from omni.proc import die_with_parent, kill_group
 
+from . import hostfs
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -25,6 +28,8 @@ class Limits:
     cpu_cores: float | None = None  # CPU quota
     cpu_weight: int = 100  # share under contention (1-10000)
     pids: int | None = None
+    tmp_bytes: int = 256 << 20  # its private /tmp (tmpfs: charged to its memory)
+    io_bytes: int = 256 << 20  # its socket directory: the socket, KV handoffs (tmpfs)
 
 
 @dataclass(frozen=True)
@@ -33,12 +38,18 @@ class SandboxSpec:
     argv: list[str]
     env: dict[str, str]
     model_dir: Path  # the only model files the instance may read
-    socket_dir: Path  # where it listens; omnid's only channel to it
+    socket_dir: Path  # where it listens and writes handoffs: fresh, size-limited, its own
     limits: Limits = field(default_factory=Limits)
     hide: tuple[Path, ...] = ()  # other models' files that must stay out of view
     gpus: tuple[int, ...] | None = None  # GPU indices whose device nodes it gets
     extra_ro: tuple[Path, ...] = ()  # more read-only paths it needs
     extra_rw: tuple[Path, ...] = ()  # directories of its own it may write (a disk KV tier)
+    # omnid's files for it (control blocks): it may write them, never add, replace or
+    # remove an entry (root's directory)
+    shared_dir: Path | None = None
+    # descriptors its processes reach as /proc/1/fd/N (sealed control blocks): held by
+    # the sandbox's init, never by the instance's own processes
+    pass_fds: tuple[int, ...] = ()
     log_path: Path | None = None  # its stdout and stderr; None: a pipe (Sandbox.output)
 
 
@@ -73,6 +84,11 @@ class Sandbox(Protocol):
 
     async def stop(self, grace_s: float = 5.0) -> ExitStatus: ...
 
+    def owns(self, pid: int, uid: int) -> bool:
+        """Whether process `pid`, running as `uid`, is this sandbox's (SO_PEERCRED's view
+        of a socket's listener: omnid talks to no other)."""
+        ...
+
 
 def open_log(path: Path | None):
     """Where a sandbox's output goes: the log file, or a pipe omnid reads."""
@@ -90,7 +106,8 @@ class ProcessSandbox:
 
     async def start(self) -> None:
         for path in (self.spec.socket_dir, *self.spec.extra_rw):
-            path.mkdir(parents=True, exist_ok=True)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            hostfs.fresh_dir(path, 0o700)
         log = open_log(self.spec.log_path)
         try:
             self._proc = await asyncio.create_subprocess_exec(
@@ -126,3 +143,12 @@ class ProcessSandbox:
                 await asyncio.wait_for(asyncio.shield(self._proc.wait()), grace_s)
         kill_group(self._proc.pid, signal.SIGKILL)
         return await self.wait()
+
+    def owns(self, pid: int, uid: int) -> bool:
+        """omnid's own uid, and a process of the session it started the instance in."""
+        if self._proc is None or uid != os.geteuid():
+            return False
+        try:
+            return os.getsid(pid) == self._proc.pid
+        except OSError:
+            return False

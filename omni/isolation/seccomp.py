@@ -1,12 +1,16 @@
 """The system calls an instance may make: an allow-list, built with libseccomp (pyseccomp).
 
-The policy, in three tables:
+The policy, in four tables:
 
 - ALLOWED: what Python, torch, Triton's compiler subprocesses and the CUDA driver use,
-  grouped by purpose. clone, socket, socketpair and personality are allowed only with
-  some arguments (CLONE_NAMESPACES, SOCKET_FAMILIES, PERSONALITIES, build_filter).
+  grouped by purpose. clone, socket, socketpair, personality and execveat are allowed
+  only with some arguments (CLONE_NAMESPACES, SOCKET_FAMILIES, PERSONALITIES,
+  AT_EMPTY_PATH, build_filter).
 - REFUSED: calls that only serve to escape, to widen the kernel's attack surface or to
   change the host; they fail with EPERM, so a caller sees a plain "not permitted".
+- NOTIFIED: calls the launcher answers itself (seccomp user notification): sysinfo,
+  whose host-wide memory, load and process figures the instance must not see, and
+  whose error glibc's sysconf(_SC_PHYS_PAGES) ignores (so no errno will do).
 - Anything else fails with ENOSYS, as on a kernel too old to have it: libc and runtimes
   then fall back to an older call that is on the list (clone3 -> clone), where EPERM
   would have been reported as a real failure.
@@ -19,8 +23,9 @@ only the caller's own pages; moving another process's needs that capability stil
 
 A syscall that the host's libseccomp does not know by name stays at the default.
 omnid builds the filter once and exports it as raw BPF; the launcher loads the bytes
-with prctl, so it needs no library of its own. Calls of a foreign architecture
-(32-bit int 0x80 on x86-64) kill the process: libseccomp's default for a bad arch.
+with seccomp(2) (which hands it the notification listener), so it needs no library of
+its own. Calls of a foreign architecture (32-bit int 0x80 on x86-64) kill the process:
+libseccomp's default for a bad arch.
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     # thread names and parent-death signals; seccomp, which can only add restrictions.
     "processes": _names(
         """
-        vfork fork execve execveat exit exit_group wait4 waitid kill tkill tgkill getpid
+        vfork fork execve exit exit_group wait4 waitid kill tkill tgkill getpid
         getppid gettid getpgid getpgrp setpgid getsid setsid set_tid_address set_robust_list
         get_robust_list rseq arch_prctl prctl pidfd_open pidfd_send_signal getrusage
         getpriority setpriority sched_yield sched_getaffinity sched_setaffinity
@@ -105,10 +110,13 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     ),
     # SysV shared memory and semaphores, in the instance's private IPC namespace.
     "ipc": ("shmget", "shmat", "shmdt", "shmctl", "semget", "semop", "semtimedop", "semctl"),
-    # uname/sysinfo: libc's view of the machine (page counts, CPU counts); getrandom:
-    # seeds; ioctl: the CUDA driver talks to /dev/nvidia* through it alone.
-    "system": ("uname", "sysinfo", "getrandom", "ioctl"),
+    # uname: libc's view of the machine; getrandom: seeds; ioctl: the CUDA driver talks
+    # to /dev/nvidia* through it alone.
+    "system": ("uname", "getrandom", "ioctl"),
 }
+
+# Answered by the launcher with the instance's own limits (launch.py's SysinfoServer).
+NOTIFIED = ("sysinfo",)
 
 REFUSED: dict[str, tuple[str, ...]] = {
     # New namespaces or mounts would undo the sandbox (user namespaces above all, which an
@@ -179,6 +187,11 @@ NETLINK_FAMILY = socket.AF_NETLINK
 # personality(2) values libc and runtimes set or query (PER_LINUX, PER_LINUX32, with
 # UNAME26, and 0xffffffff to query); others change how the kernel treats the process.
 PERSONALITIES = (0x0, 0x8, 0x20000, 0x20008, 0xFFFFFFFF)
+# execveat's flag (argument 4) that executes the file an fd refers to: a memfd the
+# instance wrote (fexecve). Refused; execve of /proc/self/fd/N on a memfd is refused by
+# the sandbox's vm.memfd_noexec = 2 (launch.py), and the files it can write are on
+# noexec mounts but the JIT cache.
+AT_EMPTY_PATH = 0x1000
 
 
 def build_filter():
@@ -229,6 +242,10 @@ def build_filter():
             add(no_family, "socketpair", sc.Arg(0, sc.EQ, family))
     for persona in PERSONALITIES:
         add(sc.ALLOW, "personality", sc.Arg(0, sc.EQ, persona))
+    add(sc.ALLOW, "execveat", sc.Arg(4, sc.MASKED_EQ, AT_EMPTY_PATH, 0))
+    add(refuse, "execveat", sc.Arg(4, sc.MASKED_EQ, AT_EMPTY_PATH, AT_EMPTY_PATH))
+    for name in NOTIFIED:
+        add(sc.NOTIFY, name)
     return f
 
 

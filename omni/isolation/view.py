@@ -2,13 +2,16 @@
 
 Read-only system and Python environment (read-only down to every sub-mount),
 its own model directory read-only, its socket directory, a private
-size-limited /tmp, its own /proc with a meminfo and a stat that show its
-memory and CPUs and nothing of the host's load, a /sys of the parts it needs
-(CPU and NUMA topology; PCI devices and the driver's module for a GPU
-instance) with its own cgroup alone under /sys/fs/cgroup, and a /dev with only
-the harmless nodes (plus the NVIDIA nodes of the GPUs it was given). Other
-models' directories that happen to lie under a visible path are covered with
-an empty tmpfs.
+size-limited /tmp (noexec), a JIT cache (the one place it may both write and
+execute), its own read-only /proc with a meminfo, stat, loadavg and uptime that
+show its memory and CPUs and nothing of the host's load (the host-wide counters
+masked), a /sys of the parts it needs (CPU and NUMA topology, each node's
+meminfo its own; PCI devices and the driver's module for a GPU instance) with
+its own cgroup alone under /sys/fs/cgroup, and a /dev with only the harmless
+nodes (plus the NVIDIA nodes of the GPUs it was given). Other models'
+directories that happen to lie under a visible path are covered with an empty
+tmpfs. sysinfo(2), which reads the same figures from the kernel, is answered by
+the launcher (seccomp user notification, launch.py).
 """
 
 from __future__ import annotations
@@ -39,7 +42,8 @@ DEVICES = ("null", "zero", "full", "random", "urandom")
 # what the CUDA driver and NVML read besides for a GPU instance.
 SYS_PARTS = ("devices/system/cpu", "devices/system/node")
 SYS_GPU_PARTS = ("bus/pci", "module/nvidia", "module/nvidia_uvm")  # + devices/pci*
-# /proc files that tell of the host's other processes, timers or kernel: read as empty.
+# /proc files that tell of the host's other processes, timers, kernel or whole-machine
+# memory and load: read as empty.
 PROC_MASKED = (
     "kcore",
     "keys",
@@ -48,13 +52,36 @@ PROC_MASKED = (
     "sched_debug",
     "latency_stats",
     "schedstat",
-    "loadavg",
     "interrupts",
     "softirqs",
     "diskstats",
     "sysrq-trigger",
+    "vmstat",
+    "zoneinfo",
+    "buddyinfo",
+    "pagetypeinfo",
+    "slabinfo",
+    "swaps",
+    "locks",
+    "sys/fs/file-nr",
+    "sys/fs/inode-nr",
+    "sys/fs/inode-state",
+    "sys/fs/dentry-state",
 )
-PROC_MASKED_DIRS = ("acpi", "scsi", "asound")
+PROC_MASKED_DIRS = ("acpi", "scsi", "asound", "pressure")  # pressure: as without PSI
+# What glibc's getloadavg() parses (an empty file makes os.getloadavg() raise): no load,
+# one process. /proc/uptime: the host's would tell when it booted and how busy it was.
+LOADAVG = "0.00 0.00 0.00 1/1 1\n"
+UPTIME = "0.00 0.00\n"
+# The JIT cache: the one mount an instance may both write and execute from. Triton,
+# TorchInductor and torch's C++ extensions compile shared objects and dlopen them,
+# which a noexec /tmp forbids; everything else it can write is noexec.
+JIT_CACHE = "/cache"
+JIT_ENV = {
+    "TRITON_CACHE_DIR": f"{JIT_CACHE}/triton",
+    "TORCHINDUCTOR_CACHE_DIR": f"{JIT_CACHE}/torchinductor",
+    "TORCH_EXTENSIONS_DIR": f"{JIT_CACHE}/torch_extensions",
+}
 GPU_SHARED_DEVICES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-modeset")
 MS_RDONLY, MS_NOEXEC = 0x1, 0x8
 
@@ -64,6 +91,7 @@ class ViewConfig:
     uid: int = 65534  # owns nothing on the host; omnid gives each instance its own
     gid: int = 65534
     tmp_bytes: int = 256 << 20
+    jit_cache_bytes: int = 512 << 20  # JIT_CACHE: tmpfs, charged to its memory
     shm_bytes: int = 64 << 20
     open_files: int = 4096
 
@@ -115,6 +143,26 @@ def meminfo(limit_bytes: int) -> str:
         elif key in ("SwapTotal", "SwapFree"):
             line = f"{key}:{0:>16} kB"
         lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def node_meminfo(text: str, limit_bytes: int) -> str:
+    """A NUMA node's meminfo (/sys/devices/system/node/nodeN/meminfo, `text` the host's)
+    as the instance should see it: total and free capped at its limit, no other counter."""
+    kb = limit_bytes // 1024
+    shown: dict[str, int] = {}
+    lines = []
+    for line in text.splitlines():
+        head, _, rest = line.partition(":")  # "Node 0 MemTotal", "  7169824 kB"
+        key, fields = head.split()[-1], rest.split()
+        if key in ("MemTotal", "MemFree"):
+            shown[key] = min(int(fields[0]), kb)
+        elif key == "MemUsed":
+            shown[key] = shown.get("MemTotal", 0) - shown.get("MemFree", 0)
+        else:
+            shown[key] = 0
+        unit = f" {fields[1]}" if len(fields) > 1 else ""
+        lines.append(f"{head}: {shown[key]:>15}{unit}")
     return "\n".join(lines) + "\n"
 
 
@@ -180,6 +228,8 @@ def build_plan(
         if not _under(path, visible):
             bind(path)
     bind(spec.model_dir)
+    if spec.shared_dir is not None:  # root's directory: writable files, no new entries
+        bind(spec.shared_dir, ro=False, noexec=True)
     bind(spec.socket_dir, ro=False, noexec=True)
     for path in spec.extra_rw:
         bind(path, ro=False, noexec=True)
@@ -195,13 +245,16 @@ def build_plan(
                 }
             )
 
-    mounts.append({"type": "proc", "dst": "/proc"})
+    # Read-only: no sysctl, /proc/<pid>/mem or oom_score_adj writes (nothing needs them).
+    mounts.append({"type": "proc", "dst": "/proc", "flags": MS_RDONLY})
     if spec.limits.memory_bytes:
         generated("meminfo", meminfo(spec.limits.memory_bytes), "/proc/meminfo")
     cpus = max(1, math.ceil(spec.limits.cpu_cores or os.cpu_count() or 1))
     generated("stat", proc_stat(cpus), "/proc/stat")
+    generated("loadavg", LOADAVG, "/proc/loadavg")
+    generated("uptime", UPTIME, "/proc/uptime")
     (workdir / "empty").write_text("")
-    for name in PROC_MASKED:
+    for name in PROC_MASKED:  # `sys/...`: readable by anyone, host-wide counters
         if os.path.isfile(f"/proc/{name}"):
             bind(workdir / "empty", Path("/proc") / name)
     for name in PROC_MASKED_DIRS:
@@ -215,6 +268,11 @@ def build_plan(
         generated(
             "cpu-online", f"0-{cpus - 1}\n" if cpus > 1 else "0\n", "/sys/devices/system/cpu/online"
         )
+    if spec.limits.memory_bytes:  # as /proc/meminfo: where it has a limit, that is all
+        for path in sorted(glob.glob("/sys/devices/system/node/node*/meminfo")):
+            node = Path(path).parent.name
+            text = node_meminfo(Path(path).read_text(), spec.limits.memory_bytes)
+            generated(f"{node}-meminfo", text, path)
 
     mounts.append({"type": "tmpfs", "dst": "/dev", "options": "mode=0755,size=64k"})
     devices = list(DEVICES)
@@ -238,7 +296,18 @@ def build_plan(
             "flags": MS_NOEXEC,
         }
     )
-    mounts.append({"type": "tmpfs", "dst": "/tmp", "options": f"mode=1777,size={cfg.tmp_bytes}"})
+    mounts.append(
+        {
+            "type": "tmpfs",
+            "dst": "/tmp",
+            "options": f"mode=1777,size={cfg.tmp_bytes}",
+            "flags": MS_NOEXEC,
+        }
+    )
+    # The one writable mount with exec (nosuid, nodev as every tmpfs): JIT_CACHE.
+    mounts.append(
+        {"type": "tmpfs", "dst": JIT_CACHE, "options": f"mode=1777,size={cfg.jit_cache_bytes}"}
+    )
 
     rlimits = {"RLIMIT_CORE": [0, 0], "RLIMIT_NOFILE": [cfg.open_files, cfg.open_files]}
     if spec.limits.pids:  # per uid: holds even where no pids controller is delegated
@@ -254,8 +323,9 @@ def build_plan(
         "gid": cfg.gid,
         "rlimits": rlimits,
         "argv": spec.argv,
-        "env": spec.env,
+        "env": {**JIT_ENV, **spec.env},  # the instance's own settings win
         "cwd": "/tmp",
+        "memory_bytes": spec.limits.memory_bytes,  # what sysinfo(2) answers (launch.py)
     }
 
 

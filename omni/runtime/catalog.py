@@ -180,6 +180,8 @@ class ModelConfig:
 # model a few percent at most, and a cold model still advances under sustained hot load.
 # On the H100 bench 50 ms left the hot p99 1.26x its single-node figure, 100 ms did not.
 DEFAULT_GPU_YIELD_S = 0.1
+# what a sandbox may enforce, by the names `require_limits` takes (omnid reports each)
+SANDBOX_LIMITS = ("memory", "cpu", "pids", "tmp", "io", "seccomp")
 
 
 @dataclass(frozen=True)
@@ -195,6 +197,7 @@ class NodeConfig:
     request_timeout_s: float = 60.0
     gpu_yield_s: float = DEFAULT_GPU_YIELD_S
     dashboard: tuple[str, int] | None = None  # the dashboard's own (loopback) listener
+    require_limits: tuple[str, ...] = ()  # SANDBOX_LIMITS without which no instance starts
 
 
 NODE_KEYS = {
@@ -209,6 +212,7 @@ NODE_KEYS = {
     "request_timeout",
     "gpu_yield",
     "dashboard",
+    "require_limits",
 }
 MODEL_KEYS = {
     "name",
@@ -217,6 +221,8 @@ MODEL_KEYS = {
     "memory",
     "cpus",
     "pids",
+    "tmp",
+    "io",
     "gpu",
     "quota",
     "permits",
@@ -268,7 +274,11 @@ def limits_from(item: dict, where: str) -> Limits:
         cpus = float(cpus)
     if "pids" in item:
         pids = _positive_int(item, "pids", where, minimum=8)
-    return Limits(memory_bytes=memory, cpu_cores=cpus, pids=pids)
+    sizes = {}  # its tmpfs mounts: /tmp, and the socket directory (KV handoffs too)
+    for key, field_name in (("tmp", "tmp_bytes"), ("io", "io_bytes")):
+        if key in item:
+            sizes[field_name] = _size(item, key, where)
+    return Limits(memory_bytes=memory, cpu_cores=cpus, pids=pids, **sizes)
 
 
 def tool_parser_from(item: dict, where: str) -> str | None:
@@ -541,7 +551,21 @@ def load_config(path: Path) -> NodeConfig:
         request_timeout_s=_seconds(data, "request_timeout", str(path), 60.0),
         gpu_yield_s=_gpu_yield(data, path),
         dashboard=_dashboard(data, path),
+        require_limits=_require_limits(data, path),
     )
+
+
+def _require_limits(data: dict, path: Path) -> tuple[str, ...]:
+    """`require_limits = ["memory", "cpu"]`: names from SANDBOX_LIMITS, each once."""
+    value = data.get("require_limits", [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise CatalogError(f"{path}: 'require_limits' must be a list of names")
+    unknown = [v for v in value if v not in SANDBOX_LIMITS]
+    if unknown:
+        raise CatalogError(
+            f"{path}: 'require_limits': {unknown[0]!r} is not one of {list(SANDBOX_LIMITS)}"
+        )
+    return tuple(dict.fromkeys(value))
 
 
 def _dashboard(data: dict, path: Path) -> tuple[str, int] | None:

@@ -1,6 +1,7 @@
 """omnid's live dashboard: a page and a JSON snapshot (once, or a stream of them) of what
 the node already records: each GPU's budget and the instances resident on it or swapped
-out, swap counts, and per model its requests, latency, queue and state.
+out, swap counts, per model its requests, latency, queue and state, and which sandbox
+limits hold.
 
 Served read-only on the admin socket (`omnictl dashboard` forwards a loopback port to it)
 and, with the config's `dashboard` key, on a loopback TCP listener of its own; never on
@@ -56,6 +57,7 @@ class NodeView:
                 "draining": node.draining,
                 "started": node.started,
                 "instances": len(infos),
+                "sandbox": node.sandbox,  # which limits instances' sandboxes enforce
             },
             "gpus": [self._gpu(pool.to_json(), infos) for pool in node.pools_list()],
             "swaps": {"in": int(swaps.get("in", 0)), "out": int(swaps.get("out", 0))},

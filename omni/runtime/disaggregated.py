@@ -4,17 +4,18 @@ decoded on a decode instance, the prompt's K/V handed between them (kv_transfer.
 The catalog gives such a model two or more entries, each with a `role` and the name it
 `serves`. A request for that name goes to the prefill instance with the fewest prompt
 tokens queued, which writes the K/V of the prompt's full blocks into its own directory;
-omnid moves the file into the decode instance's directory (same filesystem: a rename),
-gives it to that instance's uid, and relays the request there, to the decode instance
-with the most free KV blocks. The decode instance checks the handoff is this request's,
-computes the prompt's last block or two and streams the answer. A handoff left behind
-by a failure is removed here.
+omnid copies the file into a new one in the decode instance's directory (each instance
+writes only its own size-limited tmpfs) owned by that instance's uid, and relays the
+request there, to the decode instance with the most free KV blocks. The decode instance
+checks the handoff is this request's, computes the prompt's last block or two and
+streams the answer. A handoff left behind by a failure is removed here.
 """
 
 from __future__ import annotations
 
+import asyncio
+import errno
 import logging
-import os
 import time
 import uuid
 
@@ -24,6 +25,7 @@ from aiohttp import web
 from omni.api.errors import unavailable
 from omni.api.proxy import relay, relay_headers, upstream_failed
 from omni.engine import kv_transfer
+from omni.isolation import hostfs
 
 from .instance import Instance
 
@@ -92,11 +94,7 @@ async def serve(node, request: web.Request, body: bytes, name: str, on_usage) ->
             return done
         extra = {}
         if done["blocks"]:
-            os.replace(src, dst)  # one filesystem: no copy
-            if node.isolated:  # the decode instance's now, readable by it alone
-                uid = node.sandbox_uid(decode.name)
-                os.chown(dst, uid, uid)
-            os.chmod(dst, 0o600)
+            await _hand_over(node, prefill, decode, src.name)
             extra = {kv_transfer.IMPORT_HEADER: handoff_id}
         node.metrics.observe_kv_transfer(name, done["bytes"], time.monotonic() - t0)
         async with node.admission(decode, deadline, ticket):
@@ -114,6 +112,32 @@ async def serve(node, request: web.Request, body: bytes, name: str, on_usage) ->
     finally:
         for path in (src, dst):
             path.unlink(missing_ok=True)
+
+
+async def _hand_over(node, prefill: Instance, decode: Instance, name: str) -> None:
+    """The prefill instance's handoff file, copied into a new file of the decode instance's
+    (each writes only its own size-limited directory): a file of the prefill instance's
+    own, never a link, and a new name on the decode side, readable by that instance alone."""
+    owners = (None, None)
+    if node.isolated:
+        owners = (node.sandbox_uid(prefill.name), node.sandbox_uid(decode.name))
+    try:
+        await asyncio.to_thread(
+            hostfs.copy_file,
+            prefill.socket_path.parent,
+            name,
+            owners[0],
+            decode.socket_path.parent,
+            owners[1],
+        )
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            log.warning("handoff to %s: its directory is full", decode.name)
+            raise unavailable(
+                f"The decode instance '{decode.name}' has no room for it.", 2
+            ) from None
+        log.warning("handoff from %s to %s refused: %s", prefill.name, decode.name, exc)
+        raise upstream_failed(f"The KV handoff of '{prefill.name}' failed.", 1) from None
 
 
 async def _prefill(

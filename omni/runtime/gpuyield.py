@@ -22,6 +22,8 @@ import struct
 import time
 from pathlib import Path
 
+from omni.isolation import hostfs
+
 ENV = "OMNI_GPU_YIELD"
 MAGIC = 0x4F4D5949  # "OMYI"
 LAYOUT = struct.Struct("<III")  # magic, flag, max_defer_us
@@ -29,7 +31,7 @@ POLL_S = 0.0002
 
 
 def _map(path: Path, writable: bool) -> mmap.mmap:
-    fd = os.open(path, os.O_RDWR if writable else os.O_RDONLY)
+    fd = os.open(path, (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW)
     try:
         access = mmap.ACCESS_WRITE if writable else mmap.ACCESS_READ
         return mmap.mmap(fd, LAYOUT.size, access=access)
@@ -42,12 +44,8 @@ class YieldFlag:
 
     def __init__(self, path: Path, max_defer_s: float, owner: int | None = None):
         self.path = Path(path)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_bytes(LAYOUT.pack(MAGIC, 0, round(max_defer_s * 1e6)))
-        if owner is not None:
-            os.chown(tmp, owner, owner)
-        tmp.chmod(0o644)
-        os.replace(tmp, self.path)
+        data = LAYOUT.pack(MAGIC, 0, round(max_defer_s * 1e6))
+        hostfs.create_file(self.path, data, 0o644, owner)  # omnid's: the instance reads it
         self._map = _map(self.path, writable=True)
         self.raised = False
 

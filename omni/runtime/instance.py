@@ -15,7 +15,6 @@ import enum
 import json
 import logging
 import os
-import shutil
 import sys
 import time
 from collections import deque
@@ -25,10 +24,12 @@ from functools import partial
 from pathlib import Path
 
 import aiohttp
+from aiohttp.client_exceptions import UnixClientConnectorError
 
 from omni.api.errors import ApiError
 from omni.cudashim import ControlBlock, Mode
 from omni.cudashim import instance_env as shim_env
+from omni.isolation import hostfs
 from omni.isolation.sandbox import ExitStatus, Sandbox, SandboxSpec
 
 from .catalog import (
@@ -59,6 +60,7 @@ ENV_PREFIXES_PASSED = ("OMNI_", "CUDA_", "NVIDIA_", "TRITON_", "TORCH_", "OMP_",
 ENV_PREFIXES_PASSED += ("NCCL_", "NVSHMEM_")  # a host's collective settings reach its ranks
 CRASH_LOOP_FAILURES = 3  # starts in a row that never became ready: the instance has failed
 OUTPUT_LINES = 20  # of an instance's output, kept for the reason it failed
+DISK_SLACK_BYTES = 16 << 20  # past its disk KV budget (and a tenth): files being replaced
 
 
 def instance_env() -> dict[str, str]:
@@ -84,6 +86,28 @@ class GpuPlacement:
     def pool(self) -> GpuPool:
         """Rank 0's GPU: the one whose hotter instances this one yields its steps to."""
         return self.pools[0]
+
+
+class InstanceConnector(aiohttp.UnixConnector):
+    """Connections to an instance's socket that never follow a link planted in its place
+    and reach only a listener `allowed` names (hostfs.connect_checked)."""
+
+    def __init__(self, path: Path, allowed: hostfs.PeerCheck):
+        super().__init__(path=str(path))
+        self._allowed = allowed
+
+    async def _create_connection(self, req, traces, timeout):
+        try:
+            async with asyncio.timeout(timeout.sock_connect):
+                sock = await hostfs.connect_checked(Path(self.path), self._allowed)
+            _, proto = await self._loop.create_unix_connection(self._factory, sock=sock)
+        except OSError as exc:
+            if exc.errno is None and isinstance(exc, TimeoutError):
+                raise
+            if isinstance(exc, hostfs.UnsafePath):
+                log.warning("instance socket %s refused: %s", self.path, exc.strerror)
+            raise UnixClientConnectorError(self.path, req.connection_key, exc) from exc
+        return proto
 
 
 class State(enum.StrEnum):
@@ -134,8 +158,11 @@ class Instance:
         """`kv_disk_dir`: its disk KV tier's directory (where its entry asks for one)."""
         self.entry = entry
         self.kv_disk_dir = kv_disk_dir if entry.placement.kv_disk_bytes else None
-        self.socket_path = socket_dir / entry.name / "sock"
-        self.yield_path = socket_dir / entry.name / "gpu.yield"  # visible in its sandbox
+        # omnid's directory for it (root's: the instance may write the files omnid puts
+        # there, never add or replace one), holding its own size-limited writable `io`
+        self.dir = socket_dir / entry.name
+        self.socket_path = self.dir / "io" / "sock"
+        self.yield_path = self.dir / "gpu.yield"  # visible in its sandbox
         self.gpu = gpu
         # one standing per GPU (rank): each GPU's memory is accounted and swapped apart, and
         # a swap-out of one rank takes the others out with it (they serve only together)
@@ -168,9 +195,10 @@ class Instance:
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
         self._restart_reason: str | None = None
+        self._unhealthy = "unhealthy"  # why the health checks ended it
         self._releases: set[asyncio.Task] = set()
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.UnixConnector(path=str(self.socket_path)),
+            connector=InstanceConnector(self.socket_path, self._listener_is_ours),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
         )
 
@@ -192,9 +220,18 @@ class Instance:
         return f"http://instance{path}"
 
     def control_path(self, rank: int) -> Path:
-        """Rank `rank`'s shim control block (visible in its sandbox)."""
+        """Rank `rank`'s shim control block, as its processes open it: a sealed memfd that
+        the sandbox's init holds (its pid 1) where the instance has its own uid, else a
+        file in omnid's directory for it."""
+        block = self.tenants[rank].block
+        if block is not None and block.fd is not None:
+            return Path(f"/proc/1/fd/{block.fd}")
         name = "cuda.ctl" if rank == 0 else f"cuda.{rank}.ctl"
-        return self.socket_path.parent / name
+        return self.dir / name
+
+    def _listener_is_ours(self, pid: int, uid: int) -> bool:
+        """Whether the process listening on its socket is this instance's own."""
+        return self._sandbox is not None and self._sandbox.owns(pid, uid)
 
     @contextlib.asynccontextmanager
     async def resident(self, deadline: float) -> AsyncIterator[None]:
@@ -240,9 +277,9 @@ class Instance:
         if self._task:
             await self._task
         await self.session.close()
-        self.socket_path.unlink(missing_ok=True)
+        await asyncio.to_thread(hostfs.remove_tree, self.dir)
         if self.kv_disk_dir is not None:  # its disk tier's blocks: of no use to anyone now
-            shutil.rmtree(self.kv_disk_dir, ignore_errors=True)
+            await asyncio.to_thread(hostfs.remove_tree, self.kv_disk_dir)
 
     def restart(self, reason: str | None = None) -> None:
         """Kill the process (or leave the failed state); supervision starts a fresh one."""
@@ -376,19 +413,24 @@ class Instance:
             gpus=gpus,
             extra_ro=extra_ro,
             extra_rw=extra_rw,
+            shared_dir=self.dir,
+            pass_fds=tuple(t.block.fd for t in self.tenants if t.block and t.block.fd is not None),
         )
 
     async def _claim_gpu(self) -> None:
         """Fresh control blocks for the new processes (one a rank), and room for them on
         their GPUs."""
         assert self.gpu is not None and self.tenant is not None
-        self.socket_path.parent.mkdir(parents=True, exist_ok=True)
         if self.gpu.pool.yield_max_s > 0:
             self.tenant.yield_flag = YieldFlag(self.yield_path, self.gpu.pool.yield_max_s)
+        owner = self.gpu.owner_uid
         for rank, (pool, tenant) in enumerate(zip(self.gpu.pools, self.tenants, strict=True)):
-            block = ControlBlock.create(
-                self.control_path(rank), tenant.quota_bytes, Mode.MANAGED, self.gpu.owner_uid
-            )
+            if owner is None:  # a plain process, omnid's own uid: a file will do
+                path = self.dir / ("cuda.ctl" if rank == 0 else f"cuda.{rank}.ctl")
+                block = ControlBlock.create(path, tenant.quota_bytes, Mode.MANAGED)
+            else:  # it may write the block, never resize it under omnid's mapping
+                name = f"omni-{self.name}-rank{rank}"
+                block = ControlBlock.create_sealed(name, tenant.quota_bytes, Mode.MANAGED, owner)
             await pool.starting(tenant, block)
 
     async def _supervise(self) -> None:
@@ -401,6 +443,8 @@ class Instance:
             relay: asyncio.Task | None = None
             t0 = time.monotonic()
             try:
+                self.dir.parent.mkdir(parents=True, exist_ok=True)
+                await asyncio.to_thread(hostfs.fresh_dir, self.dir)  # nothing of its last run
                 if self.gpu is not None:
                     await self._claim_gpu()
                 self._sandbox = self._factory(self._spec())
@@ -485,7 +529,7 @@ class Instance:
             if exited.done():
                 return await self._sandbox.wait()
             status = await self._sandbox.stop()
-            reason = "unhealthy" if checker.done() else (self._restart_reason or "restarted")
+            reason = self._unhealthy if checker.done() else (self._restart_reason or "restarted")
             self._restart_reason = None
             return ExitStatus(status.returncode, reason)
         finally:
@@ -507,6 +551,7 @@ class Instance:
 
     async def _check_health(self) -> None:
         """Returns when the instance must be killed: it never came up, or stopped answering."""
+        self._unhealthy = "unhealthy"
         deadline = time.monotonic() + self.START_TIMEOUT_S
         while not await self._probe():
             if time.monotonic() > deadline:
@@ -527,5 +572,23 @@ class Instance:
         failures = 0
         while failures < self.HEALTH_FAILURES:
             await asyncio.sleep(self.HEALTH_INTERVAL_S)
+            if await asyncio.to_thread(self._disk_over_limit):
+                return
             failures = 0 if await self._probe() else failures + 1
         log.error("instance %s failed %d health checks", self.name, failures)
+
+    def _disk_over_limit(self) -> bool:
+        """Its disk KV tier is on disk, not a size-limited tmpfs: what it holds there is
+        counted at every health check, and an instance past its budget is restarted
+        (which empties the directory)."""
+        if self.kv_disk_dir is None:
+            return False
+        used = hostfs.usage_bytes(self.kv_disk_dir)
+        limit = self.entry.placement.kv_disk_bytes
+        if used <= limit + limit // 10 + DISK_SLACK_BYTES:
+            return False
+        self._unhealthy = "kv-disk-over-limit"
+        log.error(
+            "instance %s holds %d bytes in its KV disk tier (limit %d)", self.name, used, limit
+        )
+        return True

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -211,6 +211,13 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.sandbox_limits = Gauge(
+            "omni_sandbox_limit_enforced",
+            "1 where instances' sandboxes enforce the limit (memory, cpu, pids, tmp, "
+            "io, seccomp), 0 where not",
+            ["limit"],
+            registry=self.registry,
+        )
         self.registry.register(NodeCollector(instances, pools))
 
     def observe_request(self, model: str, endpoint: str, status: int, seconds: float) -> None:
@@ -233,6 +240,11 @@ class Metrics:
         self.swaps.labels(model, direction).inc()
         self.swap_seconds.labels(direction).observe(result.seconds)
         self.swap_bytes.labels(direction).inc(result.bytes)
+
+    def observe_sandbox(self, sandbox: dict) -> None:
+        """omnid's sandbox report (omnid.sandbox_report): each limit, and seccomp."""
+        for limit, held in {**sandbox["enforced"], "seccomp": sandbox["seccomp"]}.items():
+            self.sandbox_limits.labels(limit).set(int(held))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

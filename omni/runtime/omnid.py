@@ -41,16 +41,18 @@ from omni.api.schemas import (
 from omni.cudashim import ShimBuildError, library_path
 from omni.engine import kv_transfer
 from omni.engine.checkpoint import CheckpointError
-from omni.isolation import seccomp
+from omni.isolation import hostfs, seccomp
 from omni.isolation.cgroups import CgroupError, CgroupManager
 from omni.isolation.isolated import IsolatedSandbox
 from omni.isolation.sandbox import ProcessSandbox, SandboxSpec
+from omni.isolation.uids import UidAllocator
 from omni.isolation.view import ViewConfig
 from omni.logs import setup_logging
 
 from . import dashboard, disaggregated
 from .catalog import (
     DEFAULT_GPU_YIELD_S,
+    SANDBOX_LIMITS,
     CatalogError,
     ModelEntry,
     NodeConfig,
@@ -71,7 +73,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("omnid")
 
-SANDBOX_UID_BASE = 200_000  # outside the range of any real account
+# sandbox uids, shared by every omnid of the host (not under a runtime dir, which systemd
+# removes when its unit stops)
+HOST_UID_TABLE = Path("/run/omni-uids/table.json")
 MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 ADMIN_GROUP = "omni"  # members may use the admin socket
 PERMIT_QUEUE = 4  # requests that may wait for a permit, per permit
@@ -112,6 +116,7 @@ class Node:
         self.started = int(time.time())
         self.sandbox_factory: SandboxFactory = ProcessSandbox
         self.isolated = False  # instances get their own uids (sandboxed as root)
+        self.sandbox = sandbox_report("process")  # what it enforces: sandbox_factory says
         self.draining = False
         self.catalog = CatalogStore(state_dir) if state_dir else None
         # instances' disk KV tiers (kv_disk_cache): on disk, unlike the runtime dir
@@ -129,15 +134,26 @@ class Node:
             for index, budget in (gpus or {}).items()
         }
         self._shim: Path | None = None
-        self._uids: dict[str, int] = {}
+        self._uids: dict[str, int] = {}  # instance name -> its uid, leased host-wide
+        self.uids = UidAllocator(HOST_UID_TABLE)
+        self.uid_owner = str(runtime_dir.resolve())  # this daemon, in the uid table
+
+    def clear_leftovers(self) -> None:
+        """What instances of an earlier run left (their directories and mounts, disk KV
+        tiers): every instance starts from nothing."""
+        for root in (self.socket_dir, self.kv_disk_root):
+            if root.is_dir():
+                for child in root.iterdir():
+                    hostfs.remove_tree(child)
 
     def pools_list(self) -> list[GpuPool]:
         return list(self.pools.values())
 
     def sandbox_uid(self, name: str) -> int:
-        """Each instance its own unprivileged uid: no shared files, signals or rlimits."""
+        """Each instance its own unprivileged uid, unique on the host (see uids.py): no
+        shared files, signals or rlimits, with another instance of any omnid."""
         if name not in self._uids:
-            self._uids[name] = SANDBOX_UID_BASE + len(self._uids)
+            self._uids[name] = self.uids.lease(self.uid_owner, name)
         return self._uids[name]
 
     def hidden_paths(self) -> tuple[Path, ...]:
@@ -172,11 +188,13 @@ class Node:
         return GpuPlacement(tuple(pools), self.shim_library(), owner)
 
     def add(self, entry: ModelEntry) -> Instance:
+        if self.sandbox["missing"]:  # the config's require_limits, not enforced here
+            raise limits_unmet(self.sandbox["missing"])
         if entry.name in self.instances:
             raise ApiError(
                 409, f"Model '{entry.name}' is already loaded.", param="name", code="model_exists"
             )
-        socket_path = self.socket_dir / entry.name / "sock"
+        socket_path = self.socket_dir / entry.name / "io" / "sock"  # Instance.socket_path
         if len(os.fsencode(socket_path)) > MAX_UNIX_PATH:
             raise ApiError(
                 400,
@@ -209,6 +227,8 @@ class Node:
         await inst.stop()
         for pool in inst.gpu.pools if inst.gpu else ():
             await pool.remove(name)
+        if self._uids.pop(name, None) is not None:  # its processes are gone: free its uid
+            self.uids.release(self.uid_owner, name)
 
     async def shutdown(self) -> None:
         await asyncio.gather(*(inst.stop() for inst in self.instances.values()))
@@ -335,6 +355,8 @@ SPEC_KEYS = {
     "memory",
     "cpus",
     "pids",
+    "tmp",
+    "io",
     "version",
     "tool_parser",
     "tensor_parallel",
@@ -386,22 +408,66 @@ def placed_entry(model: str, spec: dict) -> ModelEntry:
     return entry_from_spec(model, fields, "cluster")
 
 
-def sandbox_factory(mode: str, runtime_dir: Path, node: Node) -> SandboxFactory:
-    """How instances are started: isolated (root: cgroups + namespaces) or plain processes."""
+def sandbox_report(
+    mode: str,
+    required: tuple[str, ...] = (),
+    cgroup_version: int | None = None,
+    seccomp_on: bool = False,
+    enforced: dict[str, bool] | None = None,
+) -> dict:
+    """What instances' sandboxes enforce (GET /v1/node's "sandbox"): each limit of
+    SANDBOX_LIMITS but seccomp, and which of the `required` ones (require_limits) do not
+    hold here: while any is missing, no instance starts."""
+    held = {k: bool((enforced or {}).get(k)) for k in SANDBOX_LIMITS} | {"seccomp": seccomp_on}
+    return {
+        "mode": mode,  # "isolated" | "process"
+        "cgroup_version": cgroup_version,
+        "seccomp": seccomp_on,
+        "enforced": {k: v for k, v in held.items() if k != "seccomp"},
+        "required": list(required),
+        "missing": [k for k in required if not held[k]],
+    }
+
+
+def limits_unmet(missing: list[str]) -> ApiError:
+    return ApiError(
+        503,
+        f"This node does not enforce the sandbox limits its config requires: "
+        f"{', '.join(missing)} (require_limits); no instance is started here.",
+        code="sandbox_limits_unmet",
+    )
+
+
+def sandbox_factory(
+    mode: str, runtime_dir: Path, node: Node, required: tuple[str, ...] = ()
+) -> tuple[SandboxFactory, CgroupManager | None]:
+    """How instances are started: isolated (root: cgroups + namespaces) or plain processes,
+    and the cgroups to close at shutdown (isolated). `node.sandbox` says what that
+    enforces, and which of the `required` limits it does not."""
+
+    def report(sandbox: str, **found) -> None:
+        node.sandbox = sandbox_report(sandbox, required, **found)
+        node.metrics.observe_sandbox(node.sandbox)
+        if node.sandbox["missing"]:
+            log.error("%s", limits_unmet(node.sandbox["missing"]).message)
+
     if mode == "process" or (mode == "auto" and os.geteuid() != 0):
         if mode == "auto":
             log.warning("not root: instances run as plain processes, without a sandbox")
-        return ProcessSandbox
+        report("process")
+        return ProcessSandbox, None
     try:
         # One scope per runtime dir: several omnids may share a cgroup (tests), and a
         # restarted omnid finds its predecessor's leftovers to clean up.
         scope = hashlib.sha1(str(runtime_dir.resolve()).encode()).hexdigest()[:12]
         cgroups = CgroupManager.detect(scope)
+        enforced = cgroups.enforced()
     except (CgroupError, OSError) as exc:
         if mode == "isolated":
             raise CatalogError(f"--sandbox isolated: cgroups unavailable ({exc})") from None
         log.warning("cgroups unavailable (%s): instances run as plain processes", exc)
-        return ProcessSandbox
+        report("process")
+        return ProcessSandbox, None
     workdir = runtime_dir / "sandboxes"
     workdir.mkdir(parents=True, exist_ok=True, mode=0o700)
     try:
@@ -413,6 +479,11 @@ def sandbox_factory(mode: str, runtime_dir: Path, node: Node) -> SandboxFactory:
         "sandboxing instances (cgroup v%d, seccomp %s)", cgroups.version, "on" if bpf else "off"
     )
     node.isolated = True
+    # tmpfs: the instance's /tmp and socket dir are size-limited in every isolated sandbox
+    enforced |= {"tmp": True, "io": True}
+    report(
+        "isolated", cgroup_version=cgroups.version, seccomp_on=bpf is not None, enforced=enforced
+    )
 
     def make(spec: SandboxSpec) -> IsolatedSandbox:
         uid = node.sandbox_uid(spec.name)
@@ -424,7 +495,7 @@ def sandbox_factory(mode: str, runtime_dir: Path, node: Node) -> SandboxFactory:
             seccomp_bpf=bpf,
         )
 
-    return make
+    return make, cgroups
 
 
 def failure(inst: Instance) -> dict:
@@ -557,7 +628,11 @@ def usage_tokens(usage: dict | None) -> tuple[int, int]:
 
 
 def peer_allowed(uid: int, gid: int, pid: int) -> bool:
-    """Root, omnid's own user, or a member of the `omni` group (SO_PEERCRED's identity)."""
+    """Root, omnid's own user, or a member of the `omni` group (SO_PEERCRED's identity);
+    never omnid itself, which has no use for its own admin API: a connection from it was
+    steered here (a link an instance planted where omnid expected its socket)."""
+    if pid == os.getpid():
+        return False
     if uid in (0, os.geteuid()):
         return True
     try:
@@ -602,6 +677,7 @@ def admin_app(node: Node) -> web.Application:
                 "draining": node.draining,
                 "instances": len(node.instances),
                 "gpus": [p.to_json() for p in node.pools.values()],
+                "sandbox": node.sandbox,
             }
         )
 
@@ -728,13 +804,20 @@ async def run(args: argparse.Namespace) -> None:
         state_dir=args.state_dir,
     )
     entries = node.catalog.apply(entries) if node.catalog else entries
-    node.sandbox_factory = sandbox_factory(args.sandbox, runtime_dir, node)
+    await asyncio.to_thread(node.clear_leftovers)
+    node.sandbox_factory, cgroups = sandbox_factory(
+        args.sandbox, runtime_dir, node, config.require_limits
+    )
     log.info("instances run %s", InstanceCode.of_this_process().describe())
     for entry in entries:
         try:
             node.add(entry)
-        except (ApiError, ValueError) as exc:
-            raise CatalogError(f"model {entry.name!r}: {getattr(exc, 'message', exc)}") from None
+        except ApiError as exc:
+            if exc.code != "sandbox_limits_unmet":  # (omnid serves on: /v1/node says why)
+                raise CatalogError(f"model {entry.name!r}: {exc.message}") from None
+            log.error("model %s not started: %s", entry.name, exc.message)
+        except ValueError as exc:
+            raise CatalogError(f"model {entry.name!r}: {exc}") from None
 
     runners = []
     inference = web.AppRunner(inference_app(node), handler_cancellation=True, access_log=None)
@@ -773,6 +856,8 @@ async def run(args: argparse.Namespace) -> None:
     for runner in runners:
         await runner.cleanup()
     await node.shutdown()
+    if cgroups is not None:  # its instances' groups are gone: now its own directories
+        await asyncio.to_thread(cgroups.close)
     admin_path.unlink(missing_ok=True)
 
 

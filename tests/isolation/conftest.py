@@ -133,9 +133,13 @@ def host() -> Host:
         pytest.skip(f"no usable cgroups: {exc}")
     root = Path(tempfile.mkdtemp(prefix="omni-esc-", dir="/tmp"))
     root.chmod(0o755)
-    h = Host(root, cgroups, export_bpf(root / "seccomp.bpf"))
-    yield h
-    h.close()
+    try:
+        h = Host(root, cgroups, export_bpf(root / "seccomp.bpf"))
+        yield h
+        h.close()
+    finally:  # its escape-<pid> cgroup scope and tmp dir, also where Host(...) failed
+        cgroups.close()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def setuid_copy(src: str, dst: Path) -> Path:

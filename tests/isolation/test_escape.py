@@ -14,7 +14,6 @@ from pathlib import Path
 import psutil
 
 from omni.isolation.sandbox import Limits
-from omni.isolation.view import ViewConfig
 from omni.runtime.catalog import ModelEntry
 from omni.runtime.instance import Backoff, Instance
 
@@ -294,8 +293,7 @@ report(hostname=socket.gethostname(), cpus=os.cpu_count(),
        dev=sorted(os.listdir("/dev")), home=attempt(lambda: os.listdir("/home")),
        root_marker=attempt(lambda: open("/root/.omni-escape-marker").read()))
 """,
-            limits=Limits(memory_bytes=768 << 20, cpu_cores=2, pids=64),
-            view=ViewConfig(tmp_bytes=8 << 20),
+            limits=Limits(memory_bytes=768 << 20, cpu_cores=2, pids=64, tmp_bytes=8 << 20),
         )
     finally:
         marker.unlink()

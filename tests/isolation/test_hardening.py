@@ -3,11 +3,14 @@
 One test (or two) per finding: socket families past the network namespace, io_uring
 and the seccomp allow-list, writable sub-mounts, host and neighbour metadata, a view
 built from omnid's sys.path, and failed setups that surfaced as a bare BrokenPipeError.
+Then issue 48's: host-wide figures in /proc, /sys and sysinfo(2), a writable /proc,
+code run from /tmp or from a memfd, and a fork at the process limit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
 import os
 import subprocess
@@ -21,6 +24,7 @@ import pytest
 from omni.isolation import seccomp
 from omni.isolation.isolated import SandboxError
 from omni.isolation.sandbox import Limits
+from omni.isolation.view import JIT_CACHE, JIT_ENV, ViewConfig, build_plan
 from omni.runtime.catalog import ModelEntry
 from omni.runtime.instance import Backoff, Instance
 
@@ -97,8 +101,10 @@ def test_seccomp_policy_is_one_explicit_allow_list():
     refused = [n for names in seccomp.REFUSED.values() for n in names]
     assert len(allowed) == len(set(allowed)) and len(refused) == len(set(refused))
     assert not set(allowed) & set(refused)
+    assert not set(seccomp.NOTIFIED) & (set(allowed) | set(refused))
     assert {"io_uring_setup", "io_uring_enter", "io_uring_register"} <= set(refused)
-    assert not {"clone", "clone3", "socket", "socketpair", "personality"} & set(allowed)
+    conditional = {"clone", "clone3", "socket", "socketpair", "personality", "execveat"}
+    assert not (conditional | {"sysinfo"}) & set(allowed)
     assert set(seccomp.SOCKET_FAMILIES) == {"AF_UNIX", "AF_INET", "AF_INET6"}
 
 
@@ -159,6 +165,7 @@ report(cgroup_paths=sorted({l.split(":", 2)[2] for l in open("/proc/self/cgroup"
        cpus=sorted(l.split()[0] for l in stat if l.startswith("cpu")),
        ctxt=[l for l in stat if l.startswith("ctxt")],
        loadavg=open("/proc/loadavg").read(),
+       getloadavg=os.getloadavg(),
        timer_list=open("/proc/timer_list").read() if os.path.exists("/proc/timer_list") else "",
        online=open("/sys/devices/system/cpu/online").read().strip())
 """,
@@ -174,7 +181,9 @@ report(cgroup_paths=sorted({l.split(":", 2)[2] for l in open("/proc/self/cgroup"
     assert r["net"] == r["firmware"] == "ENOENT"  # the host's interfaces, firmware tables
     assert r["cpus"] == ["cpu", "cpu0"]  # /proc/stat: its one CPU, not the host's
     assert r["ctxt"] == ["ctxt 0"]
-    assert r["loadavg"] == r["timer_list"] == ""
+    assert r["timer_list"] == ""
+    assert r["loadavg"] == "0.00 0.00 0.00 1/1 1\n"  # no load, in the form getloadavg reads
+    assert r["getloadavg"] == [0.0, 0.0, 0.0]
     assert r["online"] == "0"
 
 
@@ -202,11 +211,11 @@ def test_view_is_built_from_install_locations_not_sys_path(tmp_path):
         assert str(Path(sys.prefix).resolve()) in shown or sys.prefix == sys.base_prefix
 
 
-def start_and_fail(host, **overrides) -> SandboxError:
+def start_and_fail(host, view: ViewConfig | None = None, **overrides) -> SandboxError:
     spec = host.spec("print('never')", **overrides)
 
     async def go() -> SandboxError:
-        box = host.sandbox(spec)
+        box = host.sandbox(spec, view)
         with pytest.raises(SandboxError) as failed:
             await box.start()
         assert not list((host.runtime / "sandboxes").glob(spec.name))  # cleaned up
@@ -247,3 +256,244 @@ def test_failed_setup_is_the_instances_last_exit(host):
     state = asyncio.run(go())
     assert state["last_exit"].startswith("setup-failed: sandbox broken")
     assert f"bind {missing}: No such file or directory" in state["last_exit"]
+
+
+def test_fork_at_the_process_limit_names_it(host):
+    """RLIMIT_NPROC counts every process of the uid on the host: where the uid already
+    runs that many, the instance's fork fails, and says why."""
+    uid = 64_000 + os.getpid() % 1000  # one of its own, the test fills its count
+    sleepers = [subprocess.Popen(["sleep", "60"], user=uid, group=uid) for _ in range(4)]
+    try:
+        limits = Limits(memory_bytes=LIMITS.memory_bytes, pids=4)  # pids.max leaves room
+        error = start_and_fail(host, ViewConfig(uid=uid, gid=uid), limits=limits)
+    finally:
+        for sleeper in sleepers:
+            sleeper.kill()
+            sleeper.wait()
+    assert (error.step, error.path) == ("fork", "")
+    assert error.reason.startswith(os.strerror(errno.EAGAIN))
+    assert f"process limit of uid {uid} was reached (RLIMIT_NPROC 4" in error.reason
+
+
+def _host_meminfo_total_kb(path: str) -> int:
+    for line in Path(path).read_text().splitlines():
+        if "MemTotal:" in line:
+            return int(line.split()[-2])
+    raise AssertionError(f"no MemTotal in {path}")
+
+
+def test_host_wide_figures_are_masked(host):
+    """Uptime, load, VM counters, pressure stall figures, open-file counts and each NUMA
+    node's memory read as the instance's own or as nothing; on the host they are real."""
+    masked = ("/proc/vmstat", "/proc/zoneinfo", "/proc/buddyinfo", "/proc/sys/fs/file-nr")
+    for path in masked:
+        assert Path(path).read_text(), path  # what the instance would have seen
+    host_nodes = {
+        str(p): _host_meminfo_total_kb(str(p))
+        for p in Path("/sys/devices/system/node").glob("node*/meminfo")
+    }
+    r = run(
+        host,
+        f"""
+import glob
+def read(path):
+    try:
+        return open(path).read()
+    except OSError as e:
+        return errno.errorcode[e.errno]
+nodes = {{}}
+for path in glob.glob("/sys/devices/system/node/node*/meminfo"):
+    fields = dict(line.split(":", 1) for line in open(path))
+    nodes[path] = {{k.split()[-1]: int(v.split()[0]) for k, v in fields.items()}}
+report(uptime=read("/proc/uptime"), masked={{p: read(p) for p in {masked!r}}},
+       pressure=attempt(lambda: os.listdir("/proc/pressure")),
+       pressure_memory=read("/proc/pressure/memory"), nodes=nodes)
+""",
+        limits=LIMITS,
+    )
+    assert Path("/proc/uptime").read_text() != "0.00 0.00\n"
+    assert r["uptime"] == "0.00 0.00\n"
+    assert r["masked"] == dict.fromkeys(masked, "")
+    assert r["pressure"] == "ok" and r["pressure_memory"] == "ENOENT"  # as without PSI
+    limit_kb = LIMITS.memory_bytes // 1024
+    assert set(r["nodes"]) == set(host_nodes)
+    for path, fields in r["nodes"].items():
+        assert host_nodes[path] != limit_kb  # the host's node is bigger than the instance
+        assert fields["MemTotal"] == limit_kb
+        assert fields["MemFree"] <= limit_kb
+        assert fields["Active"] == fields["FilePages"] == 0  # no host usage counters
+
+
+class SysInfo(ctypes.Structure):  # struct sysinfo, as the test program declares it too
+    _fields_ = (
+        ("uptime", ctypes.c_long),
+        ("loads", ctypes.c_ulong * 3),
+        ("totalram", ctypes.c_ulong),
+        ("freeram", ctypes.c_ulong),
+        ("sharedram", ctypes.c_ulong),
+        ("bufferram", ctypes.c_ulong),
+        ("totalswap", ctypes.c_ulong),
+        ("freeswap", ctypes.c_ulong),
+        ("procs", ctypes.c_ushort),
+        ("pad", ctypes.c_ushort),
+        ("totalhigh", ctypes.c_ulong),
+        ("freehigh", ctypes.c_ulong),
+        ("mem_unit", ctypes.c_uint),
+    )
+
+
+def test_sysinfo_tells_the_instances_own_memory_and_no_load(host):
+    """sysinfo(2) is answered by the launcher: the limit is all the RAM (glibc's
+    sysconf(_SC_PHYS_PAGES) and every thread see it), no load, no swap, one process;
+    a bad pointer gets EFAULT as from the kernel."""
+    info = SysInfo()
+    assert ctypes.CDLL(None).sysinfo(ctypes.byref(info)) == 0
+    assert info.totalram * info.mem_unit != LIMITS.memory_bytes  # the host's own figure
+    r = run(
+        host,
+        """
+import threading
+class SysInfo(ctypes.Structure):
+    _fields_ = [("uptime", ctypes.c_long), ("loads", ctypes.c_ulong * 3)]
+    _fields_ += [(n, ctypes.c_ulong) for n in ("totalram", "freeram", "sharedram",
+                                              "bufferram", "totalswap", "freeswap")]
+    _fields_ += [("procs", ctypes.c_ushort), ("pad", ctypes.c_ushort),
+                 ("totalhigh", ctypes.c_ulong), ("freehigh", ctypes.c_ulong),
+                 ("mem_unit", ctypes.c_uint)]
+def call():
+    info = SysInfo()
+    rc = libc.sysinfo(ctypes.byref(info))
+    unit = info.mem_unit
+    return dict(rc=rc, total=info.totalram * unit, free=info.freeram * unit,
+                swap=info.totalswap * unit, loads=list(info.loads), procs=info.procs,
+                uptime=info.uptime)
+in_thread = []
+thread = threading.Thread(target=lambda: in_thread.append(call()))
+thread.start()
+thread.join()
+page = os.sysconf("SC_PAGE_SIZE")
+report(main=call(), thread=in_thread[0], bad=attempt(lambda: libc.sysinfo(None)),
+       phys=os.sysconf("SC_PHYS_PAGES") * page, avphys=os.sysconf("SC_AVPHYS_PAGES") * page)
+""",
+        limits=LIMITS,
+    )
+    limit = LIMITS.memory_bytes
+    for answer in (r["main"], r["thread"]):
+        assert answer["rc"] == 0 and answer["total"] == limit
+        assert 0 < answer["free"] < limit  # the limit less what the sandbox uses
+        assert answer["loads"] == [0, 0, 0] and answer["procs"] == 1 and answer["swap"] == 0
+        assert 0 <= answer["uptime"] < 60  # the sandbox's age, not the host's
+    assert r["phys"] == limit  # glibc's sysconf reads sysinfo's struct
+    assert 0 < r["avphys"] < limit
+    assert r["bad"] == "EFAULT"
+
+
+def test_proc_is_read_only(host):
+    """Its own oom_score_adj, thread names, memory through /proc/self/mem, sysctls:
+    none written through /proc (its file modes alone let the first three through)."""
+    r = run(
+        host,
+        """
+def write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+oom = open("/proc/self/oom_score_adj").read()
+report(oom=attempt(lambda: write("/proc/self/oom_score_adj", oom)),
+       comm=attempt(lambda: write("/proc/self/comm", "renamed")),
+       mem=attempt(lambda: open("/proc/self/mem", "r+b")),
+       sysctl=attempt(lambda: write("/proc/sys/kernel/hostname", "x")),
+       options=[l.split()[5] for l in open("/proc/self/mountinfo") if l.split()[4] == "/proc"])
+""",
+    )
+    assert r["oom"] == r["comm"] == r["mem"] == "EROFS"
+    assert r["sysctl"] in ("EROFS", "EACCES")
+    assert r["options"][0].split(",")[0] == "ro"
+
+
+def _system_library(name: str = "libm.so.6") -> str:
+    """Where this host's `name` really is (a path the instance sees: under /usr or /lib)."""
+    ctypes.CDLL(name)
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        if line.endswith("/" + name):
+            return line.split()[-1]
+    raise AssertionError(f"{name} not mapped")
+
+
+def test_tmp_is_noexec_and_the_jit_cache_is_the_one_exec_place(host):
+    """A program or library written to /tmp neither runs nor loads; the JIT cache (where
+    Triton and TorchInductor put what they compile) allows both."""
+    r = run(
+        host,
+        f"""
+import shutil, subprocess
+def dlopen(path):
+    try:
+        ctypes.CDLL(path)
+        return "ok"
+    except OSError as e:
+        return str(e)
+out = {{}}
+for where in ("/tmp", {JIT_CACHE!r}):
+    shutil.copy("/bin/true", where + "/true")
+    os.chmod(where + "/true", 0o755)
+    shutil.copy({_system_library()!r}, where + "/libm-copy.so")
+    out[where] = dict(run=attempt(lambda: subprocess.run([where + "/true"], check=True)),
+                      dlopen=dlopen(where + "/libm-copy.so"))
+options = {{l.split()[4]: l.split()[5].split(",") for l in open("/proc/self/mountinfo")}}
+report(out=out, tmp=options["/tmp"], cache=options[{JIT_CACHE!r}])
+""",
+    )
+    assert r["out"]["/tmp"]["run"] == "EACCES"
+    assert "failed to map segment" in r["out"]["/tmp"]["dlopen"]
+    assert r["out"][JIT_CACHE] == {"run": "ok", "dlopen": "ok"}
+    assert {"rw", "noexec", "nosuid", "nodev"} <= set(r["tmp"])
+    assert {"rw", "nosuid", "nodev"} <= set(r["cache"]) and "noexec" not in r["cache"]
+
+
+def test_jit_caches_point_at_the_exec_mount(host, tmp_path):
+    """Triton's, TorchInductor's and torch's extension caches default to the JIT cache;
+    an instance's own setting wins."""
+    spec = host.spec("pass", env={"PATH": "/usr/bin", "TRITON_CACHE_DIR": "/cache/mine"})
+    env = build_plan(spec, ViewConfig(), tmp_path)["env"]
+    assert env["TRITON_CACHE_DIR"] == "/cache/mine" and env["PATH"] == "/usr/bin"
+    assert env["TORCHINDUCTOR_CACHE_DIR"] == JIT_ENV["TORCHINDUCTOR_CACHE_DIR"]
+    assert all(value.startswith(JIT_CACHE + "/") for value in JIT_ENV.values())
+
+
+def test_jit_cache_settings_reach_the_instance(host):
+    r = run(host, f"report(env={{k: os.environ.get(k) for k in {sorted(JIT_ENV)!r}}})")
+    assert r["env"] == JIT_ENV
+
+
+def test_a_memfd_cannot_be_executed(host):
+    """Code written into a memfd runs neither through fexecve (execveat with AT_EMPTY_PATH:
+    seccomp) nor through /proc/self/fd (vm.memfd_noexec = 2 in the sandbox's namespace);
+    /bin/true still runs, and memfds without exec (torch's shared buffers) still work."""
+    r = run(
+        host,
+        """
+def exec_in_child(fn):
+    pid = os.fork()
+    if pid == 0:
+        try:
+            fn()
+        except OSError as e:
+            os._exit(e.errno)
+        os._exit(255)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    return "ok" if code == 0 else errno.errorcode.get(code, str(code))
+fd = os.memfd_create("payload", 0)
+os.write(fd, open("/bin/true", "rb").read())
+report(scope=open("/proc/sys/vm/memfd_noexec").read().strip(),
+       chmod=attempt(lambda: os.fchmod(fd, 0o755)),
+       mfd_exec=attempt(lambda: os.memfd_create("exec", 0x10)),  # MFD_EXEC
+       fexecve=exec_in_child(lambda: os.execve(fd, ["true"], {})),
+       proc_fd=exec_in_child(lambda: os.execv(f"/proc/self/fd/{fd}", ["true"])),
+       bin_true=exec_in_child(lambda: os.execv("/bin/true", ["true"])))
+""",
+    )
+    assert r["scope"] == "2"
+    assert r["fexecve"] == "EPERM"
+    assert r["proc_fd"] == "EACCES"
+    assert r["chmod"] != "ok" and r["mfd_exec"] != "ok"
+    assert r["bin_true"] == "ok"

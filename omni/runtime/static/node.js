@@ -49,6 +49,22 @@
     const parts = [`${n} instance${n === 1 ? "" : "s"}`, `${s.gpus.length} GPU${s.gpus.length === 1 ? "" : "s"}`];
     if (s.node.draining) parts.push("draining");
     $("node-meta").textContent = parts.join(" · ");
+    sandbox(s.node.sandbox);
+  }
+
+  function sandbox(sb) {
+    // which limits instances' sandboxes enforce; red while a required one does not hold
+    const box = $("node-sandbox");
+    if (!sb) return;
+    const held = Object.keys(sb.enforced).filter((k) => sb.enforced[k]);
+    const notHeld = Object.keys(sb.enforced).filter((k) => !sb.enforced[k]);
+    let how = sb.mode;
+    if (sb.mode === "isolated") how += ` (cgroup v${sb.cgroup_version}, seccomp ${sb.seccomp ? "on" : "off"})`;
+    const parts = [`sandbox: ${how}`, `enforced: ${held.join(", ") || "none"}`];
+    if (notHeld.length) parts.push(`NOT enforced: ${notHeld.join(", ")}`);
+    if (sb.missing.length) parts.push(`required, missing: ${sb.missing.join(", ")}: no instance starts`);
+    box.textContent = parts.join(" · ");
+    box.className = "meta" + (sb.missing.length ? " bad" : "");
   }
 
   function gpus(s) {
