@@ -201,6 +201,9 @@ def apply_mount(root: str, m: dict) -> None:
             make_target(dst, True)
             flags = MS_NOSUID | MS_NODEV | MS_NOEXEC | m.get("flags", 0)  # MS_RDONLY
             mount("proc", dst, "proc", flags, step="proc")
+            for part in m.get("readonly", ()):  # of a writable /proc: the kernel's knobs
+                if os.path.exists(f"{dst}/{part}"):
+                    bind(f"{dst}/{part}", f"{dst}/{part}", RO_FLAGS | MS_NOEXEC)
         elif kind == "sysfs":
             mount_sysfs(root, m)
         elif kind == "cgroup":  # in our cgroup namespace: rooted at the instance's own group

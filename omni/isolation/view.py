@@ -68,6 +68,8 @@ PROC_MASKED = (
     "sys/fs/inode-state",
     "sys/fs/dentry-state",
 )
+# A writable /proc's parts that change the kernel rather than the instance's own processes.
+PROC_READONLY = ("sys", "bus", "fs", "irq")
 PROC_MASKED_DIRS = ("acpi", "scsi", "asound", "pressure")  # pressure: as without PSI
 # What glibc's getloadavg() parses (an empty file makes os.getloadavg() raise): no load,
 # one process. /proc/uptime: the host's would tell when it booted and how busy it was.
@@ -245,8 +247,13 @@ def build_plan(
                 }
             )
 
-    # Read-only: no sysctl, /proc/<pid>/mem or oom_score_adj writes (nothing needs them).
-    mounts.append({"type": "proc", "dst": "/proc", "flags": MS_RDONLY})
+    # Read-only: no sysctl, /proc/<pid>/mem or oom_score_adj writes (nothing needs them),
+    # except on a GPU, where the CUDA driver's cuInit fails on a read-only /proc (error
+    # 304, seen on an H100 host): there its kernel knobs alone are read-only.
+    if spec.gpus is None:
+        mounts.append({"type": "proc", "dst": "/proc", "flags": MS_RDONLY})
+    else:
+        mounts.append({"type": "proc", "dst": "/proc", "readonly": PROC_READONLY})
     if spec.limits.memory_bytes:
         generated("meminfo", meminfo(spec.limits.memory_bytes), "/proc/meminfo")
     cpus = max(1, math.ceil(spec.limits.cpu_cores or os.cpu_count() or 1))

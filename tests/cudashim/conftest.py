@@ -27,6 +27,7 @@ class Fake:
 
     def _under_shim(self, tmp: Path, quota: int, mode: Mode, libdir: Path | None = None):
         """A fresh control block and call log, and the environment that uses them."""
+        (tmp / "control").unlink(missing_ok=True)  # a block is created afresh, never reused
         block = ControlBlock.create(tmp / "control", quota, mode)
         log = tmp / "cuda.log"
         log.unlink(missing_ok=True)

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
+import httpx
 import pytest
 
 from omni.isolation.sandbox import Limits
+from tests.checkpoints import tiny_llama
+from tests.nodes import Omnid
 
 from .test_escape import run
 
@@ -42,7 +48,11 @@ def test_gpu_instance_computes_on_its_gpu(host):
         CUDA_PROGRAM
         + f"""
 others = [attempt(lambda i=i: os.open(f"/dev/nvidia{{i}}", os.O_RDWR)) for i in {others}]
-report(cuda=ok, gpus=gpus, others=others, **result)
+def sysctl():
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("1")
+report(cuda=ok, gpus=gpus, others=others, sysctl=attempt(sysctl),
+       memfd_noexec=open("/proc/sys/vm/memfd_noexec").read().strip(), **result)
 """,
         gpus=(given,),
         limits=LIMITS,
@@ -52,6 +62,9 @@ report(cuda=ok, gpus=gpus, others=others, **result)
     numbered = [n for n in r["gpus"] if GPU_NODE.match(n)]
     assert numbered == [f"nvidia{given}"]  # only its own GPU's node is there
     assert r["others"] == ["ENOENT"] * len(others)
+    # its /proc is writable (the driver's cuInit needs it), the kernel's knobs are not
+    assert r["sysctl"] == "EROFS"
+    assert r["memfd_noexec"] == "2"
 
 
 def test_cpu_instance_gets_no_gpu(host):
@@ -65,3 +78,35 @@ report(cuda=ok, gpus=gpus, open0=attempt(lambda: os.open("/dev/nvidia0", os.O_RD
         limits=LIMITS,
     )
     assert r == {"cuda": False, "gpus": [], "open0": "ENOENT", "ctl": "ENOENT"}
+
+
+def test_a_gpu_instance_under_omnid_serves_and_swaps_through_its_sealed_block(tmp_path):
+    """The real shim under real CUDA, in omnid's sandbox: its control block is a sealed
+    memfd the sandbox's init holds (/proc/1/fd/N), none sits in the instance's directory,
+    and omnid's swaps move its memory through it."""
+    model = tiny_llama(Path(tempfile.mkdtemp(prefix="omni-gpu-", dir="/tmp")) / "m")
+    for path in (model.parent, model, *model.rglob("*")):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    gpu = host_gpus()[0]
+    config = (
+        f'[[gpus]]\nindex = {gpu}\nbudget = "2GiB"\n'
+        f'[[models]]\nname = "g"\npath = "{model}"\ngpu = {gpu}\nquota = "1GiB"\n'
+    )
+    node = Omnid(tmp_path, config, "--sandbox", "isolated")
+    body = {"model": "g", "prompt": "t1 t2 t3", "max_tokens": 4, "temperature": 0}
+    try:
+        node.wait_ready(["g"], timeout_s=300)
+        first = httpx.post(f"{node.base_url}/v1/completions", json=body, timeout=120)
+        assert first.status_code == 200, first.text
+        assert sorted(os.listdir(node.runtime_dir / "instances" / "g")) == ["gpu.yield", "io"]
+        with node.admin() as c:
+            out = c.post("/v1/instances/g/swap-out")
+            assert out.status_code == 200 and out.json()["residency"] == "swapped", out.text
+            assert node.instances()["g"]["used_bytes"] > 0  # the shim counts, through it
+        again = httpx.post(f"{node.base_url}/v1/completions", json=body, timeout=120)
+        assert again.status_code == 200, again.text
+        assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+        assert node.instances()["g"]["residency"] == "resident"
+    finally:
+        assert node.stop() == 0
+        shutil.rmtree(model.parent, ignore_errors=True)
