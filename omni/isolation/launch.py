@@ -378,7 +378,10 @@ class SysinfoServer:
                 return
             resp = NotifResp(id=notif.id, error=-errno.ENOSYS)
             if notif.data.nr == SYS_SYSINFO:
-                resp.error = self._answer(listener, notif)
+                try:  # every notification gets its answer: a caller left waiting would hang
+                    resp.error = self._answer(listener, notif)
+                except Exception:
+                    resp.error = -errno.EFAULT
             libc.ioctl(listener, ctypes.c_ulong(NOTIF_SEND), ctypes.byref(resp))  # ENOENT: died
 
     def _receive_listener(self) -> int | None:

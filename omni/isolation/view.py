@@ -3,7 +3,8 @@
 Read-only system and Python environment (read-only down to every sub-mount),
 its own model directory read-only, its socket directory, a private
 size-limited /tmp (noexec), a JIT cache (the one place it may both write and
-execute), its own read-only /proc with a meminfo, stat, loadavg and uptime that
+execute), its own /proc (read-only; on a GPU its kernel knobs alone, since the
+CUDA driver needs it writable) with a meminfo, stat, loadavg and uptime that
 show its memory and CPUs and nothing of the host's load (the host-wide counters
 masked), a /sys of the parts it needs (CPU and NUMA topology, each node's
 meminfo its own; PCI devices and the driver's module for a GPU instance) with
