@@ -3,7 +3,8 @@
 Used by the edge (to omnid) and by omnid (to an instance). An upstream that
 fails before answering becomes a 503 with Retry-After (UpstreamFailed: the
 caller may try another); one that fails mid-stream ends the stream with an error
-event, since the status line is already sent.
+event, since the status line is already sent. How the answer ended is kept on the
+request (OUTCOME) as it is written, for the caller to count.
 """
 
 from __future__ import annotations
@@ -37,6 +38,14 @@ _SKIP_HEADERS = {
 
 
 USAGE_TAIL = 8192
+STREAM_END = b"data: [DONE]\n\n"  # an OpenAI-style stream's last event
+CLIENT_CLOSED = 499  # nginx's "client closed request": the client left before the end
+BROKEN_OFF = 502  # the upstream failed mid-stream: an error event ended the answer
+# The status a relayed answer ends with, as far as it was written: its status line once
+# the client has all of it (a stream: up to its last event, even when the client leaves
+# before the upstream's own end), CLIENT_CLOSED while it has only part, BROKEN_OFF. A
+# handler cancelled because its client left reads it to count what the client saw.
+OUTCOME = web.RequestKey("omni_outcome", int)
 
 
 class UpstreamFailed(ApiError):
@@ -126,24 +135,38 @@ async def relay(
                 on_upstream_done()
             if on_usage and upstream.status == 200:
                 report_usage(data, on_usage)
+            request[OUTCOME] = upstream.status
             return web.Response(body=data, status=upstream.status, headers=headers)
         resp = web.StreamResponse(status=upstream.status, headers=headers)
+        request[OUTCOME] = CLIENT_CLOSED  # until the client has the stream's end
         await resp.prepare(request)
+        tail = b""  # the usage chunk, when asked for, is the last event before [DONE]
         try:
-            tail = b""  # the usage chunk, when asked for, is the last event before [DONE]
             async for chunk in drained(upstream, on_upstream_done):
                 await resp.write(chunk)
                 tail = (tail + chunk)[-USAGE_TAIL:]
-            if on_usage:
-                for line in reversed(tail.split(b"\n")):
-                    if line.startswith(b"data: {") and b'"usage"' in line:
-                        report_usage(line[6:], on_usage)
-                        break
+                if tail.endswith(STREAM_END):
+                    stream_ended(request, upstream.status, tail, on_usage)
+            stream_ended(request, upstream.status, tail, on_usage)
         except ConnectionResetError:
             pass  # our client left; leaving the `async with` drops the upstream too
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            log.warning("%s failed mid-stream: %s", upstream_name, exc)
-            err = error_body(f"{upstream_name} failed mid-stream", 503, code="unavailable")
-            with contextlib.suppress(ConnectionResetError):
-                await resp.write(b"data: " + orjson.dumps(err) + b"\n\n")
+            if request[OUTCOME] == CLIENT_CLOSED:  # else the client had the end already
+                log.warning("%s failed mid-stream: %s", upstream_name, exc)
+                request[OUTCOME] = BROKEN_OFF
+                err = error_body(f"{upstream_name} failed mid-stream", 503, code="unavailable")
+                with contextlib.suppress(ConnectionResetError):
+                    await resp.write(b"data: " + orjson.dumps(err) + b"\n\n")
         return resp
+
+
+def stream_ended(request: web.Request, status: int, tail: bytes, on_usage) -> None:
+    """The client has the whole stream: its status counts, and its usage (once)."""
+    if request[OUTCOME] != CLIENT_CLOSED:
+        return
+    request[OUTCOME] = status
+    if on_usage:
+        for line in reversed(tail.split(b"\n")):
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                report_usage(line[6:], on_usage)
+                break

@@ -79,6 +79,9 @@ class Placement:
     # disaggregated serving: "prefill" | "decode", one side of the model named `serves`
     role: str | None = None
     serves: str | None = None
+    # on unload or restart: seconds its requests in flight may take to finish, no new ones
+    # admitted, before it is stopped (a long generation's length)
+    drain_s: float = 60.0
 
     @property
     def draft_path(self) -> Path | None:
@@ -161,6 +164,7 @@ class ModelEntry:
             "kv_disk_cache_bytes": self.placement.kv_disk_bytes,
             "role": self.placement.role,
             "serves": self.placement.serves,
+            "drain_s": self.placement.drain_s,
             "version": self.version,
             "tool_parser": self.tool_parser,
         }
@@ -223,6 +227,7 @@ MODEL_KEYS = {
     "pids",
     "tmp",
     "io",
+    "drain",
     "gpu",
     "quota",
     "permits",
@@ -342,6 +347,7 @@ def placement_from(item: dict, where: str, gpus: dict[int, int] | None) -> Place
     if kv_disk and not kv_host:
         raise CatalogError(f"{where}.kv_disk_cache: needs a kv_host_cache above it")
     role, serves = _role(item, where, tp)
+    drain_s = _seconds(item, "drain", where, Placement.drain_s)
     return Placement(
         chosen,
         quota,
@@ -356,6 +362,7 @@ def placement_from(item: dict, where: str, gpus: dict[int, int] | None) -> Place
         kv_disk,
         role,
         serves,
+        drain_s,
     )
 
 

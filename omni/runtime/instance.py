@@ -115,6 +115,7 @@ class State(enum.StrEnum):
     READY = "ready"
     BACKOFF = "backoff"  # died; waiting before the next start
     FAILED = "failed"  # crash loop: not restarted until asked to
+    DRAINING = "draining"  # unload or restart: its requests in flight finish, no new ones
     STOPPING = "stopping"
     STOPPED = "stopped"
 
@@ -191,6 +192,7 @@ class Instance:
         self.retry_at: float | None = None  # monotonic time of the next start, in backoff
         self._ready = asyncio.Event()
         self._stopping = False
+        self._drain_first = False  # let its requests in flight finish before it is stopped
         self._sandbox: Sandbox | None = None
         self._task: asyncio.Task | None = None
         self._wake = asyncio.Event()
@@ -271,8 +273,16 @@ class Instance:
     def start(self) -> None:
         self._task = asyncio.create_task(self._supervise(), name=f"instance:{self.name}")
 
-    async def stop(self) -> None:
+    @property
+    def stopping(self) -> bool:
+        """Being unloaded (or omnid stopping): admit nothing more to it."""
+        return self._stopping
+
+    async def stop(self, drain: bool = False) -> None:
+        """Stop it for good; `drain`: once its requests in flight have finished (at most
+        its model's drain time), new ones refused meanwhile."""
         self._stopping = True
+        self._drain_first = drain
         self._wake.set()
         if self._task:
             await self._task
@@ -281,10 +291,15 @@ class Instance:
         if self.kv_disk_dir is not None:  # its disk tier's blocks: of no use to anyone now
             await asyncio.to_thread(hostfs.remove_tree, self.kv_disk_dir)
 
-    def restart(self, reason: str | None = None) -> None:
-        """Kill the process (or leave the failed state); supervision starts a fresh one."""
+    def restart(self, reason: str | None = None, drain: bool = False) -> None:
+        """Kill the process (or leave the failed state); supervision starts a fresh one.
+        `drain` (an operator's restart): its requests in flight finish first, at most its
+        model's drain time, and new ones wait for the new process."""
         self._backoff.failures = 0
         self._restart_reason = reason
+        self._drain_first = drain
+        if drain:
+            self._ready.clear()  # new requests wait (wait_ready) for the new process
         self._wake.set()
 
     async def wait_ready(self, timeout_s: float) -> bool:
@@ -521,6 +536,9 @@ class Instance:
         woken = asyncio.ensure_future(self._wake.wait())
         try:
             await asyncio.wait({exited, checker, woken}, return_when=asyncio.FIRST_COMPLETED)
+            asked = not exited.done() and not checker.done()  # stop, or restart: not a fault
+            if asked and self._drain_first:
+                await self._drain(exited)
             self._ready.clear()  # route nothing more to it
             # not ready from here on, whichever way it ends: the sandbox's teardown, its
             # last output and the GPU's release come before the backoff (a status read in
@@ -528,13 +546,31 @@ class Instance:
             self.state = State.STOPPING
             if exited.done():
                 return await self._sandbox.wait()
+            checker.cancel()  # a stopping process fails its health checks: not the reason
             status = await self._sandbox.stop()
-            reason = self._unhealthy if checker.done() else (self._restart_reason or "restarted")
+            reason = (self._restart_reason or "restarted") if asked else self._unhealthy
             self._restart_reason = None
             return ExitStatus(status.returncode, reason)
         finally:
             for fut in (exited, checker, woken):
                 fut.cancel()
+
+    async def _drain(self, exited: asyncio.Future) -> None:
+        """Until its requests in flight, and those waiting for a permit, are done (or the
+        process exits), at most its model's drain time."""
+        self.state = State.DRAINING
+        self._drain_first = False
+        deadline = time.monotonic() + self.entry.placement.drain_s
+        while (self.in_flight or self.waiting) and not exited.done():
+            if time.monotonic() > deadline:
+                log.warning(
+                    "instance %s: %d requests still in flight after %.0fs of draining",
+                    self.name,
+                    self.in_flight,
+                    self.entry.placement.drain_s,
+                )
+                return
+            await asyncio.sleep(0.05)
 
     async def _probe(self) -> bool:
         try:

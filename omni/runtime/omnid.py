@@ -31,7 +31,7 @@ from aiohttp import web
 
 from omni import paths, sdnotify
 from omni.api.errors import ApiError, error_middleware, json_response, model_not_found, unavailable
-from omni.api.proxy import relay
+from omni.api.proxy import CLIENT_CLOSED, OUTCOME, relay
 from omni.api.schemas import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -221,10 +221,15 @@ class Node:
         return inst
 
     async def remove(self, name: str) -> None:
-        inst = self.instances.pop(name, None)
+        """Unload: its requests in flight finish (at most its drain time), new ones are
+        refused with 503 meanwhile (another node may serve them), then it stops."""
+        inst = self.instances.get(name)
         if inst is None:
             raise model_not_found(name)
-        await inst.stop()
+        if inst.stopping:
+            raise ApiError(409, f"Model '{name}' is being unloaded.", code="model_unloading")
+        await inst.stop(drain=True)
+        self.instances.pop(name, None)
         for pool in inst.gpu.pools if inst.gpu else ():
             await pool.remove(name)
         if self._uids.pop(name, None) is not None:  # its processes are gone: free its uid
@@ -247,6 +252,8 @@ class Node:
         ticket = ticket if ticket is not None else Ticket()
         if self.draining:
             raise unavailable("This node is draining; retry on another node.", 5)
+        if inst.stopping:
+            raise unavailable(f"Model '{inst.name}' is being unloaded from this node.", 1)
         if inst.permits.locked() and inst.waiting >= PERMIT_QUEUE * inst.entry.placement.permits:
             raise ApiError(
                 429,
@@ -357,6 +364,7 @@ SPEC_KEYS = {
     "pids",
     "tmp",
     "io",
+    "drain",
     "version",
     "tool_parser",
     "tensor_parallel",
@@ -529,16 +537,20 @@ def inference_app(node: Node) -> web.Application:
 
     async def infer(request: web.Request) -> web.StreamResponse:
         t0 = time.monotonic()
-        model, status = "-", 500
+        status = 500  # an unexpected error: the middleware answers 500
         ticket = request["omni_ticket"] = Ticket()
         try:
             resp = await route(request)
-            model, status = request["omni_model"], resp.status
+            status = request.get(OUTCOME, resp.status)  # a stream cut short is not a 200
             return resp
         except ApiError as exc:
-            model, status = request.get("omni_model", "-"), exc.status
+            status = exc.status
+            raise
+        except asyncio.CancelledError:  # the client left: 499 unless it had the whole answer
+            status = request.get(OUTCOME, CLIENT_CLOSED)
             raise
         finally:
+            model = request.get("omni_model", "-")  # "-": no body read, or no such model
             node.metrics.observe_request(model, request.path, status, time.monotonic() - t0)
             if node.load is not None and "omni_model" in request:
                 prompt, completion = usage_tokens(ticket.usage)
@@ -720,7 +732,7 @@ def admin_app(node: Node) -> web.Application:
 
     async def restart(request: web.Request) -> web.Response:
         inst = node.get(request.match_info["name"])
-        inst.restart()
+        inst.restart("restarted by the operator", drain=True)
         return json_response(inst.to_json(), 202)
 
     async def swap(request: web.Request) -> web.Response:
