@@ -35,7 +35,14 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from omni.api.errors import ApiError, error_middleware, json_response, unavailable
-from omni.api.proxy import UpstreamFailed, relay, relay_headers, report_usage
+from omni.api.proxy import (
+    CLIENT_CLOSED,
+    OUTCOME,
+    UpstreamFailed,
+    relay,
+    relay_headers,
+    report_usage,
+)
 from omni.logs import setup_logging
 
 from . import dashboard
@@ -48,6 +55,7 @@ from .admission import (
     text_bytes,
 )
 from .async_jobs import AsyncJobs, fetch
+from .fairq import Permit
 from .metrics import CONTENT_TYPE, EdgeMetrics
 from .nodes import Attempt, Node, NodeSet
 from .tenants import Tenant, TenantConfigError, Tenants
@@ -129,6 +137,11 @@ class Call:
     session_key: str | None
     arrived: float
     job_id: str | None = None  # async requests
+    client: web.Request | None = None  # the client's own request, while it waits (not async)
+
+    def left(self) -> int:
+        """The status of a call whose client left: what relay had sent it (OUTCOME)."""
+        return self.client.get(OUTCOME, CLIENT_CLOSED) if self.client else CLIENT_CLOSED
 
 
 # send(node, on_usage, on_done) -> (status, result); raises UpstreamFailed to try another
@@ -246,21 +259,21 @@ def edge_app(
             drop_headers=TRUSTED_HEADERS,
         )
 
+    async def admit(call: Call) -> Permit | None:
+        try:
+            return await admission.permit(call.model, call.tenant, call.cost, call.deadline)
+        except ApiError as exc:
+            metrics.shed.labels(call.tenant.name, exc.code or str(exc.status)).inc()
+            raise
+
     async def forward(call: Call, send: Send) -> Any:
         """Queue `call` fairly for a permit, then send it to a node (another one when the
         node fails before anything reached the client); counted, logged, released."""
         tenant, model = call.tenant, call.model
-        try:
-            permit = await admission.permit(model, tenant, call.cost, call.deadline)
-        except ApiError as exc:
-            metrics.shed.labels(tenant.name, exc.code or str(exc.status)).inc()
-            metrics.requests.labels(tenant.name, model, exc.status).inc()
-            raise
-        queued_s = time.monotonic() - call.arrived
-        metrics.queue_wait.labels(tenant.name).observe(queued_s)
-        retries.request()
+        status = 500  # an unexpected error: the middleware answers 500
+        permit: Permit | None = None
+        admitted: float | None = None
         tried: list[Node] = []
-        status: int | str = "error"
         attempt: Attempt | None = None
 
         def usage(u: dict) -> None:
@@ -279,6 +292,10 @@ def edge_app(
                 permit.release()
 
         try:
+            permit = await admit(call)
+            admitted = time.monotonic()
+            metrics.queue_wait.labels(tenant.name).observe(admitted - call.arrived)
+            retries.request()
             while True:
                 node = (
                     nodes.pick(model, call.session_key, tried, call.prompt_tokens)
@@ -306,12 +323,16 @@ def edge_app(
         except ApiError as exc:
             status = exc.status
             raise
+        except asyncio.CancelledError:  # the client left: 499 unless it had the whole answer
+            status = call.left()
+            raise
         finally:
             if attempt is not None:
                 attempt.end(ok=True)  # the client left, or the relay ended without a callback
             if permit is not None:
                 permit.release()  # once only: a no-op after the early release
             metrics.requests.labels(tenant.name, model, status).inc()
+            now = time.monotonic()
             access.info(
                 "%s",
                 orjson.dumps(
@@ -322,8 +343,8 @@ def edge_app(
                         "async": call.job_id,
                         "status": status,
                         "nodes": [n.url for n in tried],
-                        "queued_ms": round(queued_s * 1e3, 3),
-                        "ms": round((time.monotonic() - call.arrived) * 1e3, 3),
+                        "queued_ms": round(((admitted or now) - call.arrived) * 1e3, 3),
+                        "ms": round((now - call.arrived) * 1e3, 3),
                         "traceparent": call.headers["traceparent"],
                     }
                 ).decode(),
@@ -360,6 +381,7 @@ def edge_app(
                 message = "An async request cannot stream; fetch its result when done."
                 raise ApiError(400, message, param="stream", code="invalid_value")
             return submit_async(call)
+        call.client = request
 
         async def send(node: Node, on_usage, on_done) -> tuple[int, web.StreamResponse]:
             resp = await relay(
@@ -373,7 +395,7 @@ def edge_app(
                 on_usage=on_usage,
                 on_upstream_done=on_done,
             )
-            return resp.status, resp
+            return request.get(OUTCOME, resp.status), resp  # 499 if the client left mid-stream
 
         return await forward(call, send)
 
