@@ -1,15 +1,15 @@
 """`omni serve`: the all-in-one, omnid and omni-edge as two supervised OS processes.
 
-Ctrl-C or SIGTERM stops both within a few seconds; each child also dies with
-this process (PDEATHSIG), and omnid's instances die with omnid, so nothing is
-left behind even if `omni serve` itself is killed.
+One that exits is restarted with backoff while the other keeps running
+(`omni.supervise` says when it gives up instead). Ctrl-C or SIGTERM stops both
+within a few seconds; each child also dies with this process (PDEATHSIG), and
+omnid's instances die with omnid, so nothing is left behind even if `omni serve`
+itself is killed.
 """
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
 import sys
 import time
 import urllib.error
@@ -19,31 +19,7 @@ from pathlib import Path
 import click
 
 from omni import paths
-from omni.proc import die_with_parent
-
-STOP_GRACE_S = 8.0
-
-
-def _spawn(argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(
-        argv,
-        stdin=subprocess.DEVNULL,
-        start_new_session=True,
-        preexec_fn=die_with_parent(signal.SIGTERM),
-    )
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + STOP_GRACE_S
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+from omni.supervise import Component, GaveUp, stop_all
 
 
 def _healthy(url: str) -> bool:
@@ -89,7 +65,7 @@ def main() -> None:
 )
 @click.option("--max-body-bytes", type=int, default=None, help="Edge request size limit.")
 def serve(host, port, omnid_port, runtime_dir, data_dir, config, max_body_bytes) -> None:
-    """Run omnid and omni-edge on this machine until Ctrl-C."""
+    """Run omnid and omni-edge on this machine until Ctrl-C, restarting either if it exits."""
     runtime_dir = runtime_dir or paths.runtime_dir()
     data_dir = data_dir or paths.data_dir()
     omnid = [
@@ -127,13 +103,18 @@ def serve(host, port, omnid_port, runtime_dir, data_dir, config, max_body_bytes)
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
-    procs = [_spawn(omnid), _spawn(edge)]
+    components = [
+        Component("omnid", omnid, f"http://127.0.0.1:{omnid_port}/healthz"),
+        Component("edge", edge, f"http://{host}:{port}/healthz"),
+    ]
     announced = False
     try:
+        for component in components:
+            component.start()
         while not stopping:
-            if any(p.poll() is not None for p in procs):
-                click.echo("omni: a component exited; stopping", err=True)
-                raise SystemExit(1)
+            for component in components:
+                if line := component.check():
+                    click.echo(f"omni: {line}", err=True)
             if not announced and _healthy(f"http://{host}:{port}/healthz"):
                 click.echo(
                     f"omni: serving on http://{host}:{port}/v1 "
@@ -142,8 +123,11 @@ def serve(host, port, omnid_port, runtime_dir, data_dir, config, max_body_bytes)
                 )
                 announced = True
             time.sleep(0.2)
+    except GaveUp as exc:
+        click.echo(f"omni: {exc}; stopping", err=True)
+        raise SystemExit(1) from None
     finally:
-        _stop(procs)
+        stop_all([c.proc for c in components if c.proc is not None])
     click.echo("omni: stopped", err=True)
 
 
