@@ -58,6 +58,7 @@ pb, pb_grpc = _load_protos()
 
 DAY_S = 86_400
 OUT_OF_CAPACITY = frozenset({429, 503})  # shed by omnid: at capacity, or busy past the deadline
+CLIENT_CLOSED = 499  # the client left before its answer's end: the model's fault in nothing
 MAX_ORIGINS = 64  # locations counted per model and interval (a header may come from anyone)
 MAX_LABEL = 64  # characters of a version or origin label
 MAX_INTERVAL_S = 3600.0  # a longer report is a broken clock, not telemetry
@@ -201,8 +202,8 @@ class LoadAccumulator:
         origin: str = "",
     ) -> None:
         """One finished request: 429 and 503 count as out of capacity, other >= 400 as
-        errors. `version`: the model version that served it; `origin`: the location of the
-        edge it came through."""
+        errors but 499 (the client left). `version`: the model version that served it;
+        `origin`: the location of the edge it came through."""
         with self._lock:
             f = self._counts.get(model)
             if f is None:
@@ -215,12 +216,13 @@ class LoadAccumulator:
             if status in OUT_OF_CAPACITY:
                 f.out_of_capacity += 1
             else:
+                failed = status >= 400 and status != CLIENT_CLOSED
                 f.requests += 1
-                f.errors += status >= 400
+                f.errors += failed
                 if version:
                     counts = f.by_version.setdefault(version, [0, 0])
                     counts[0] += 1
-                    counts[1] += status >= 400
+                    counts[1] += failed
             if version:
                 self._versions[model] = version
             if (

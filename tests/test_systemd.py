@@ -105,12 +105,13 @@ def test_units_as_specified():
         "NotifyAccess": "main",
         "WatchdogSec": "30",
         "Delegate": "yes",
-        "KillMode": "mixed",
+        "KillMode": "process",  # its instances outlive it (live restore)
+        "RuntimeDirectoryPreserve": "yes",
         "RuntimeDirectory": "omni",
         "StateDirectory": "omni",
         "Restart": "on-failure",
         "OOMPolicy": "continue",
-        "ExecStart": "/usr/local/bin/omnid --config /etc/omni/omnid.toml",
+        "ExecStart": "/usr/local/bin/omnid --config /etc/omni/omnid.toml --live-restore",
     }.items():
         assert omnid.get(key) == [value], f"omnid.service: {key}={omnid.get(key)}"
     assert "User" not in omnid, "omnid runs as root: it creates cgroups and namespaces"

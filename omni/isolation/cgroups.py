@@ -321,7 +321,7 @@ class CgroupManager:
         for name in sorted(names):
             log.warning("cgroup %s left behind at shutdown: destroying it", name)
             try:
-                self._group(name).destroy(timeout_s)
+                self.existing(name).destroy(timeout_s)
             except CgroupError as exc:
                 log.warning("%s", exc)
         for path in [*scopes, *sorted({s.parent for s in scopes})]:
@@ -333,8 +333,8 @@ class CgroupManager:
                 if path in scopes:
                     log.warning("cannot remove cgroup %s: %s", path, exc.strerror)
 
-    def _group(self, name: str) -> CgroupV1 | CgroupV2:
-        """The existing group `name`."""
+    def existing(self, name: str) -> CgroupV1 | CgroupV2:
+        """The group `name` as it is (an adopted instance's, or one left behind)."""
         if self.version == 2:
             return CgroupV2(self.base[""] / name)
         found = {c: _node_chain(b / name) for c, b in self.base.items() if (b / name).is_dir()}

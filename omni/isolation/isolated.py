@@ -19,10 +19,9 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from omni.proc import die_with_parent
-
 from . import hostfs, launch
 from .cgroups import CgroupManager
+from .record import OUTPUT, Record, claim, exit_status, started
 from .sandbox import ExitStatus, SandboxSpec, open_log
 from .view import ViewConfig, build_plan
 
@@ -56,7 +55,10 @@ class IsolatedSandbox:
         workdir_root: Path,
         view: ViewConfig | None = None,
         seccomp_bpf: Path | None = None,
+        orphan_timeout_s: float = 60.0,
     ):
+        """`orphan_timeout_s`: how long the sandbox outlives omnid, waiting to be adopted
+        by the next (live restore), before it ends itself."""
         self.spec = spec
         self.view = view or ViewConfig()
         self.seccomp_bpf = seccomp_bpf
@@ -68,11 +70,17 @@ class IsolatedSandbox:
         self._proc: asyncio.subprocess.Process | None = None
         self._oom_before = 0
         self._teardown_task: asyncio.Future[ExitStatus] | None = None
+        self.orphan_timeout_s = orphan_timeout_s
+        self.record: Record | None = None
+        self._pidfd: int | None = None  # the launcher's, where it is not our child (adopted)
+        self._gone: asyncio.Future | None = None  # ... and its exit
+        self._output: asyncio.ReadTransport | None = None
 
     async def start(self) -> None:
         spec = self.spec
         shutil.rmtree(self.workdir, ignore_errors=True)
         (self.workdir / "root").mkdir(parents=True, mode=0o700)
+        claim(self.workdir)
         uid = self.view.uid
         spec.socket_dir.parent.mkdir(parents=True, exist_ok=True)
         hostfs.mount_tmpfs(spec.socket_dir, spec.limits.io_bytes, uid)  # fresh, bounded
@@ -84,6 +92,11 @@ class IsolatedSandbox:
         plan["env"] = {**plan["env"], "HOME": "/tmp"}
         plan["seccomp"] = str(self.seccomp_bpf) if self.seccomp_bpf else None
         plan["held_fds"] = list(spec.pass_fds)
+        plan["workdir"] = str(self.workdir)
+        plan["orphan_timeout_s"] = self.orphan_timeout_s
+        if spec.log_path is None:  # through a FIFO that the next omnid can read too
+            os.mkfifo(self.workdir / OUTPUT, 0o600)
+            plan["output"] = str(self.workdir / OUTPUT)
         if spec.limits.cpu_cores:  # thread pools sized to the quota, not the host
             plan["env"].setdefault("OMP_NUM_THREADS", str(max(1, int(spec.limits.cpu_cores))))
         self._cgroup = self._cgroups.create(spec.name, spec.limits)
@@ -91,19 +104,17 @@ class IsolatedSandbox:
         err_r, err_w = os.pipe()
         plan["error_fd"] = err_w
         join_files = self._cgroup.join_files()
-        pdeathsig = die_with_parent(signal.SIGKILL)
 
         def preexec() -> None:  # in the child, before exec: join the cgroup first
-            pid = str(os.getpid()).encode()
+            pid = str(os.getpid()).encode()  # (no parent-death signal: it outlives omnid)
             for path in join_files:
                 fd = os.open(path, os.O_WRONLY)
                 os.write(fd, pid)
                 os.close(fd)
-            pdeathsig()
 
         plan_path = self.workdir / "plan"
         plan_path.write_bytes(marshal.dumps(plan))  # the launcher reads it with marshal
-        out = open_log(spec.log_path)
+        out = open_log(spec.log_path) if spec.log_path is not None else subprocess.DEVNULL
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -124,17 +135,103 @@ class IsolatedSandbox:
             raise
         finally:
             os.close(err_w)
-            if out is not subprocess.PIPE:
+            if out not in (subprocess.PIPE, subprocess.DEVNULL):
                 out.close()
         self.launcher_pid = self._proc.pid
-        self.output = self._proc.stdout
         try:
             await self._wait_setup(err_r)
+            self.output = await self._read_output()
+            self.record = Record(
+                spec.name,
+                self._proc.pid,
+                started(self._proc.pid) or 0,
+                self._init_pid() or 0,
+                self.view.uid,
+                spec.fingerprint,
+                tuple(spec.pass_fds),
+            )
+            self.record.save(self.workdir)
         except BaseException:
             await self._teardown()
             raise
         finally:
             os.close(err_r)
+
+    @classmethod
+    async def adopt(
+        cls,
+        spec: SandboxSpec,
+        cgroups: CgroupManager,
+        workdir_root: Path,
+        record: Record,
+        view: ViewConfig | None = None,
+        orphan_timeout_s: float = 60.0,
+    ) -> IsolatedSandbox:
+        """The running sandbox `record` describes, left by an earlier omnid: owned by this
+        one from now on (its launcher stops counting down), watched through a pidfd."""
+        box = cls(spec, cgroups, workdir_root, view, orphan_timeout_s=orphan_timeout_s)
+        pidfd = os.pidfd_open(record.launcher_pid)
+        if not record.alive():  # the pid was reused between the check and the pidfd
+            os.close(pidfd)
+            raise ProcessLookupError(record.launcher_pid)
+        box._watch_exit(pidfd)
+        box.launcher_pid, box.record = record.launcher_pid, record
+        box._cgroup = cgroups.existing(spec.name)
+        claim(box.workdir)
+        if (box.workdir / OUTPUT).exists():
+            box.output = await box._read_output()
+        return box
+
+    def detach(self) -> None:
+        """Leave it running for the next omnid to adopt (live restore)."""
+        if self._output is not None:
+            self._output.close()
+        self._close_pidfd()
+
+    def _watch_exit(self, pidfd: int) -> None:
+        """The launcher's exit (not our child: a pidfd turns readable) as a future."""
+        loop = asyncio.get_running_loop()
+        self._pidfd, self._gone = pidfd, loop.create_future()
+
+        def gone() -> None:
+            self._close_pidfd()
+            if not self._gone.done():
+                self._gone.set_result(None)
+
+        loop.add_reader(pidfd, gone)
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd is not None:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    async def _read_output(self) -> asyncio.StreamReader | None:
+        """Its output FIFO, read from now on (EOF once the launcher, its one writer, exits)."""
+        if not (self.workdir / OUTPUT).exists():
+            return None
+        fd = os.open(self.workdir / OUTPUT, os.O_RDONLY | os.O_NONBLOCK)
+        reader = asyncio.StreamReader(limit=1 << 20)
+        self._output, _ = await asyncio.get_running_loop().connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), os.fdopen(fd, "rb", buffering=0)
+        )
+        return reader
+
+    def _init_pid(self) -> int | None:
+        """The sandbox's init (the launcher's child), by its host pid."""
+        try:
+            path = f"/proc/{self.launcher_pid}/task/{self.launcher_pid}/children"
+            return int(Path(path).read_text().split()[0])
+        except (OSError, IndexError, ValueError):
+            return None
+
+    async def _launcher_exited(self) -> None:
+        """Until the launcher has exited: our child's wait, or an adopted one's pidfd."""
+        if self._proc is not None:
+            await self._proc.wait()
+            return
+        assert self._gone is not None, "neither started nor adopted"
+        await asyncio.shield(self._gone)
 
     @property
     def pid(self) -> int | None:
@@ -164,12 +261,10 @@ class IsolatedSandbox:
 
     async def exited(self) -> None:
         """The launcher has exited (its sandbox's init with it); the teardown is wait's."""
-        assert self._proc is not None, "not started"
-        await self._proc.wait()
+        await self._launcher_exited()
 
     async def wait(self) -> ExitStatus:
-        assert self._proc is not None, "not started"
-        await self._proc.wait()
+        await self._launcher_exited()
         return await self._teardown()
 
     def owns(self, pid: int, uid: int) -> bool:
@@ -182,12 +277,13 @@ class IsolatedSandbox:
             return False
 
     async def stop(self, grace_s: float = 5.0) -> ExitStatus:
-        assert self._proc is not None, "not started"
-        if self._proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
+        with contextlib.suppress(ProcessLookupError):
+            if self._proc is not None and self._proc.returncode is None:
                 self._proc.send_signal(signal.SIGTERM)  # forwarded to the instance
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(self._proc.wait()), grace_s)
+            elif self._pidfd is not None:  # adopted, still running
+                signal.pidfd_send_signal(self._pidfd, signal.SIGTERM)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(asyncio.shield(self._launcher_exited()), grace_s)
         return await self._teardown()  # kills whatever is left
 
     def _teardown(self) -> asyncio.Future[ExitStatus]:
@@ -202,7 +298,12 @@ class IsolatedSandbox:
             with contextlib.suppress(OSError):
                 oom = self._cgroup.oom_kills() > self._oom_before
             await asyncio.to_thread(self._cgroup.destroy)
-        code = await self._proc.wait() if self._proc is not None else None
+        if self._proc is not None:
+            code = await self._proc.wait()
+        else:  # adopted: not our child, its launcher wrote the instance's status
+            status = exit_status(self.workdir)
+            code = os.waitstatus_to_exitcode(status) if status is not None else None
+        self.detach()
         shutil.rmtree(self.workdir, ignore_errors=True)
         try:  # what it wrote goes with it: nothing of it stays on the host
             await asyncio.to_thread(hostfs.remove_tree, self.spec.socket_dir)

@@ -447,6 +447,105 @@ def _memory_usage_file() -> int | None:
     return None
 
 
+class Keeper:
+    """What lets the sandbox outlive omnid (live restore) without being orphaned for long.
+
+    - Its output: the instance's stdout and stderr go through a pipe to a thread here,
+      which writes them to the FIFO in omnid's workdir for the sandbox; omnid reads it,
+      this one or the next. Never blocked and never broken by omnid's death: what no
+      omnid reads while the FIFO is full is dropped.
+    - Its owner: the omnid named (pid and start time) in the workdir's `owner` file, which
+      a new omnid rewrites when it adopts the sandbox. Once no live omnid has owned it for
+      `orphan_timeout_s`, the sandbox is ended: SIGTERM to its init, SIGKILL after a grace.
+    - Its end: the instance's wait status, written to the workdir's `exit` file for an
+      omnid that is not our parent.
+
+    Both threads start before unshare(CLONE_NEWPID) (after it, the kernel refuses new
+    threads); the workdir and the host's /proc are reached through descriptors opened
+    now, before pivot_root takes them out of sight.
+    """
+
+    GRACE_S = 10.0
+
+    def __init__(self, plan: dict):
+        self.dir = os.open(plan["workdir"], os.O_RDONLY | os.O_DIRECTORY)
+        self.proc = os.open("/proc", os.O_RDONLY | os.O_DIRECTORY)
+        self.timeout_s = plan.get("orphan_timeout_s", 60.0)
+        self.init: int | None = None
+        self.output_r: int | None = None
+        self.fifo: int | None = None
+        if plan.get("output"):
+            self.fifo = os.open(plan["output"], os.O_RDWR | os.O_NONBLOCK)
+            self.output_r, w = os.pipe()
+            os.dup2(w, 1)
+            os.dup2(w, 2)
+            os.close(w)
+
+    def start(self) -> None:
+        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)  # the main thread's to handle
+        if self.fifo is not None:
+            _thread.start_new_thread(self.pump, ())
+        _thread.start_new_thread(self.watch, ())
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+
+    def close_in_init(self) -> None:
+        for fd in (self.dir, self.proc, self.output_r, self.fifo):
+            if fd is not None:
+                os.close(fd)
+
+    def pump(self) -> None:
+        while chunk := os.read(self.output_r, 65536):
+            try:  # noqa: SIM105 - importing contextlib would cost start-up time
+                os.write(self.fifo, chunk)
+            except BlockingIOError:  # no omnid keeping up: dropped
+                pass
+
+    def owned(self) -> bool:
+        """A live omnid (pid and start time as the owner file says) owns the sandbox."""
+        try:
+            fd = os.open("owner", os.O_RDONLY, dir_fd=self.dir)
+            try:
+                pid, started = os.read(fd, 64).split()
+            finally:
+                os.close(fd)
+            fd = os.open(f"{int(pid)}/stat", os.O_RDONLY, dir_fd=self.proc)
+            try:
+                stat = os.read(fd, 4096)
+            finally:
+                os.close(fd)
+        except (OSError, ValueError):
+            return False
+        return stat.rpartition(b")")[2].split()[19] == started
+
+    def watch(self) -> None:
+        alone_since = None
+        while True:
+            time.sleep(0.5)
+            if self.owned():
+                alone_since = None
+                continue
+            alone_since = alone_since or time.monotonic()
+            if self.init is None or time.monotonic() - alone_since < self.timeout_s:
+                continue
+            os.write(2, f"omni sandbox: no omnid for {self.timeout_s:.0f} s: stopping\n".encode())
+            for sig, wait_s in ((signal.SIGTERM, self.GRACE_S), (signal.SIGKILL, 0)):
+                try:
+                    os.kill(self.init, sig)
+                except ProcessLookupError:
+                    return
+                time.sleep(wait_s)
+            return
+
+    def record_exit(self, status: int) -> None:
+        """The instance's wait status, for an omnid that cannot wait for us."""
+        try:
+            fd = os.open("exit", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600, dir_fd=self.dir)
+            os.write(fd, str(status).encode())
+            os.close(fd)
+        except OSError:
+            pass
+
+
 def build_view(plan: dict) -> None:
     root = plan["root"]
     mount(None, "/", None, MS_REC | MS_PRIVATE, step="private mounts")  # nothing leaks out
@@ -519,14 +618,21 @@ def hold_fds(fds: list[int]) -> None:
 
 
 def run_init(
-    plan: dict, seccomp: bytes | None, status_w: int, err_w: int, server: SysinfoServer
+    plan: dict,
+    seccomp: bytes | None,
+    status_w: int,
+    err_w: int,
+    server: SysinfoServer,
+    keeper: Keeper,
 ) -> None:
     """pid 1 of the sandbox: build the view, start the instance, reap, report."""
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     server.close_in_init()
+    keeper.close_in_init()
     deny_exec_memfds()
     build_view(plan)
     drop_privileges(plan)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # a change of credentials cleared it
     if seccomp:
         server.hand_over(load_seccomp(seccomp))
     server.init_sock.close()
@@ -582,6 +688,8 @@ def main() -> None:
                 seccomp = f.read()
         server = SysinfoServer(plan.get("memory_bytes"))
         server.start()
+        keeper = Keeper(plan)
+        keeper.start()
         check(libc.unshare(NAMESPACES), "unshare")
         loopback_up()
         status_r, status_w = os.pipe()
@@ -592,13 +700,14 @@ def main() -> None:
     if init == 0:
         os.close(status_r)
         try:
-            run_init(plan, seccomp, status_w, err_w, server)
+            run_init(plan, seccomp, status_w, err_w, server, keeper)
         except BaseException as exc:  # report, never fall back into the launcher's code
             report_failure(err_w, plan["hostname"], exc)
             os._exit(SETUP_FAILED)
     os.close(err_w)
     os.close(status_w)
     server.init_sock.close()  # init's end: the listener comes through it, or EOF
+    keeper.init = init
     forward_signals(init)
     while True:
         try:
@@ -607,11 +716,15 @@ def main() -> None:
         except InterruptedError:
             continue
     report = os.read(status_r, 32)
-    if not report:  # init failed before the instance ran
-        os._exit(
-            os.waitstatus_to_exitcode(init_status) if os.WIFEXITED(init_status) else SETUP_FAILED
-        )
-    status = int(report)
+    if not report:  # init failed before the instance ran (or was killed: an orphan)
+        code = os.waitstatus_to_exitcode(init_status) if os.WIFEXITED(init_status) else None
+        keeper.record_exit(init_status)
+        os._exit(SETUP_FAILED if code is None else code)
+    try:
+        status = int(report)
+    except ValueError:  # written by no init of ours
+        status = init_status
+    keeper.record_exit(status)
     if os.WIFSIGNALED(status):  # die the same way, so omnid sees the real signal
         sig = os.WTERMSIG(status)
         if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those have no handler to reset

@@ -51,6 +51,7 @@ class SandboxSpec:
     # the sandbox's init, never by the instance's own processes
     pass_fds: tuple[int, ...] = ()
     log_path: Path | None = None  # its stdout and stderr; None: a pipe (Sandbox.output)
+    fingerprint: str = ""  # what it was started as: a restarted omnid adopts it if unchanged
 
 
 @dataclass(frozen=True)

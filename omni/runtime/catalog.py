@@ -202,6 +202,10 @@ class NodeConfig:
     gpu_yield_s: float = DEFAULT_GPU_YIELD_S
     dashboard: tuple[str, int] | None = None  # the dashboard's own (loopback) listener
     require_limits: tuple[str, ...] = ()  # SANDBOX_LIMITS without which no instance starts
+    # live restore: on SIGTERM, leave sandboxed instances running for the next omnid to
+    # adopt; an instance no omnid owns for orphan_timeout_s ends itself
+    live_restore: bool = False
+    orphan_timeout_s: float = 60.0
 
 
 NODE_KEYS = {
@@ -217,6 +221,8 @@ NODE_KEYS = {
     "gpu_yield",
     "dashboard",
     "require_limits",
+    "live_restore",
+    "orphan_timeout",
 }
 MODEL_KEYS = {
     "name",
@@ -559,7 +565,16 @@ def load_config(path: Path) -> NodeConfig:
         gpu_yield_s=_gpu_yield(data, path),
         dashboard=_dashboard(data, path),
         require_limits=_require_limits(data, path),
+        live_restore=_flag(data, "live_restore", path),
+        orphan_timeout_s=_seconds(data, "orphan_timeout", str(path), 60.0),
     )
+
+
+def _flag(data: dict, key: str, path: Path) -> bool:
+    value = data.get(key, False)
+    if not isinstance(value, bool):
+        raise CatalogError(f"{path}: '{key}' must be true or false")
+    return value
 
 
 def _require_limits(data: dict, path: Path) -> tuple[str, ...]:

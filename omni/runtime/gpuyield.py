@@ -42,12 +42,15 @@ def _map(path: Path, writable: bool) -> mmap.mmap:
 class YieldFlag:
     """omnid's side: raise or drop one instance's flag."""
 
-    def __init__(self, path: Path, max_defer_s: float, owner: int | None = None):
+    def __init__(self, path: Path, max_defer_s: float, owner: int | None = None, new: bool = True):
+        """`new`: create the file (in omnid's directory for the instance); else map the
+        one an adopted instance already reads."""
         self.path = Path(path)
-        data = LAYOUT.pack(MAGIC, 0, round(max_defer_s * 1e6))
-        hostfs.create_file(self.path, data, 0o644, owner)  # omnid's: the instance reads it
+        if new:
+            data = LAYOUT.pack(MAGIC, 0, round(max_defer_s * 1e6))
+            hostfs.create_file(self.path, data, 0o644, owner)  # omnid's: the instance reads it
         self._map = _map(self.path, writable=True)
-        self.raised = False
+        self.raised = struct.unpack_from("<I", self._map, 4)[0] != 0
 
     def set(self, raised: bool, max_defer_s: float | None = None) -> None:
         if max_defer_s is not None:  # first: a step that sees the flag sees its bound

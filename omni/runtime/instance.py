@@ -12,13 +12,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
+import hashlib
 import json
 import logging
 import os
 import sys
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -30,6 +32,7 @@ from omni.api.errors import ApiError
 from omni.cudashim import ControlBlock, Mode
 from omni.cudashim import instance_env as shim_env
 from omni.isolation import hostfs
+from omni.isolation.record import Record
 from omni.isolation.sandbox import ExitStatus, Sandbox, SandboxSpec
 
 from .catalog import (
@@ -52,6 +55,8 @@ from .residency import GpuPool, Residency, Tenant
 log = logging.getLogger(__name__)
 
 SandboxFactory = Callable[[SandboxSpec], Sandbox]
+# a running sandbox an earlier omnid left, taken over (live restore)
+SandboxAdopter = Callable[[SandboxSpec, Record], Awaitable[Sandbox]]
 
 
 # PYTHONPATH is not passed: omnid sets the instance's own (InstanceCode).
@@ -86,6 +91,23 @@ class GpuPlacement:
     def pool(self) -> GpuPool:
         """Rank 0's GPU: the one whose hotter instances this one yields its steps to."""
         return self.pools[0]
+
+
+def fingerprint(entry: ModelEntry, code: InstanceCode) -> str:
+    """What an instance is started as: its catalog entry and the code that runs it. A
+    restarted omnid adopts a running instance only where this is unchanged."""
+    text = json.dumps([entry.to_json(), code.describe(), code_identity()], sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@functools.cache
+def code_identity() -> str:
+    """The omni package's code, by content: an upgrade changes it, a touch does not."""
+    package = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 class InstanceConnector(aiohttp.UnixConnector):
@@ -155,6 +177,7 @@ class Instance:
         gpu: GpuPlacement | None = None,
         code: InstanceCode | None = None,
         kv_disk_dir: Path | None = None,
+        adopt: tuple[Record, SandboxAdopter] | None = None,
     ):
         """`kv_disk_dir`: its disk KV tier's directory (where its entry asks for one)."""
         self.entry = entry
@@ -179,6 +202,8 @@ class Instance:
         self.waiting = 0  # requests waiting for a permit
         self._factory = sandbox_factory
         self.code = code or InstanceCode.of_this_process()
+        self.fingerprint = fingerprint(entry, self.code)
+        self._adopt = adopt  # its sandbox, left running by an earlier omnid: taken over
         self.failure: str | None = None  # why it is FAILED: its exit and last output
         self.output: deque[str] = deque(maxlen=OUTPUT_LINES)  # its last lines, this start
         self._failed = asyncio.Event()
@@ -198,6 +223,7 @@ class Instance:
         self._wake = asyncio.Event()
         self._restart_reason: str | None = None
         self._unhealthy = "unhealthy"  # why the health checks ended it
+        self._adopted_gpu = False  # its pools took it as it was: no fresh start's accounting
         self._releases: set[asyncio.Task] = set()
         self.session = aiohttp.ClientSession(
             connector=InstanceConnector(self.socket_path, self._listener_is_ours),
@@ -429,6 +455,7 @@ class Instance:
             extra_ro=extra_ro,
             extra_rw=extra_rw,
             shared_dir=self.dir,
+            fingerprint=self.fingerprint,
             pass_fds=tuple(t.block.fd for t in self.tenants if t.block and t.block.fd is not None),
         )
 
@@ -448,6 +475,35 @@ class Instance:
                 block = ControlBlock.create_sealed(name, tenant.quota_bytes, Mode.MANAGED, owner)
             await pool.starting(tenant, block)
 
+    async def _take_over(self, record: Record, adopter: SandboxAdopter) -> None:
+        """Adopt the sandbox an earlier omnid left running (live restore): its process,
+        directories and control blocks as they are; its GPU memory where the shim says."""
+        self._adopt = None
+        self._sandbox = await adopter(self._spec(), record)
+        log.info("instance %s adopted (pid %s)", self.name, self.pid)
+        if self.gpu is None:
+            return
+        if self.gpu.pool.yield_max_s > 0:
+            self.tenant.yield_flag = YieldFlag(
+                self.yield_path, self.gpu.pool.yield_max_s, new=False
+            )
+        for rank, (pool, tenant) in enumerate(zip(self.gpu.pools, self.tenants, strict=True)):
+            # the sealed memfd its sandbox's init holds, opened again through the host's /proc
+            fd = os.open(f"/proc/{record.init_pid}/fd/{record.held_fds[rank]}", os.O_RDWR)
+            block = ControlBlock(Path(f"/proc/self/fd/{fd}"), fd)
+            await pool.adopted(tenant, block)
+        self._adopted_gpu = True
+
+    async def detach(self) -> None:
+        """Stop supervising, leave the process running for the next omnid (live restore)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._sandbox is not None and hasattr(self._sandbox, "detach"):
+            self._sandbox.detach()
+        await self.session.close()
+
     async def _supervise(self) -> None:
         failed_starts = 0  # in a row, none of which became ready
         while not self._stopping:
@@ -458,12 +514,15 @@ class Instance:
             relay: asyncio.Task | None = None
             t0 = time.monotonic()
             try:
-                self.dir.parent.mkdir(parents=True, exist_ok=True)
-                await asyncio.to_thread(hostfs.fresh_dir, self.dir)  # nothing of its last run
-                if self.gpu is not None:
-                    await self._claim_gpu()
-                self._sandbox = self._factory(self._spec())
-                await self._sandbox.start()
+                if self._adopt is not None:
+                    await self._take_over(*self._adopt)
+                else:
+                    self.dir.parent.mkdir(parents=True, exist_ok=True)
+                    await asyncio.to_thread(hostfs.fresh_dir, self.dir)  # none of its last run
+                    if self.gpu is not None:
+                        await self._claim_gpu()
+                    self._sandbox = self._factory(self._spec())
+                    await self._sandbox.start()
                 if self._sandbox.output is not None:
                     relay = asyncio.create_task(self._relay_output(self._sandbox.output))
             except Exception as exc:  # could not even start: back off like a crash
@@ -597,7 +656,9 @@ class Instance:
         if self.gpu is not None:
             try:
                 for pool, tenant in zip(self.gpu.pools, self.tenants, strict=True):
-                    await pool.ready(tenant, self.entry.placement.cold)
+                    if not self._adopted_gpu:  # (adopted: resident or out as it was)
+                        await pool.ready(tenant, self.entry.placement.cold)
+                self._adopted_gpu = False
             except ApiError:  # the cold swap-out failed: the pool asked for a restart
                 return
         self.state = State.READY

@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -44,6 +45,7 @@ from omni.engine.checkpoint import CheckpointError
 from omni.isolation import hostfs, seccomp
 from omni.isolation.cgroups import CgroupError, CgroupManager
 from omni.isolation.isolated import IsolatedSandbox
+from omni.isolation.record import Record
 from omni.isolation.sandbox import ProcessSandbox, SandboxSpec
 from omni.isolation.uids import UidAllocator
 from omni.isolation.view import ViewConfig
@@ -64,7 +66,7 @@ from .catalog import (
 from .cluster import ClusterMember
 from .code import InstanceCode
 from .defaults import MINILM_PACKAGE, SMOLLM_PACKAGE, default_entries, package_dir
-from .instance import GpuPlacement, Instance, SandboxFactory
+from .instance import GpuPlacement, Instance, SandboxAdopter, SandboxFactory, fingerprint
 from .metrics import CONTENT_TYPE, Metrics
 from .residency import GpuPool
 
@@ -137,14 +139,51 @@ class Node:
         self._uids: dict[str, int] = {}  # instance name -> its uid, leased host-wide
         self.uids = UidAllocator(HOST_UID_TABLE)
         self.uid_owner = str(runtime_dir.resolve())  # this daemon, in the uid table
+        # live restore: sandboxes an earlier omnid left running, by name, until adopted
+        self.running: dict[str, Record] = {}
+        self.sandbox_adopter: SandboxAdopter | None = None
+        self.sandbox_workdir = runtime_dir / "sandboxes"
+        self.orphan_timeout_s = 60.0
+        self.cgroups: CgroupManager | None = None
+
+    def find_running(self) -> None:
+        """The sandboxes an earlier omnid of this runtime dir left running (live restore),
+        to be adopted as their models are added; the records of dead ones removed."""
+        if not self.sandbox_workdir.is_dir() or self.sandbox_adopter is None:
+            return
+        for workdir in self.sandbox_workdir.iterdir():
+            record = Record.load(workdir) if workdir.is_dir() else None
+            if record is not None and record.alive():
+                self.running[record.name] = record
+            elif workdir.is_dir():
+                shutil.rmtree(workdir, ignore_errors=True)
+
+    def end(self, record: Record) -> None:
+        """Stop a running sandbox no model of this catalog may adopt."""
+        log.warning("instance %s left running by an earlier omnid: stopped", record.name)
+        with contextlib.suppress(ProcessLookupError):
+            if record.alive():
+                os.kill(record.launcher_pid, signal.SIGKILL)
+        if self.cgroups is not None:
+            with contextlib.suppress(CgroupError, OSError):
+                self.cgroups.existing(record.name).destroy()
+        shutil.rmtree(self.sandbox_workdir / record.name, ignore_errors=True)
+        for root in (self.socket_dir, self.kv_disk_root):
+            hostfs.remove_tree(root / record.name)
+
+    def end_unclaimed(self) -> None:
+        """Those left running that no model of the catalog took over."""
+        for name in list(self.running):
+            self.end(self.running.pop(name))
 
     def clear_leftovers(self) -> None:
         """What instances of an earlier run left (their directories and mounts, disk KV
-        tiers): every instance starts from nothing."""
+        tiers), but for those still running: every instance starts from nothing."""
         for root in (self.socket_dir, self.kv_disk_root):
             if root.is_dir():
                 for child in root.iterdir():
-                    hostfs.remove_tree(child)
+                    if child.name not in self.running:
+                        hostfs.remove_tree(child)
 
     def pools_list(self) -> list[GpuPool]:
         return list(self.pools.values())
@@ -213,12 +252,30 @@ class Node:
             self.sandbox_factory,
             gpu=gpu,
             kv_disk_dir=self.kv_disk_root / entry.name,
+            adopt=self._adoption(entry),
         )
         for pool, tenant in zip(gpu.pools if gpu else (), inst.tenants, strict=True):
             pool.add(tenant)
         self.instances[entry.name] = inst
         inst.start()
         return inst
+
+    def _adoption(self, entry: ModelEntry) -> tuple[Record, SandboxAdopter] | None:
+        """The running sandbox left for this model, where it may be adopted: started as
+        this entry with this code (its fingerprint), as the uid the host's table gives."""
+        record = self.running.pop(entry.name, None)
+        if record is None or self.sandbox_adopter is None:
+            return None
+        same = record.fingerprint == fingerprint(entry, InstanceCode.of_this_process())
+        if same and record.alive() and record.uid == self.sandbox_uid(entry.name):
+            return record, self.sandbox_adopter
+        self.end(record)
+        return None
+
+    async def detach(self) -> None:
+        """Leave every instance running for the next omnid (live restore)."""
+        await asyncio.gather(*(inst.detach() for inst in self.instances.values()))
+        self.instances.clear()
 
     async def remove(self, name: str) -> None:
         """Unload: its requests in flight finish (at most its drain time), new ones are
@@ -501,7 +558,16 @@ def sandbox_factory(
             workdir,
             view=ViewConfig(uid=uid, gid=uid),
             seccomp_bpf=bpf,
+            orphan_timeout_s=node.orphan_timeout_s,
         )
+
+    async def adopt(spec: SandboxSpec, record: Record) -> IsolatedSandbox:
+        uid = node.sandbox_uid(spec.name)
+        view = ViewConfig(uid=uid, gid=uid)
+        timeout = node.orphan_timeout_s
+        return await IsolatedSandbox.adopt(spec, cgroups, workdir, record, view, timeout)
+
+    node.sandbox_adopter, node.cgroups = adopt, cgroups
 
     return make, cgroups
 
@@ -771,6 +837,7 @@ def resolve(args: argparse.Namespace) -> tuple[argparse.Namespace, NodeConfig]:
     args.data_dir = args.data_dir or config.state_dir or paths.data_dir()
     args.state_dir = args.state_dir or Path(env("OMNI_STATE_DIR") or args.data_dir)
     args.sandbox = args.sandbox or env("OMNI_SANDBOX") or config.sandbox or "auto"
+    args.live_restore = args.live_restore or env("OMNI_LIVE_RESTORE") == "1" or config.live_restore
     return args, config
 
 
@@ -816,10 +883,12 @@ async def run(args: argparse.Namespace) -> None:
         state_dir=args.state_dir,
     )
     entries = node.catalog.apply(entries) if node.catalog else entries
-    await asyncio.to_thread(node.clear_leftovers)
+    node.orphan_timeout_s = config.orphan_timeout_s
     node.sandbox_factory, cgroups = sandbox_factory(
         args.sandbox, runtime_dir, node, config.require_limits
     )
+    await asyncio.to_thread(node.find_running)  # an earlier omnid's, to adopt
+    await asyncio.to_thread(node.clear_leftovers)
     log.info("instances run %s", InstanceCode.of_this_process().describe())
     for entry in entries:
         try:
@@ -830,6 +899,7 @@ async def run(args: argparse.Namespace) -> None:
             log.error("model %s not started: %s", entry.name, exc.message)
         except ValueError as exc:
             raise CatalogError(f"model {entry.name!r}: {exc}") from None
+    await asyncio.to_thread(node.end_unclaimed)
 
     runners = []
     inference = web.AppRunner(inference_app(node), handler_cancellation=True, access_log=None)
@@ -867,9 +937,13 @@ async def run(args: argparse.Namespace) -> None:
     await member.stop()  # routed around at once, not a lease TTL later
     for runner in runners:
         await runner.cleanup()
-    await node.shutdown()
-    if cgroups is not None:  # its instances' groups are gone: now its own directories
-        await asyncio.to_thread(cgroups.close)
+    if args.live_restore and node.isolated:  # the instances stay, for the next omnid
+        log.info("live restore: leaving %d instances running", len(node.instances))
+        await node.detach()
+    else:
+        await node.shutdown()
+        if cgroups is not None:  # its instances' groups are gone: now its own directories
+            await asyncio.to_thread(cgroups.close)
     admin_path.unlink(missing_ok=True)
 
 
@@ -920,6 +994,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--sandbox",
         choices=["auto", "isolated", "process"],
         help="isolated: cgroups + namespaces (needs root); auto (default): isolated when root",
+    )
+    parser.add_argument(
+        "--live-restore",
+        action="store_true",
+        help="on SIGTERM, leave sandboxed instances running for the next omnid to adopt "
+        "(config 'live_restore')",
     )
     parser.add_argument(
         "--etcd",

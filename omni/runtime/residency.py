@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from omni.api.errors import ApiError, unavailable
 from omni.cudashim import ControlBlock, SwapError, SwapResult, swap_in, swap_out
+from omni.cudashim.control import Residency as ShimResidency
 
 from .gpuyield import YieldFlag
 
@@ -244,6 +245,18 @@ class GpuPool:
             tenant.block = block
             tenant.state = Residency.STARTING
             tenant._swap_in = None
+            self._cond.notify_all()
+
+    async def adopted(self, tenant: Tenant, block: ControlBlock) -> None:
+        """A running process an earlier omnid left (live restore): resident or swapped
+        out as its shim says, making no room (its memory is where it already is)."""
+        async with self._cond:
+            tenant.block = block
+            out = block.residency is ShimResidency.HOST
+            tenant.state = Residency.SWAPPED if out else Residency.RESIDENT
+            tenant.last_used = time.monotonic()
+            tenant._swap_in = None
+            self._update_yields()
             self._cond.notify_all()
 
     async def ready(self, tenant: Tenant, cold: bool) -> None:

@@ -21,7 +21,7 @@ BUDGET = 2 * QUOTA  # each GPU holds two instances' quotas
 
 
 @pytest.fixture(scope="module")
-def node(fake, tmp_path_factory):
+def nodes(fake, tmp_path_factory):
     tmp = Path(tempfile.mkdtemp(prefix="omni-multigpu-", dir="/tmp"))  # sandbox-readable
     tmp.chmod(0o755)
     libdir = tmp / "cuda"
@@ -36,23 +36,30 @@ def node(fake, tmp_path_factory):
             f'[[models]]\nname = "{name}"\npath = "{tmp / "models" / name}"\n'
             f"{gpu}\nquota = {QUOTA}\ncold = {str(name != 'split').lower()}\n"
         )
-    omnid = Omnid(
-        tmp_path_factory.mktemp("multigpu"),
+    env = {
+        "LD_LIBRARY_PATH": str(libdir),
+        "OMNI_KV_CACHE_BYTES": str(2 << 20),
+        "OMNI_TORCH_THREADS": "1",
+    }
+    logs = tmp_path_factory.mktemp("multigpu")
+    omnid = Omnid(logs, "\n".join(lines), "--data-dir", str(tmp / "state"), env=env)
+    # the same node again, on the same runtime dir (what a restarted omnid is)
+    omnid.again = lambda: Omnid(  # type: ignore[attr-defined]
+        logs,
         "\n".join(lines),
         "--data-dir",
         str(tmp / "state"),
-        env={
-            "LD_LIBRARY_PATH": str(libdir),
-            "OMNI_KV_CACHE_BYTES": str(2 << 20),
-            "OMNI_TORCH_THREADS": "1",
-        },
+        env=env,
+        runtime_dir=omnid.runtime_dir,
     )
+    nodes = [omnid]
     try:
         omnid.wait_ready(list(placements), 400)
-        yield omnid
+        yield nodes
     finally:
-        if omnid.proc.poll() is None:
-            omnid.stop()
+        for node in nodes:
+            if node.proc.poll() is None:
+                node.stop()
         shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -67,7 +74,8 @@ def ranks(node: Omnid) -> list[dict]:
     return node.instances()["split"]["ranks"]
 
 
-def test_each_rank_is_accounted_on_its_own_gpu(node):
+def test_each_rank_is_accounted_on_its_own_gpu(nodes):
+    node = nodes[-1]
     split = node.instances()["split"]
     assert split["gpus"] == [0, 1] and split["residency"] == "resident"
     by_rank = ranks(node)
@@ -87,7 +95,8 @@ def test_each_rank_is_accounted_on_its_own_gpu(node):
     assert set(used) == {"0", "1"} and all(v > 0 for v in used.values())
 
 
-def test_swap_out_and_in_move_both_ranks(node):
+def test_swap_out_and_in_move_both_ranks(nodes):
+    node = nodes[-1]
     text = complete(node, "split")
     with node.admin() as c:
         r = c.post("/v1/instances/split/swap-out")
@@ -98,7 +107,8 @@ def test_swap_out_and_in_move_both_ranks(node):
     assert [r["swaps_in"] for r in ranks(node)] == [1, 1]
 
 
-def test_room_made_on_one_gpu_takes_the_other_rank_out_too(node):
+def test_room_made_on_one_gpu_takes_the_other_rank_out_too(nodes):
+    node = nodes[-1]
     complete(node, "split")
     for _ in range(8):  # until "one" and "two" are in more demand than "split" on GPU 1
         complete(node, "one")
@@ -111,3 +121,24 @@ def test_room_made_on_one_gpu_takes_the_other_rank_out_too(node):
     assert "split" not in pools[0]["resident"]  # its GPU 0 rank left with its GPU 1 rank
     complete(node, "split")
     assert all(r["residency"] == "resident" for r in ranks(node))
+
+
+def test_a_killed_omnid_s_gpu_instances_are_adopted_with_their_memory(nodes):
+    """kill -9 of omnid, then a new one: each rank's control block (a sealed memfd its
+    sandbox's init holds) is opened again, its residency and use read from it, and a
+    request swaps the split model in through them."""
+    node = nodes[-1]
+    before = node.instances()
+    node.proc.kill()
+    node.proc.wait()
+    again = node.again()
+    nodes.append(again)
+    again.wait_ready(list(before), 120)
+    after = again.instances()
+    assert {n: i["pid"] for n, i in after.items()} == {n: i["pid"] for n, i in before.items()}
+    for name, inst in after.items():  # where each was, and what it holds, as before
+        assert inst["restarts"] == 0
+        assert inst["residency"] == before[name]["residency"], name
+        assert inst["used_bytes"] == before[name]["used_bytes"] > 0, name
+    complete(again, "split")
+    assert all(r["residency"] == "resident" for r in ranks(again))

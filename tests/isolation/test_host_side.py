@@ -23,8 +23,6 @@ from omni.runtime import disaggregated
 from omni.runtime.catalog import ModelEntry, Placement
 from omni.runtime.instance import Backoff, GpuPlacement, Instance
 from omni.runtime.residency import GpuPool
-from tests.checkpoints import tiny_llama
-from tests.nodes import Omnid
 
 from .conftest import UID
 
@@ -306,34 +304,3 @@ def test_a_disk_kv_tier_past_its_budget_is_restarted_empty(host):
     runs = [json.loads(line) for line in log.read_text().splitlines() if line.startswith("{")]
     assert [r["found"] for r in runs[:2]] == [[], []]  # empty at every start
     assert not disk.exists()  # and gone at stop
-
-
-def test_an_omnid_killed_with_its_mounts_up_starts_its_instances_fresh(tmp_path):
-    """kill -9 of omnid leaves its instances' tmpfs mounts on the host (its instances die
-    with it); the next omnid on that runtime dir removes them before it starts any, and
-    its own stop leaves nothing."""
-    model = tiny_llama(tmp_path / "m")
-    for path in (model, *model.rglob("*")):
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    config = f'[[models]]\nname = "a"\npath = "{model}"\n'
-    node = Omnid(tmp_path, config, "--sandbox", "isolated")
-    io = node.runtime_dir / "instances" / "a" / "io"
-    try:
-        node.wait_ready(["a"])
-        (stale := io / "stale").write_bytes(b"left by the killed run")  # as root: omnid's view
-        node.proc.kill()
-        node.proc.wait()
-        assert hostfs.mount_points_under(io) == [io]
-        again = Omnid(tmp_path, config, "--sandbox", "isolated", runtime_dir=node.runtime_dir)
-        try:
-            again.wait_ready(["a"])
-            assert hostfs.mount_points_under(node.runtime_dir / "instances") == [io]
-            assert not stale.exists()
-        finally:
-            assert again.stop() == 0
-        assert hostfs.mount_points_under(node.runtime_dir) == []
-        assert not (node.runtime_dir / "instances" / "a").exists()
-    finally:
-        if node.proc.poll() is None:
-            node.proc.kill()
-        hostfs.remove_tree(node.runtime_dir)

@@ -211,12 +211,14 @@ def test_accumulator_classifies_and_resets():
     acc.record_request("llm", wall_s=0.0, status=429)
     acc.record_request("llm", wall_s=0.0, status=503)
     acc.record_request("llm", wall_s=1.0, status=400, version="r7")
+    acc.record_request("llm", wall_s=0.5, status=499, version="r7")  # the client left
     acc.record_request("emb", wall_s=0.1)
     first = acc.take(110.0)
     assert (first.start, first.interval_s) == (100.0, 10.0)
     llm = first.models["llm"]
-    assert (llm.requests, llm.errors, llm.out_of_capacity, llm.queued) == (2, 1, 2, 1)
-    assert (llm.wall_s, llm.queue_s, llm.prompt_tokens, llm.completion_tokens) == (3, 0.5, 3, 5)
+    assert (llm.requests, llm.errors, llm.out_of_capacity, llm.queued) == (3, 1, 2, 1)
+    assert llm.by_version == {"r7": [2, 1]}  # a canary is not blamed for a client leaving
+    assert (llm.wall_s, llm.queue_s, llm.prompt_tokens, llm.completion_tokens) == (3.5, 0.5, 3, 5)
     assert (llm.permits_total, llm.permits_free, llm.replicas, llm.version) == (4, 1, 1, "r7")
     second = acc.take(120.0)  # counters restart; the gauge stays; emb had only counters
     assert set(second.models) == {"llm"} and second.start == 110.0
