@@ -280,7 +280,7 @@ def send(client: httpx.Client, req: Request, body: dict, deadline_s: float) -> R
                 req.detail = f"deadline after {req.attempts} attempts"
                 break
             time.sleep(retry.after)
-        except Lost as exc:
+        except (Lost, ValueError) as exc:  # ValueError: a body that is not JSON
             req.detail = str(exc)
             break
         except httpx.HTTPError as exc:
@@ -359,55 +359,50 @@ def serving(load: Load, omnid: Omnid, since: float, names: list[str], timeout_s:
     }
 
 
-def cold_start(load: Load, omnid: Omnid, names: list[str], args) -> dict:
+# Each phase fills in its dict as it goes, so one that never serves again (it raises)
+# still shows how far it got. "begin" is what its times count from.
+
+
+def cold_start(load: Load, omnid: Omnid, names: list[str], args, phase: dict) -> None:
     """A fresh omnid (nothing to adopt) to every model served through the edge."""
-    spawned = omnid.spawn()
-    s = serving(load, omnid, spawned, names, args.ready_timeout)
-    return {"spawned": spawned, **s, "from_spawn_s": round(s["all_served"] - spawned, 3)}
+    phase["spawned"] = phase["begin"] = omnid.spawn()
+    phase |= serving(load, omnid, phase["spawned"], names, args.ready_timeout)
 
 
-def restart(load: Load, omnid: Omnid, how: str, names: list[str], args) -> dict:
+def restart(load: Load, omnid: Omnid, how: str, names: list[str], args, phase: dict) -> None:
     """Signal omnid, start the next once it has exited (as systemd would), and see how
     soon the edge serves again and whether the instances were adopted as they ran."""
-    before = instance_view(omnid.instances())
-    signalled = now()
-    exited = omnid.stop(how)
-    exit_code = omnid.proc.returncode
-    spawned = omnid.spawn()
-    s = serving(load, omnid, exited, names, args.ready_timeout)
-    after = s["instances"]
-    return {
-        "signal": how,
-        "signalled": signalled,
-        "exited": exited,
-        "exit_code": exit_code,
-        "spawned": spawned,
-        **s,
-        "before": before,
-        "adopted": all(after[n]["pid"] == before[n]["pid"] for n in names),
-        "reloads": sum(after[n]["restarts"] - before[n]["restarts"] for n in names),
-        "to_first_served_s": round(s["first_served"] - signalled, 3),
-        "to_all_served_s": round(s["all_served"] - signalled, 3),
-        "spawn_to_all_served_s": round(s["all_served"] - spawned, 3),
-    }
+    phase |= {"n": omnid.spawns, "signal": how, "before": instance_view(omnid.instances())}
+    phase["signalled"] = phase["begin"] = now()
+    phase["exited"] = omnid.stop(how)
+    phase["exit_code"] = omnid.proc.returncode
+    phase["spawned"] = omnid.spawn()
+    phase |= serving(load, omnid, phase["exited"], names, args.ready_timeout)
+    before, after = phase["before"], phase["instances"]
+    phase["adopted"] = all(after[n]["pid"] == before[n]["pid"] for n in names)
+    phase["reloads"] = sum(after[n]["restarts"] - before[n]["restarts"] for n in names)
 
 
-def cold_restart(load: Load, omnid: Omnid, names: list[str], args) -> dict:
+def cold_restart(load: Load, omnid: Omnid, names: list[str], args, phase: dict) -> None:
     """The comparison: the same models stopped (drain, SIGTERM) and started by a fresh
     omnid, under the same load."""
-    old = instance_view(omnid.instances())
-    drained = now()
+    phase["before"] = instance_view(omnid.instances())
+    phase["drained"] = phase["begin"] = now()
     omnid.drain(args.ready_timeout)
-    exited = omnid.stop("term")
-    cold = cold_start(load, omnid, names, args)
-    reloaded = all(cold["instances"][n]["pid"] != old[n]["pid"] for n in names)
-    return {
-        "drained": drained,
-        "exited": exited,
-        **cold,
-        "reloaded": reloaded,
-        "drain_to_all_served_s": round(cold["all_served"] - drained, 3),
-    }
+    phase["exited"] = omnid.stop("term")
+    phase["spawned"] = omnid.spawn()
+    phase |= serving(load, omnid, phase["spawned"], names, args.ready_timeout)
+    phase["reloaded"] = all(
+        phase["instances"][n]["pid"] != phase["before"][n]["pid"] for n in names
+    )
+
+
+def timings(phase: dict) -> None:
+    """Seconds from the phase's begin (and from omnid's spawn) to served again."""
+    if "all_served" in phase:
+        phase["to_first_served_s"] = round(phase["first_served"] - phase["begin"], 3)
+        phase["to_all_served_s"] = round(phase["all_served"] - phase["begin"], 3)
+        phase["spawn_to_all_served_s"] = round(phase["all_served"] - phase["spawned"], 3)
 
 
 def outcomes(requests: list[Request], begin: float, end: float) -> dict:
@@ -420,66 +415,71 @@ def outcomes(requests: list[Request], begin: float, end: float) -> dict:
 
 
 def attribute(requests: list[Request], phases: list[dict], end: float) -> None:
-    """Each phase's outcomes: from its start (the bench's, a signal, the drain) to the
+    """Each phase's requests: from its begin (the first from the bench's start) to the
     next's."""
-    starts = [0.0] + [p.get("signalled", p.get("drained")) for p in phases[1:]]
-    for phase, begin, until in zip(phases, starts, [*starts[1:], end], strict=True):
+    begins = [0.0] + [p.get("begin", end) for p in phases[1:]]
+    for phase, begin, until in zip(phases, begins, [*begins[1:], end], strict=True):
         phase["requests"] = outcomes(requests, begin, until)
 
 
 # ---------------------------------------------------------------- report
 
 
-def table_rows(res: dict) -> list[tuple]:
-    """(phase, to first served, to all served, spawn to all served, adopted, ok, retried,
-    lost): the cold start's times from the spawn, a restart's from its signal, the cold
-    restart's from its drain."""
-    first, cold = res["cold_start"], res["cold_restart"]
+def title(phase: dict) -> str:
+    if phase["phase"] == "restart":
+        return f"restart {phase['n']} {phase['signal']}"
+    return phase["phase"]
 
-    def row(label, p, begin, adopted):
-        r = p["requests"]
-        times = (p["first_served"] - begin, p["all_served"] - begin, p["all_served"] - p["spawned"])
-        return (label, *times, adopted, r["ok"], r["retried"], r["lost"])
 
-    rows = [row("cold start", first, first["spawned"], "-")]
-    for i, r in enumerate(res["restarts"], 1):
-        adopted = "yes" if r["adopted"] and r["reloads"] == 0 else "NO"
-        rows.append(row(f"restart {i} {r['signal']}", r, r["signalled"], adopted))
-    rows.append(row("cold restart", cold, cold["drained"], "no" if cold["reloaded"] else "?"))
-    return rows
+def adopted(phase: dict) -> str:
+    """A restart's instances kept their pids and none restarted; the cold restart's did not."""
+    if phase["phase"] == "restart":
+        return "yes" if phase["adopted"] and phase["reloads"] == 0 else "NO"
+    if phase["phase"] == "cold restart":
+        return "no" if phase["reloaded"] else "?"
+    return "-"
 
 
 def print_table(res: dict) -> None:
+    """One row a phase: seconds to the first and to every model served again from its
+    begin (the cold start's spawn, a restart's signal, the cold restart's drain) and from
+    omnid's spawn; whether the instances were adopted; its requests by outcome."""
     head = ("phase", "1st served", "all served", "from spawn", "adopted", "ok", "retried", "lost")
     print("\n{:<16}{:>11}{:>11}{:>11}{:>8}{:>6}{:>8}{:>5}".format(*head))
-    for label, first, every, spawn, adopted, ok, retried, lost in table_rows(res):
+    for p in res["phases"]:
+        r = p["requests"]
+        label = title(p)
+        if "error" in p:
+            print(f"{label:<16} failed: {p['error'][:70]}")
+            continue
+        times = (p["to_first_served_s"], p["to_all_served_s"], p["spawn_to_all_served_s"])
         print(
-            f"{label:<16}{first:>11.2f}{every:>11.2f}{spawn:>11.2f}{adopted:>8}"
-            f"{ok:>6}{retried:>8}{lost:>5}"
+            "{:<16}{:>11.2f}{:>11.2f}{:>11.2f}".format(label, *times)
+            + f"{adopted(p):>8}{r['ok']:>6}{r['retried']:>8}{r['lost']:>5}"
         )
-    s, cold = res["summary"], res["cold_restart"]
+    s = res["summary"]
     print(
-        f"\nrestarts: {s['lost']} of {s['requests']} requests lost (goal 0); every model "
-        f"served again {s['to_all_served_s_mean']:.2f} s after the signal (mean), "
-        f"{s['to_all_served_s_max']:.2f} s at worst; cold: {cold['from_spawn_s']:.2f} s "
-        f"from omnid's spawn, {cold['drain_to_all_served_s']:.2f} s from the drain"
-    )
-    print(
-        "seconds: the cold start's from omnid's spawn, a restart's from its signal, the cold "
-        "restart's from its drain; requests counted in the phase where they ended"
+        f"\nrestarts: {s['lost']} of {s['requests']} requests lost (goal 0), "
+        f"{s['adopted']} of {s['restarts']} adopted; every model served again "
+        f"{s['to_all_served_s_mean']} s after the signal (mean), {s['to_all_served_s_max']} "
+        f"s at worst; cold restart: {s['cold_from_spawn_s']} s from omnid's spawn"
     )
 
 
-def summary(restarts: list[dict]) -> dict:
-    to_all = [r["to_all_served_s"] for r in restarts]
+def summary(phases: list[dict]) -> dict:
+    restarts = [p for p in phases if p["phase"] == "restart"]
+    done = [p["to_all_served_s"] for p in restarts if "to_all_served_s" in p]
+    cold = [p.get("spawn_to_all_served_s") for p in phases if p["phase"] == "cold restart"]
     return {
-        "lost": sum(r["requests"]["lost"] for r in restarts),
-        "requests": sum(r["requests"]["total"] for r in restarts),
-        "all_adopted": all(r["adopted"] and r["reloads"] == 0 for r in restarts),
-        "to_first_served_s": [r["to_first_served_s"] for r in restarts],
-        "to_all_served_s": to_all,
-        "to_all_served_s_max": max(to_all),
-        "to_all_served_s_mean": round(sum(to_all) / len(to_all), 3),
+        "restarts": len(restarts),
+        "failed": sum("error" in p for p in phases),
+        "adopted": sum(p.get("adopted", False) and p.get("reloads") == 0 for p in restarts),
+        "lost": sum(p["requests"]["lost"] for p in restarts),
+        "requests": sum(p["requests"]["total"] for p in restarts),
+        "to_all_served_s": done,
+        "to_all_served_s_max": max(done, default=None),
+        "to_all_served_s_mean": round(sum(done) / len(done), 3) if done else None,
+        "cold_from_spawn_s": cold[0] if cold else None,
     }
 
 
@@ -488,41 +488,44 @@ def summary(restarts: list[dict]) -> dict:
 
 def remember(state: dict, phase: dict) -> None:
     """The instances' pids, for cleanup to end should the run fail with them orphaned."""
-    state["pids"] |= {i["pid"] for i in phase["instances"].values() if i["pid"]}
+    for view in (phase.get("before", {}), phase.get("instances", {})):
+        state["pids"] |= {i["pid"] for i in view.values() if i["pid"]}
 
 
 def run(args, workdir: Path, state: dict) -> dict:
-    """The whole measurement; `state` holds what cleanup needs if it fails midway."""
+    """The whole measurement; `state` holds what cleanup needs if it fails midway. A phase
+    that never serves again ends the run: the figures so far are kept, with its error."""
     model, cfg = write_model(workdir / "ckpt", args.small)
     names = [f"m{i}" for i in range(args.models)]
     omnid = state["omnid"] = Omnid(workdir, omnid_config(model, names, args))
     edge, edge_port = start_edge(workdir, omnid.port)
     state["edge"] = edge
     load = state["load"] = Load(edge_port, names, cfg["vocab_size"], args)
-    print(f"cold start of {len(names)} models under {args.clients} clients ...")
-    phases = [cold_start(load, omnid, names, args)]
-    remember(state, phases[-1])
-    print(f"all served {phases[0]['from_spawn_s']:.2f}s after omnid's spawn")
-    restarts = []
-    for i, how in enumerate(RESTARTS[: args.restarts], 1):
-        time.sleep(args.settle)
-        restarts.append(restart(load, omnid, how, names, args))
-        remember(state, restarts[-1])
-        print(f"restart {i} ({how}): all served {restarts[-1]['to_all_served_s']:.2f}s after it")
-    time.sleep(args.settle)
-    print("cold restart (drain, stop, fresh omnid) ...")
-    phases += [*restarts, cold_restart(load, omnid, names, args)]
-    remember(state, phases[-1])
-    time.sleep(args.settle)
+    plan = [("cold start", cold_start, ())]
+    plan += [("restart", restart, (how,)) for how in RESTARTS[: args.restarts]]
+    plan.append(("cold restart", cold_restart, ()))
+    phases: list[dict] = []
+    print(f"{len(names)} models under {args.clients} clients")
+    for label, step, extra in plan:
+        phases.append(phase := {"phase": label})
+        try:
+            step(load, omnid, *extra, names, args, phase)
+        except (RuntimeError, httpx.HTTPError, subprocess.TimeoutExpired) as exc:
+            phase["error"] = f"{type(exc).__name__}: {exc}"
+            print(f"{label} failed: {exc}")
+            break
+        finally:
+            remember(state, phase)
+        timings(phase)
+        print(f"{title(phase)}: every model served {phase['to_all_served_s']:.2f}s after it began")
+        time.sleep(args.settle)  # steady serving before the next
     load.stop()
     attribute(load.requests, phases, now())
     return {
         "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-        | {"model": cfg, "model_path_shared_by": names},
-        "cold_start": phases[0],
-        "restarts": restarts,
-        "cold_restart": phases[-1],
-        "summary": summary(restarts),
+        | {"model": cfg, "one_checkpoint_for": names},
+        "phases": phases,
+        "summary": summary(phases),
         "requests": [asdict(r) for r in load.requests],
     }
 
@@ -564,7 +567,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--settle", type=float, default=5.0, help="steady serving between restarts")
     ap.add_argument("--quota-gib", type=int, default=6, help="GPU memory per model")
     ap.add_argument("--orphan-timeout", type=float, default=120.0)
-    ap.add_argument("--ready-timeout", type=float, default=300.0)
+    ap.add_argument("--ready-timeout", type=float, default=150.0, help="a phase, at most")
     ap.add_argument("--logs", type=Path, help="copy omnid's and the edge's logs here")
     ap.add_argument("--name", help="results file name (default restart-<device>[-small])")
     return ap.parse_args(argv)
@@ -582,8 +585,10 @@ def main() -> None:
     try:
         res = run(args, workdir, state)
         res["wall_s"] = round(time.monotonic() - started, 1)
+        path = write_result(name, res)
         print_table(res)
-        print("wrote", write_result(name, res))
+        print("wrote", path)
+        failed = res["summary"]["failed"]
     except BaseException:
         if (omnid := state.get("omnid")) is not None:
             print(f"omnid's log:\n{omnid.tail()}", file=sys.stderr)
@@ -596,6 +601,8 @@ def main() -> None:
                     shutil.copy(workdir / f, args.logs / f"restart-{f}")
         cleanup(state, workdir)
     print(f"took {time.monotonic() - started:.0f}s")
+    if failed:
+        raise SystemExit(f"{failed} phase(s) never served again: see 'error' in the results")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ V1_CONTROLLERS = ("memory", "cpu", "pids", "freezer")
 V2_CONTROLLERS = ("memory", "cpu", "pids")
 CPU_PERIOD_US = 100_000
 SUBTREE = "omni"  # instances live under <own cgroup>/omni/<scope>/<instance>
+LEAF = "omnid"  # v2: where omnid's own processes go, beside SUBTREE (no inner processes)
 # v1: the files each limit is written to, in its hierarchy (cpu: quota and weight)
 V1_LIMIT_FILES = {
     "memory": ("memory.limit_in_bytes",),
@@ -345,7 +346,10 @@ class CgroupManager:
         """`scope` separates the groups of several omnids that share one cgroup."""
         own = _own_paths()
         if (CGROUP_ROOT / "cgroup.controllers").exists():
-            return cls(2, {"": cls._prepare_v2(CGROUP_ROOT / own[""].lstrip("/"), scope)})
+            group = CGROUP_ROOT / own[""].lstrip("/")
+            if group.name == LEAF and (group.parent / SUBTREE).is_dir():
+                group = group.parent  # the leaf an earlier omnid moved us into: not our own
+            return cls(2, {"": cls._prepare_v2(group, scope)})
         mounts = _v1_mounts()
         missing = [c for c in V1_CONTROLLERS if c not in mounts]
         if missing:
@@ -368,7 +372,7 @@ class CgroupManager:
         available = set(_read(own / "cgroup.controllers").split())
         missing = {c for c in V2_CONTROLLERS if c in available} - enabled
         if own != CGROUP_ROOT and missing and _read(own / "cgroup.procs"):
-            leaf = own / "omnid"
+            leaf = own / LEAF
             leaf.mkdir(exist_ok=True)
             for pid in _read(own / "cgroup.procs").split():
                 with contextlib.suppress(ProcessLookupError, OSError):

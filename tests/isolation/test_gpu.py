@@ -83,7 +83,8 @@ report(cuda=ok, gpus=gpus, open0=attempt(lambda: os.open("/dev/nvidia0", os.O_RD
 def test_a_gpu_instance_under_omnid_serves_and_swaps_through_its_sealed_block(tmp_path):
     """The real shim under real CUDA, in omnid's sandbox: its control block is a sealed
     memfd the sandbox's init holds (/proc/1/fd/N), none sits in the instance's directory,
-    and omnid's swaps move its memory through it."""
+    and omnid's swaps move its memory through it; after omnid is killed, the next one
+    adopts the instance and its block."""
     model = tiny_llama(Path(tempfile.mkdtemp(prefix="omni-gpu-", dir="/tmp")) / "m")
     for path in (model.parent, model, *model.rglob("*")):
         path.chmod(0o755 if path.is_dir() else 0o644)
@@ -106,7 +107,21 @@ def test_a_gpu_instance_under_omnid_serves_and_swaps_through_its_sealed_block(tm
         again = httpx.post(f"{node.base_url}/v1/completions", json=body, timeout=120)
         assert again.status_code == 200, again.text
         assert again.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
-        assert node.instances()["g"]["residency"] == "resident"
+        before = node.instances()["g"]
+        assert before["residency"] == "resident"
+
+        node.proc.kill()  # a crash: the next omnid adopts the instance on its GPU
+        node.proc.wait()
+        node = Omnid(tmp_path, config, "--sandbox", "isolated", runtime_dir=node.runtime_dir)
+        node.wait_ready(["g"], timeout_s=120)
+        adopted = node.instances()["g"]
+        assert (adopted["pid"], adopted["residency"]) == (before["pid"], "resident")
+        assert adopted["used_bytes"] == before["used_bytes"] > 0
+        after = httpx.post(f"{node.base_url}/v1/completions", json=body, timeout=120)
+        assert after.json()["choices"][0]["text"] == first.json()["choices"][0]["text"]
+        with node.admin() as c:  # its memory still moves through the reopened block
+            out = c.post("/v1/instances/g/swap-out")
+            assert out.status_code == 200 and out.json()["residency"] == "swapped", out.text
     finally:
         assert node.stop() == 0
         shutil.rmtree(model.parent, ignore_errors=True)
