@@ -105,7 +105,11 @@ def check_inference_body(body: bytes) -> dict:
     if not isinstance(data, dict):
         raise ApiError(400, "Request body must be a JSON object.", code="invalid_value")
     model = data.get("model")
-    if not isinstance(model, str) or not model:
+    if model is not None and not isinstance(model, str):  # present, of the wrong type
+        raise ApiError(
+            400, "Invalid type for 'model': expected a string.", param="model", code="invalid_value"
+        )
+    if not model:
         raise ApiError(
             400, "Missing required parameter: 'model'.", param="model", code="invalid_value"
         )

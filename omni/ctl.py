@@ -137,7 +137,8 @@ def load(ctx: click.Context, name: str, path: Path, **options) -> None:
 
     The catalog change survives omnid restarts."""
     body = {"name": name, "path": str(path.resolve())}
-    body.update({k: v for k, v in options.items() if v not in (None, False)})
+    # `is`, not `in`: 0 == False, and --gpu 0 is a choice (issue 50); an unset flag is left out.
+    body.update({k: v for k, v in options.items() if v is not None and v is not False})
     _act(ctx, "POST", "/v1/models", lambda _d: f"loaded {name}", json=body)
 
 

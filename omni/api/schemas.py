@@ -21,6 +21,9 @@ from .errors import ApiError
 
 MAX_STOP_SEQUENCES = 4
 MAX_EMBEDDING_INPUTS = 2048
+# OpenAI's seed is a signed 64-bit integer; the engine seeds choice i with seed + i (n <= 128),
+# which torch.Generator.manual_seed takes for any seed in this range.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 
 
 class Strict(BaseModel):
@@ -97,7 +100,7 @@ class GenerationFields(Strict):
     repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0  # extension
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
