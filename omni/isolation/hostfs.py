@@ -33,6 +33,8 @@ import struct
 from collections.abc import Callable
 from pathlib import Path
 
+from . import launch  # standard library only: the launcher runs alone
+
 MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x2, 0x4, 0x8
 MFD_CLOEXEC, MFD_ALLOW_SEALING = 0x1, 0x2
 F_ADD_SEALS = getattr(fcntl, "F_ADD_SEALS", 1033)
@@ -59,17 +61,8 @@ def _check(result: int, what: str, path: Path | str) -> int:
 
 def mount_points_under(path: Path) -> list[Path]:
     """Mount points at or below `path` in omnid's mount namespace, deepest first."""
-    root = str(path).rstrip("/")
-    out = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            point = line.split()[4]
-            for escaped, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n")):
-                point = point.replace(escaped, char)
-            point = point.replace("\\134", "\\")
-            if point == root or point.startswith(root + "/"):
-                out.append(Path(point))
-    return sorted(set(out), key=lambda p: len(p.parts), reverse=True)
+    points = {Path(p) for p in launch.mount_points_under(str(path))}
+    return sorted(points, key=lambda p: len(p.parts), reverse=True)
 
 
 def unmount_all(path: Path) -> None:

@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 from . import hostfs, launch
@@ -87,8 +86,7 @@ class IsolatedSandbox:
         for path in spec.extra_rw:  # its own, nobody else's, and empty
             path.parent.mkdir(parents=True, exist_ok=True)
             hostfs.fresh_dir(path, 0o700, owner=uid)
-        view = replace(self.view, tmp_bytes=spec.limits.tmp_bytes)
-        plan = build_plan(spec, view, self.workdir, self._cgroups.view_mounts())
+        plan = build_plan(spec, self.view, self.workdir, self._cgroups.view_mounts())
         plan["env"] = {**plan["env"], "HOME": "/tmp"}
         plan["seccomp"] = str(self.seccomp_bpf) if self.seccomp_bpf else None
         plan["held_fds"] = list(spec.pass_fds)

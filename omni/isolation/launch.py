@@ -111,8 +111,9 @@ class MountAttr(ctypes.Structure):
     )
 
 
-def _mount_points_under(path: str) -> list[str]:
-    """Mount points at or below `path` in this mount namespace, parents first."""
+def mount_points_under(path: str) -> list[str]:
+    """Mount points at or below `path` in this mount namespace, parents first (omnid's
+    hostfs reads its own namespace's with it too)."""
     out = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
@@ -144,7 +145,7 @@ def restrict_tree(path: str, flags: int) -> None:
         return
     if ctypes.get_errno() != errno.ENOSYS:
         check(result, "read-only", path)
-    for point in _mount_points_under(path):  # before Linux 5.12: one remount each
+    for point in mount_points_under(path):  # before Linux 5.12: one remount each
         mount(None, point, None, MS_REMOUNT | MS_BIND | flags, step="read-only")
 
 

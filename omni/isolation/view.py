@@ -93,7 +93,6 @@ MS_RDONLY, MS_NOEXEC = 0x1, 0x8
 class ViewConfig:
     uid: int = 65534  # owns nothing on the host; omnid gives each instance its own
     gid: int = 65534
-    tmp_bytes: int = 256 << 20
     jit_cache_bytes: int = 512 << 20  # JIT_CACHE: tmpfs, charged to its memory
     shm_bytes: int = 64 << 20
     open_files: int = 4096
@@ -308,7 +307,7 @@ def build_plan(
         {
             "type": "tmpfs",
             "dst": "/tmp",
-            "options": f"mode=1777,size={cfg.tmp_bytes}",
+            "options": f"mode=1777,size={spec.limits.tmp_bytes}",
             "flags": MS_NOEXEC,
         }
     )

@@ -23,6 +23,7 @@ import pytest
 
 from omni.isolation import seccomp
 from omni.isolation.isolated import SandboxError
+from omni.isolation.launch import SysInfo  # struct sysinfo, as the launcher answers it
 from omni.isolation.sandbox import Limits
 from omni.isolation.view import JIT_CACHE, JIT_ENV, ViewConfig, build_plan
 from omni.runtime.catalog import ModelEntry
@@ -322,24 +323,6 @@ report(uptime=read("/proc/uptime"), masked={{p: read(p) for p in {masked!r}}},
         assert fields["MemTotal"] == limit_kb
         assert fields["MemFree"] <= limit_kb
         assert fields["Active"] == fields["FilePages"] == 0  # no host usage counters
-
-
-class SysInfo(ctypes.Structure):  # struct sysinfo, as the test program declares it too
-    _fields_ = (
-        ("uptime", ctypes.c_long),
-        ("loads", ctypes.c_ulong * 3),
-        ("totalram", ctypes.c_ulong),
-        ("freeram", ctypes.c_ulong),
-        ("sharedram", ctypes.c_ulong),
-        ("bufferram", ctypes.c_ulong),
-        ("totalswap", ctypes.c_ulong),
-        ("freeswap", ctypes.c_ulong),
-        ("procs", ctypes.c_ushort),
-        ("pad", ctypes.c_ushort),
-        ("totalhigh", ctypes.c_ulong),
-        ("freehigh", ctypes.c_ulong),
-        ("mem_unit", ctypes.c_uint),
-    )
 
 
 def test_sysinfo_tells_the_instances_own_memory_and_no_load(host):
