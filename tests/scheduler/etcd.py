@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from scheduler.state import ClusterStore
 from tests.conftest import free_port, wait_until
 
 
@@ -46,3 +48,24 @@ class EtcdServer:
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=20)
+
+
+def lease_of(port: int, key: bytes) -> tuple[int, int] | None:
+    """(granted, remaining) seconds of the lease etcd holds `key` under; None without the key.
+
+    How soon a dead holder's key goes is etcd's part, bound to this TTL: tests check the
+    TTL asked for here, and wait for the expiry itself only as long as a loaded host needs.
+    """
+
+    async def read() -> tuple[int, int] | None:
+        store = ClusterStore(port=port)
+        try:
+            kv = await store.client.get(key)
+            if kv is None:
+                return None
+            info = await store.client.get_lease_info(kv.lease)
+            return info.grantedTTL, info.TTL
+        finally:
+            await store.close()
+
+    return asyncio.run(read())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import select
 import subprocess
 import sys
 import textwrap
@@ -15,7 +16,7 @@ import pytest
 from scheduler.state import ClusterStore, Election
 from tests.conftest import wait_until
 
-from .etcd import EtcdServer
+from .etcd import EtcdServer, lease_of
 
 REPO = Path(__file__).resolve().parents[2]
 TTL = 2  # seconds: about etcd's shortest lease
@@ -52,7 +53,7 @@ def run(coro):
     return asyncio.run(coro)
 
 
-def test_a_node_is_listed_while_alive_and_gone_one_ttl_after_it_dies(etcd):
+def test_a_node_is_listed_while_alive_and_gone_once_its_lease_runs_out(etcd):
     node = in_process(
         etcd.port,
         f"""
@@ -72,11 +73,11 @@ def test_a_node_is_listed_while_alive_and_gone_one_ttl_after_it_dies(etcd):
 
     time.sleep(2 * TTL)  # renewed meanwhile: still there
     assert run(nodes()) == {"n1": {"id": "n1", "location": "fra"}}
+    granted, remaining = lease_of(etcd.port, b"/omni/nodes/n1")
+    assert granted == TTL and 0 < remaining <= TTL
     node.kill()
     node.wait()
-    t0 = time.monotonic()
-    wait_until(lambda: run(nodes()) == {}, 3 * TTL, "the dead node's key to expire")
-    assert time.monotonic() - t0 <= TTL + 1.5
+    wait_until(lambda: run(nodes()) == {}, 15 * TTL, "the dead node's key to expire")
 
 
 def test_a_node_sees_its_own_placements_as_they_change(etcd):
@@ -131,11 +132,13 @@ def test_one_leader_and_the_standby_takes_over_when_it_dies(etcd):
             await store.close()
 
     assert run(leader()) == "a"
+    granted, _ = lease_of(etcd.port, b"/omni/leader")
+    assert granted == TTL  # so the standby waits one TTL at most for a dead leader
     first.kill()
     first.wait()
-    t0 = time.monotonic()
-    assert second.stdout.readline().strip() == "leading"  # blocks until it leads
-    assert time.monotonic() - t0 <= TTL + 1.5
+    ready, _, _ = select.select([second.stdout], [], [], 15 * TTL)
+    assert ready, "the standby never took over"
+    assert second.stdout.readline().strip() == "leading"
     assert run(leader()) == "b"
     second.kill()
     second.wait()
