@@ -191,7 +191,7 @@ def profile(args, cfg: dict, device: str, dtype) -> dict:
     top_kernels over one request's decode under the CUDA graphs, per kernel its launches
     and time per step. Run without dependent launches (OMNI_PDL=0, set by the parent): with
     them a kernel's time includes its wait for the one before."""
-    from bench.profile_engine import top_kernels
+    from bench.diagnostics.profile_engine import top_kernels
 
     engine, _ = build_ours(args, cfg, device, dtype)
     runner = OursRunner(engine, Deadline(time.time() + args.timeout))

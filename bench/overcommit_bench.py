@@ -267,8 +267,8 @@ class Omnid:
             return await r.json()
 
     async def record_dashboard(self, into: list[dict], every_s: float = 1.0) -> None:
-        """Append a dashboard snapshot every `every_s` until cancelled (bench/dashboard_shot.py
-        renders the page from them)."""
+        """Append a dashboard snapshot every `every_s` until cancelled
+        (bench/diagnostics/dashboard_shot.py renders the page from them)."""
         while True:
             with contextlib.suppress(aiohttp.ClientError, OSError, ValueError):
                 into.append(await self.dashboard())

@@ -48,7 +48,7 @@ DEMAND_HALF_LIFE_S = 30.0  # how fast a model's past requests stop protecting it
 # own, while the GPU is free and only if a colder arrival would need its room: the next
 # cold request then waits for its own swap-in only, not for a swap-out first (on the
 # H100 a 2.5 GiB quota went out in 140-270 ms and came in in 70 ms while its KV pool was
-# copied; released instead, p50 39 and 36 ms: overcommit-h100-s0-7e387ac.json).
+# copied; released instead, p50 39 and 36 ms: overcommit-h100-s0.json).
 EVICT_IDLE_S = 0.2
 
 
@@ -395,7 +395,7 @@ class GpuPool:
         # (this task's own context) a hot-set instance's swap-in goes first, the hotter
         # the sooner; the others in the order they were asked for. Ordered by demand, the
         # least wanted of them starved while the others kept coming: one waited 27 s on
-        # the H100 bench (overcommit-h100-s1.json at 3d2c4a6).
+        # an H100 run of bench/overcommit_bench.py.
         # (Priorities, not the lock's arrival order: a swap-in that waits for room waits on
         # the condition and queues for the lock again, behind later arrivals.)
         now = time.monotonic()

@@ -72,9 +72,9 @@ def prefetch_weight_tiles(w_ptr, pid_n, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl
 def tile_config(m: int, n: int, itemsize: int = 2, tma: bool = False) -> dict:
     """The tiles measured fastest on an H100 (bf16) for this many rows, for the TMA kernel
     (`tma`: the hardware and the tensors allow it; then "persistent" is among the keys) or
-    the pointer one (bench/tune_linear.py: bench/results/tune-linear-h100.json up to 64 rows,
-    tune-linear-h100-mid.json up to 256, tune-linear-h100-prefill.json beyond), with fewer
-    pipeline stages where wider types need it."""
+    the pointer one (bench/diagnostics/tune_linear.py: bench/results/tune-linear-h100.json
+    up to 64 rows, tune-linear-h100-mid.json up to 256, tune-linear-h100-prefill.json
+    beyond), with fewer pipeline stages where wider types need it."""
     if tma and m >= TMA_MIN_ROWS:
         return _tma_tiles(m, n, itemsize)
     if m <= 16:  # decode of a few sequences: pure weight streaming, 16-row tiles

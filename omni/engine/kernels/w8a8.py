@@ -47,8 +47,9 @@ from .rows import TMA_MIN_ROWS, empty_rows, tile_rows
 QUANT_BLOCK = 1024  # a row's elements per loop step when quantizing a long row
 # From this many rows torch._scaled_mm takes over (module docstring): on the H100, a
 # Llama-3-8B layer's four projections 481 -> 361 us at 1,024 rows, 3,795 -> 2,886 at 8,192
-# (bench/fp8_large_rows.py); at 400 rows it was slower (282 against 233). Above the mixed
-# steps' CUDA graphs (up to 1,024 tokens), so the first use's check never runs in a capture.
+# (bench/diagnostics/fp8_large_rows.py); at 400 rows it was slower (282 against 233).
+# Above the mixed steps' CUDA graphs (up to 1,024 tokens), so the first use's check
+# never runs in a capture.
 VENDOR_MIN_ROWS = 1025
 VENDOR = os.environ.get("OMNI_FP8_VENDOR", "1") != "0"  # 0: our kernels at every size
 FEW_ROWS = 16  # up to this many rows, the few-rows kernel (its token tile)
@@ -287,7 +288,7 @@ def fp8_tiles(m: int, n: int, k: int, tma: bool = False) -> dict:
     stages keep the bits (.probe sweep). Up to FEW_ROWS rows, the few-rows kernel: on the
     H100, Llama-3-8B's four projections at 1 row, 32 layers' weights back to back, took
     85.5 us a layer against 93.8 with the pointer kernel's tiles (down 28.4 -> 23.3 us;
-    bench/fp8_few_rows.py). Past 512 rows: a first cut, not yet tuned. From TMA_MIN_ROWS
+    bench/diagnostics/fp8_few_rows.py). Past 512 rows: a first cut, not yet tuned. From TMA_MIN_ROWS
     with `tma` (Hopper, usable tensors): the TMA kernel's tiles, with "persistent"
     (_fp8_tma_tiles)."""
     if tma and m >= TMA_MIN_ROWS:
@@ -303,9 +304,10 @@ def fp8_tiles(m: int, n: int, k: int, tma: bool = False) -> dict:
 
 
 # The TMA kernel's tiles, the fastest of a sweep on an H100 on Llama-3-8B's projections at
-# 128, 256, 512, 2,048 and 8,192 rows (bench/tune_linear.py --fp8, tune-linear-fp8-h100.json;
-# every config kept the bits): up to this many rows, by layer, (BLOCK_M, BLOCK_N, warps,
-# stages, persistent); BLOCK_K is 128 (the bits: fp8_tiles).
+# 128, 256, 512, 2,048 and 8,192 rows (bench/diagnostics/tune_linear.py --fp8,
+# tune-linear-fp8-h100.json; every config kept the bits): up to this many rows, by
+# layer, (BLOCK_M, BLOCK_N, warps, stages, persistent); BLOCK_K is 128 (the bits:
+# fp8_tiles).
 FP8_TMA_TILES = (
     (128, {"gate_up": (128, 128, 8, 6, 1), "down": (64, 64, 4, 6, 0),
            "qkv": (64, 128, 4, 3, 0), "o": (64, 64, 4, 3, 0)}),

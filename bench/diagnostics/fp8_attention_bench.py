@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import triton.testing
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.decode_attention_bench import DIM, N_KV, N_Q, PAGE
 from bench.engine_bench import device_tag, measure_bandwidth

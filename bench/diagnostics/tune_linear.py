@@ -52,7 +52,7 @@ from functools import partial
 from pathlib import Path
 from typing import NamedTuple
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
@@ -503,7 +503,7 @@ def main() -> None:
         m_order = tuple(int(m) for m in args.m.split(","))
     if args.fp8:  # the lm head stays bf16 in an FP8 model
         shapes = {name: shape for name, shape in shapes.items() if name != "lm_head"}
-        # up to FEW_ROWS rows FP8 runs the few-rows kernel, whose tiles bench/fp8_few_rows.py
+        # up to FEW_ROWS rows FP8 runs the few-rows kernel, whose tiles fp8_few_rows.py
         # measured; this sweep covers the pointer and TMA kernels
         m_order = tuple(m for m in m_order if m > FEW_ROWS)
     res = sweep(args, shapes, m_order)

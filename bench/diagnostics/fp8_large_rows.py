@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.diagnostics.fp8_few_rows import SHAPES, per_launch_us
 from bench.engine_bench import device_tag
-from bench.fp8_few_rows import SHAPES, per_launch_us
 from bench.results_io import write_result
 from omni.engine.fp8 import quantize_weight
 from omni.engine.kernels import w8a8

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from bench.fp8_accuracy import all_logits, closeness, text_ids  # noqa: E402

@@ -7,7 +7,7 @@ snapshots through the page's own event stream (their own timestamps, so the plot
 axes are the run's), and Debian's Chromium, driven by Playwright, takes the screenshot
 once the last one is shown. Writes the PNG beside the snapshots' file.
 
-    python bench/dashboard_shot.py bench/results/overcommit-h100-s0-dashboard.json
+    python bench/diagnostics/dashboard_shot.py bench/results/overcommit-h100-s1-dashboard.json
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import threading
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from aiohttp import web  # noqa: E402

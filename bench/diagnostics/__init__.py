@@ -1,0 +1,1 @@
+"""Diagnostics: where the time goes and tuning sweeps, not benchmarks with a target."""
