@@ -13,6 +13,7 @@ from omni.api.live import parse_bind
 from omni.api.toolcalls import PARSERS
 from omni.engine.checkpoint import Checkpoint, CheckpointError
 from omni.isolation.sandbox import Limits
+from omni.runtime import config_schema
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -57,7 +58,7 @@ KV_CACHE_DTYPE_ENV = "OMNI_KV_CACHE_DTYPE"  # ... and its KV cache's element typ
 KV_HOST_ENV = "OMNI_KV_HOST_BYTES"  # ... its host-memory KV tier's budget (kv_host_cache)
 KV_DISK_ENV = "OMNI_KV_DISK"  # ... its disk KV tier: "<budget bytes>:<directory>"
 SPECULATIVE_ENV = "OMNI_SPECULATIVE"  # ... and how it speculates (JSON of the table)
-SPECULATIVE_KEYS = {"method", "k", "max_batch", "ngram_max", "ngram_min", "path", "model"}
+SPECULATIVE_KEYS = config_schema.keys("models.speculative")
 RUNTIMES = {"omni"}  # the engine instances run; the catalog names it so others can follow
 
 
@@ -208,49 +209,11 @@ class NodeConfig:
     orphan_timeout_s: float = 60.0
 
 
-NODE_KEYS = {
-    "default_models",
-    "models",
-    "gpus",
-    "listen",
-    "state_dir",
-    "runtime_dir",
-    "sandbox",
-    "swap_timeout",
-    "request_timeout",
-    "gpu_yield",
-    "dashboard",
-    "require_limits",
-    "live_restore",
-    "orphan_timeout",
-}
-MODEL_KEYS = {
-    "name",
-    "path",
-    "runtime",
-    "memory",
-    "cpus",
-    "pids",
-    "tmp",
-    "io",
-    "drain",
-    "gpu",
-    "quota",
-    "permits",
-    "cold",
-    "tool_parser",
-    "tensor_parallel",
-    "parallel",
-    "quantization",
-    "kv_cache_dtype",
-    "speculative",
-    "kv_host_cache",
-    "kv_disk_cache",
-    "role",
-    "serves",
-}
+# the keys each table may hold: declared, with what they do, in config_schema.py
+NODE_KEYS = config_schema.keys("node")
+MODEL_KEYS = config_schema.keys("models")
 ROLES = ("prefill", "decode")
-GPU_KEYS = {"index", "budget"}
+GPU_KEYS = config_schema.keys("gpus")
 
 
 def _positive_int(item: dict, key: str, where: str, minimum: int = 1) -> int:
