@@ -3,17 +3,18 @@
 Disaggregated serving computes a prompt on one instance and decodes it on another. The
 prefill instance computes the prompt's full blocks short of the one holding its last
 token, and writes their K/V to a file in its own socket directory (the one directory it
-may write; tmpfs under omnid's runtime dir, so host memory, not disk). omnid moves the
-file into the decode instance's directory (a rename: no copy, and neither instance ever
-sees the other's files), and the decode instance takes the blocks as it takes host-tier
-hits (block_manager.IMPORTED): it computes only the prompt's last block or two, samples
-the first token itself (so a seed draws what it draws on one instance) and decodes.
+may write; tmpfs under omnid's runtime dir, so host memory, not disk). omnid copies the
+file into a new file of the decode instance's directory (never following a link either
+instance planted; neither instance ever sees the other's files), and the decode
+instance takes the blocks as it takes host-tier hits (block_manager.IMPORTED): it
+computes only the prompt's last block or two, samples the first token itself (so a seed
+draws what it draws on one instance) and decodes.
 
 The file says whose blocks they are (principal) and of which tokens; the decode instance
 takes them only for the same principal and the same prompt, so a handoff can never give
 a request another's K/V. Written here: NIXL and Mooncake's transfer engine move GPU
-memory between nodes; between two sandboxed processes of one node, a file on tmpfs moved
-by omnid is one copy out and one copy in, and needs neither network nor shared mappings.
+memory between nodes; between two sandboxed processes of one node, a file on tmpfs copied
+by omnid needs neither network nor shared mappings.
 """
 
 from __future__ import annotations
