@@ -15,6 +15,7 @@ from pathlib import Path
 from aiohttp import web
 
 from omni.api import live
+from omni.dashboard_page import PageAssets
 
 from .admission import ANONYMOUS, Admission
 from .metrics import EdgeMetrics
@@ -115,12 +116,14 @@ def parse(value: str) -> tuple[str, int] | None:
 
 def dashboard_app(view: EdgeView, bind_host: str) -> web.Application:
     app = live.listener_app(bind_host)
-    live.add_routes(app, view.snapshots, live.Assets(STATIC, live.STATIC))
+    live.add_routes(app, view.snapshots, PageAssets(view.snapshots, STATIC, live.STATIC))
     return app
 
 
 async def serve(view: EdgeView, bind: tuple[str, int] | None) -> web.AppRunner | None:
-    """The dashboard's listener; None when off or when it could not bind (logged)."""
+    """The dashboard's listener; None when off, or when its address is taken: one warning
+    line says so and how to move it, and the edge serves on without it."""
     if bind is None:
         return None
-    return await live.start_listener(dashboard_app(view, bind[0]), bind, "edge")
+    move = "move it with --dashboard HOST:PORT (omni serve --edge-dashboard), or 'off'"
+    return await live.start_listener(dashboard_app(view, bind[0]), bind, "edge", move)

@@ -514,11 +514,20 @@ async def run(args: argparse.Namespace) -> None:
     await runner.cleanup()
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def arg_parser() -> argparse.ArgumentParser:
     env = os.environ.get
     parser = argparse.ArgumentParser(prog="omni-edge", description=__doc__)
-    parser.add_argument("--host", default=env("OMNI_EDGE_HOST", "127.0.0.1"))
-    parser.add_argument("--port", type=int, default=int(env("OMNI_EDGE_PORT", "8080")))
+    parser.add_argument(
+        "--host",
+        default=env("OMNI_EDGE_HOST", "127.0.0.1"),
+        help="address the public endpoint listens on ($OMNI_EDGE_HOST; 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=int(env("OMNI_EDGE_PORT", "8080")),
+        help="port the public endpoint listens on ($OMNI_EDGE_PORT; 8080)",
+    )
     parser.add_argument(
         "--upstream",
         action="append",
@@ -532,7 +541,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="fair: weighted fair queues per tenant; fifo: one queue (a baseline)",
     )
     parser.add_argument(
-        "--max-body-bytes", type=int, default=int(env("OMNI_MAX_BODY_BYTES", str(DEFAULT_MAX_BODY)))
+        "--max-body-bytes",
+        type=int,
+        default=int(env("OMNI_MAX_BODY_BYTES", str(DEFAULT_MAX_BODY))),
+        help=f"largest request body taken, in bytes ($OMNI_MAX_BODY_BYTES; {DEFAULT_MAX_BODY})",
     )
     parser.add_argument(
         "--tenants",
@@ -574,6 +586,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="HOST:PORT of the read-only dashboard's own listener, loopback unless an "
         f"address is written out; 'off': none ($OMNI_EDGE_DASHBOARD; {dashboard.DEFAULT_BIND})",
     )
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    env = os.environ.get
+    parser = arg_parser()
     args = parser.parse_args(argv)
     try:
         args.deadlines = parse_deadlines(args.deadline_ms)

@@ -68,9 +68,9 @@ def main(ctx: click.Context, socket: Path | None, as_json: bool) -> None:
 @main.command()
 @click.pass_context
 def models(ctx: click.Context) -> None:
-    """List the catalog."""
+    """List the catalog, with each model's state ("drained": stopped by a drain)."""
     data = ctx.obj["admin"].call("GET", "/v1/models")
-    _emit(ctx, data, "models", ["name", "kind", "origin", "path"])
+    _emit(ctx, data, "models", ["name", "kind", "origin", "state", "path"])
 
 
 def _act(ctx: click.Context, method: str, path: str, summary, **kwargs) -> None:
@@ -95,8 +95,9 @@ def instances(ctx: click.Context) -> None:
     for row in data["instances"]:
         row["quota_mib"] = _mib(row.get("quota_bytes"))
         row["used_mib"] = _mib(row.get("used_bytes"))
-        row["last_used"] = _ago(row.get("last_used"))
         row["swaps"] = f"{row['swaps_in']}/{row['swaps_out']}" if row.get("residency") else None
+        if not ctx.obj["json"]:  # the table says how long ago; JSON keeps the unix time
+            row["last_used"] = _ago(row.get("last_used"))
     _emit(
         ctx,
         data,
@@ -121,6 +122,18 @@ def instances(ctx: click.Context) -> None:
         for row in data["instances"]:
             if row.get("failure"):
                 click.echo(f"{row['name']} failed: {row['failure']}")
+        if line := _drain_line(data):
+            click.echo(line)
+
+
+def _drain_line(data: dict) -> str | None:
+    """What a drain did to the node, and how to undo it; None when it serves."""
+    if data.get("drained"):
+        stopped = ", ".join(data["drained"])
+        return f"node drained: {stopped} stopped; `omnictl undrain` starts them again"
+    if data.get("draining"):
+        return "node draining: new requests refused; `omnictl undrain` takes them again"
+    return None
 
 
 @main.command()
@@ -168,6 +181,8 @@ def node(ctx: click.Context) -> None:
         click.echo(json.dumps(data, indent=2))
         return
     click.echo(f"draining: {data['draining']}, instances: {data['instances']}")
+    if line := _drain_line(data):
+        click.echo(line)
     for line in _sandbox_lines(data.get("sandbox")):
         click.echo(line)
     for gpu in data["gpus"]:
@@ -232,9 +247,21 @@ def dashboard(ctx: click.Context, port: int) -> None:
 @main.command()
 @click.pass_context
 def drain(ctx: click.Context) -> None:
-    """Stop taking requests, let those in flight finish, then stop every instance."""
-    ctx.obj["admin"].call("POST", "/v1/node/drain")
-    click.echo("draining")
+    """Stop taking requests, let those in flight finish, then stop every instance
+    (`omnictl undrain` undoes it)."""
+    _act(ctx, "POST", "/v1/node/drain", lambda _d: "draining")
+
+
+@main.command()
+@click.pass_context
+def undrain(ctx: click.Context) -> None:
+    """Undo `drain`: take requests again, and start again the instances it stopped."""
+    _act(
+        ctx,
+        "POST",
+        "/v1/node/undrain",
+        lambda d: f"serving; started again: {', '.join(d['started']) or 'none'}",
+    )
 
 
 @main.command()

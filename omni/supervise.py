@@ -30,7 +30,7 @@ BACKOFF_MAX_S = 30.0
 STABLE_S = 60.0  # up this long, the next restart waits BACKOFF_MIN_S again
 GIVE_UP_STARTS = 5  # starts in a row that never answered /healthz
 USAGE_EXIT = 2  # argparse's and omnid's status for bad flags or config
-STOP_GRACE_S = 8.0
+STOP_GRACE_S = 15.0  # omnid's stop: its instances' 5 s grace, then their teardown
 
 
 class GaveUp(Exception):

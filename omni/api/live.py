@@ -324,9 +324,9 @@ def listener_app(bind_host: str) -> web.Application:
     return app
 
 
-async def start_listener(app: web.Application, bind: tuple[str, int], what: str):
-    """Serve `app` on `bind`; None (logged) when it cannot: a dashboard that fails to
-    bind never keeps the server from serving."""
+async def start_listener(app: web.Application, bind: tuple[str, int], what: str, move: str):
+    """Serve `app` on `bind`; None when it cannot: a dashboard whose address is taken
+    never keeps the server from serving, and one warning line says how to `move` it."""
     host, port = bind
     if not is_loopback(host):
         log.warning(
@@ -337,8 +337,11 @@ async def start_listener(app: web.Application, bind: tuple[str, int], what: str)
     try:
         await web.TCPSite(runner, host, port).start()
     except OSError as exc:
-        log.error("%s dashboard: cannot listen on %s:%d (%s); serving without it", what, *bind, exc)
         await runner.cleanup()
+        reason = exc.strerror or exc
+        log.warning(
+            "%s dashboard not served: cannot listen on %s:%d (%s); %s", what, *bind, reason, move
+        )
         return None
     log.info("%s dashboard on http://%s:%d%s", what, host, port, PAGE_PATH)
     return runner

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from omni.api import live
+from omni.dashboard_page import PageAssets
 
 if TYPE_CHECKING:
     from .omnid import Node
@@ -44,7 +45,7 @@ class NodeView:
         self.latency.update(time.monotonic(), live.histogram_buckets(metrics.latency, "model"))
         self.admission.update(time.monotonic(), live.histogram_buckets(metrics.admission, "model"))
         requests = live.counter_pairs(metrics.requests, "model", "status")
-        infos = {name: inst.to_json() for name, inst in list(node.instances.items())}
+        infos = {name: node.instance_json(inst) for name, inst in list(node.instances.items())}
         models = [
             self._model(info, node.instances[name].waiting, requests)
             for name, info in sorted(infos.items())
@@ -55,6 +56,7 @@ class NodeView:
             "at": time.time(),
             "node": {
                 "draining": node.draining,
+                "drained": node.drained_names(),  # stopped by the drain: undrain restarts them
                 "started": node.started,
                 "instances": len(infos),
                 "sandbox": node.sandbox,  # which limits instances' sandboxes enforce
@@ -133,7 +135,8 @@ def view_of(node: Node) -> NodeView:
 
 def add_routes(app: web.Application, node: Node) -> None:
     """The dashboard's GET routes on `app` (omnid's admin app, or a listener's)."""
-    live.add_routes(app, view_of(node).snapshots, live.Assets(live.STATIC))
+    snapshots = view_of(node).snapshots
+    live.add_routes(app, snapshots, PageAssets(snapshots, live.STATIC))
 
 
 async def serve(node: Node, bind: tuple[str, int] | None) -> list[web.AppRunner]:
@@ -143,5 +146,6 @@ async def serve(node: Node, bind: tuple[str, int] | None) -> list[web.AppRunner]
         return []
     app = live.listener_app(bind[0])
     add_routes(app, node)
-    runner = await live.start_listener(app, bind, "omnid")
+    move = 'move it with `dashboard = "HOST:PORT"` in omnid\'s config, or leave the key out'
+    runner = await live.start_listener(app, bind, "omnid", move)
     return [runner] if runner is not None else []

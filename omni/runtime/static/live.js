@@ -6,13 +6,38 @@
 window.Live = (() => {
   const HISTORY = 600; // points kept per series: ten minutes at one snapshot a second
 
-  // The snapshot stream. EventSource reconnects on its own; the status says how it goes.
+  // The snapshot the page was served with (a JSON data block, never run as script), if any.
+  function inlined() {
+    const block = document.getElementById("snapshot");
+    try {
+      const snap = block ? JSON.parse(block.textContent) : null;
+      return snap && typeof snap.at === "number" ? snap : null;
+    } catch (err) {
+      return null;
+    }
+  }
+
+  // The first snapshot, inlined in the page, drawn at once; then the snapshot stream.
+  // EventSource reconnects on its own; the status says how it goes. A snapshot no newer
+  // than the last one drawn (the stream's first can be the page's) is not drawn again.
   function connect(url, onSnapshot, statusEl) {
     const say = (text, cls) => {
       statusEl.textContent = text;
       statusEl.className = "status " + cls;
     };
+    const time = (snap) => new Date(snap.at * 1000).toLocaleTimeString();
+    let last = -Infinity;
+    const draw = (snap) => {
+      if (snap.at <= last) return;
+      last = snap.at;
+      onSnapshot(snap);
+    };
     say("connecting", "wait");
+    const first = inlined();
+    if (first) {
+      draw(first);
+      say("as of " + time(first) + " · connecting", "wait");
+    }
     const source = new EventSource(url);
     source.onmessage = (ev) => {
       let snap;
@@ -22,8 +47,8 @@ window.Live = (() => {
         say("bad snapshot", "bad");
         return;
       }
-      say("live · " + new Date(snap.at * 1000).toLocaleTimeString(), "ok");
-      onSnapshot(snap);
+      say("live · " + time(snap), "ok");
+      draw(snap);
     };
     source.addEventListener("failed", () => say("snapshot failed (see the server's log)", "bad"));
     source.addEventListener("end", () => say("server stopping", "bad"));
@@ -194,6 +219,14 @@ window.Live = (() => {
     return a >= 100 ? Math.round(v).toString() : a >= 1 ? v.toFixed(1) : v.toPrecision(2);
   }
   const rate = (v) => (v == null ? "–" : num(v) + "/s");
+  // how long before `now` (unix seconds) the unix time `t` was: "3 s ago", "2 min ago"
+  function ago(t, now) {
+    if (t == null) return "–";
+    const s = Math.max(0, now - t);
+    if (s < 120) return Math.round(s) + " s ago";
+    if (s < 7200) return Math.round(s / 60) + " min ago";
+    return Math.round(s / 3600) + " h ago";
+  }
 
   function el(tag, attrs, ...children) {
     const node = document.createElement(tag);
@@ -206,5 +239,5 @@ window.Live = (() => {
     return node;
   }
 
-  return { connect, History, Rates, Chart, table, bytes, seconds, num, rate, el, stroke, fill };
+  return { connect, History, Rates, Chart, table, bytes, seconds, num, rate, ago, el, stroke, fill };
 })();

@@ -47,8 +47,11 @@
   function header(s) {
     const n = s.models.length;
     const parts = [`${n} instance${n === 1 ? "" : "s"}`, `${s.gpus.length} GPU${s.gpus.length === 1 ? "" : "s"}`];
-    if (s.node.draining) parts.push("draining");
+    const drained = s.node.drained || [];
+    if (drained.length) parts.push(`drained: ${drained.join(", ")} stopped (omnictl undrain starts them again)`);
+    else if (s.node.draining) parts.push("draining: new requests refused (omnictl undrain)");
     $("node-meta").textContent = parts.join(" · ");
+    $("node-meta").className = "meta" + (s.node.draining ? " bad" : "");
     sandbox(s.node.sandbox);
   }
 
@@ -111,7 +114,7 @@
     for (const box of [...bars.children]) if (!seen.has(box.dataset.gpu)) box.remove();
   }
 
-  const STATE = { ready: "ok", starting: "wait", backoff: "bad", failed: "bad", stopping: "wait" };
+  const STATE = { ready: "ok", starting: "wait", backoff: "bad", failed: "bad", stopping: "wait", draining: "wait" };
   const RESIDENCY = { resident: "ok", moving: "wait", starting: "wait", swapped: "", stopped: "bad" };
 
   function instances(s) {
@@ -133,6 +136,7 @@
       ["p50", (m) => L.seconds(m.latency.p50_s)],
       ["p99", (m) => L.seconds(m.latency.p99_s)],
       ["restarts", (m) => m.restarts],
+      ["last_used", (m) => ({ text: L.ago(m.last_used, s.at), title: m.last_used ? new Date(m.last_used * 1000).toLocaleString() : "" })],
     ]);
   }
 
