@@ -111,12 +111,14 @@ def test_embeddings_match_sentence_transformers(client, embedding_model_dir):
         "OMNI packs many models on one GPU.",
         "A cat sat on the mat.",
         "word " * 300,
-    ]  # past the 256-token limit: truncated like the reference
-    resp = client.embeddings.create(model=EMBED, input=texts)  # client asks for base64
+    ]  # past the 256-token limit: truncated, on request, like the reference
+    cut = {"truncate_prompt_tokens": -1}
+    # the client asks for base64
+    resp = client.embeddings.create(model=EMBED, input=texts, extra_body=cut)
     ours = np.array([d.embedding for d in resp.data])
     floats = httpx.post(
         f"{client.base_url}embeddings",
-        json={"model": EMBED, "input": texts, "encoding_format": "float"},
+        json={"model": EMBED, "input": texts, "encoding_format": "float", **cut},
     ).json()
     reference = SentenceTransformer(str(embedding_model_dir), device="cpu").encode(texts)
     assert ours.shape == (3, 384)

@@ -94,3 +94,42 @@ def test_a_bad_response_format_is_a_400_naming_it(server, fmt, param):
     r = httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+@pytest.mark.parametrize(
+    ("schema", "says"),
+    [
+        (  # lookbehind: which pattern, where, and xgrammar's reason
+            {"type": "object", "properties": {"city": {"type": "string", "pattern": "(?<=a)b"}}},
+            "properties.city.pattern '(?<=a)b': Regex parsing error at position 3: "
+            "Lookbehind is not supported yet.",
+        ),
+        ({"type": "integer", "minimum": 5, "maximum": 2}, "minimum greater than maximum"),
+    ],
+)
+def test_a_schema_xgrammar_refuses_is_a_400_saying_why_not_where_in_xgrammar(client, schema, says):
+    """Issue 50: the message named xgrammar's source file and line
+    (/project/cpp/json_schema_converter.cc:4944) instead of only the reason."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=TEXT,
+            messages=[{"role": "user", "content": "hi"}],
+            response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+            max_tokens=1,
+        )
+    err = caught.value.body
+    assert err["param"] == "response_format.json_schema.schema", err
+    assert err["message"].startswith("Invalid schema for response_format 'x': "), err
+    assert says in err["message"], err
+    assert ".cc" not in err["message"] and "/project" not in err["message"], err
+
+
+def test_xgrammar_reason_drops_its_source_location():
+    from omni.engine.grammar import xgrammar_reason
+
+    exc = RuntimeError(
+        "[09:06:05] /project/cpp/json_schema_converter.cc:4944: Type should be a string\n"
+    )
+    assert xgrammar_reason(exc) == "Type should be a string"
+    exc = RuntimeError("[9:06:05] src/regex_converter.cc:83: Regex parsing error at position 3: x")
+    assert xgrammar_reason(exc) == "Regex parsing error at position 3: x"

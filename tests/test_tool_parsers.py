@@ -124,3 +124,69 @@ def test_parser_is_chosen_from_the_checkpoint():
     assert parser_for("qwen2", "<tool_call>", override="mistral") == "mistral"
     with pytest.raises(ValueError, match="unknown tool parser 'xml'"):
         parser_for("qwen2", override="xml")
+
+
+# Issue 50: text cut off by max_tokens inside a call. The complete calls stand; the cut
+# one (or a call's marker begun at the very end) is neither a call nor content.
+CUT_CASES = {
+    "hermes": [
+        # (model output, cut off, expected content, expected calls)
+        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "', None, []),
+        ("<tool_", None, []),
+        ("Let me check.\n<tool_call>\n{", "Let me check.", []),
+        (
+            '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "get_weather", "arguments": {"ci',
+            None,
+            [("get_time", {})],
+        ),
+        (  # only the closing tag cut: the call is whole
+            '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool',
+            None,
+            [("get_time", {})],
+        ),
+        ("Paris is sunny", "Paris is sunny", []),
+        (
+            '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+            None,
+            [("get_time", {})],
+        ),
+    ],
+    "llama3": [
+        ('{"name": "get_time", "parameters": {"tz":', None, []),
+        ('I will look it up. {"na', "I will look it up.", []),
+        (
+            '<|python_tag|>{"name": "get_time", "parameters": {"tz": "CET"}}; {"name": "get_w',
+            None,
+            [("get_time", {"tz": "CET"})],
+        ),
+        ("<|python_", None, []),
+        ('Here is the data: {"city": "Par', 'Here is the data: {"city": "Par', []),  # no call
+        ('{"name": "get_time", "parameters": {}}', None, [("get_time", {})]),
+    ],
+    "mistral": [
+        ('[TOOL_CALLS][{"name": "get_time"', None, []),
+        (
+            '[TOOL_CALLS][{"name": "get_time", "arguments": {"tz": "CET"}}, {"name": "get_',
+            None,
+            [("get_time", {"tz": "CET"})],
+        ),
+        (
+            'Checking.[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}[TOOL_CALLS]get_weather[ARGS]{"ci',
+            "Checking.",
+            [("get_time", {"tz": "CET"})],
+        ),
+        ("No tools needed. [TOOL_", "No tools needed.", []),
+        ('[TOOL_CALLS][{"name": "get_time", "arguments": {}}]', None, [("get_time", {})]),
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    ("family", "output", "content", "expected"),
+    [(f, *case) for f, cases in CUT_CASES.items() for case in cases],
+)
+def test_a_call_cut_off_is_neither_a_call_nor_content(family, output, content, expected):
+    parsed = PARSERS[family](output, True)
+    assert parsed.content == content
+    assert calls(parsed) == expected

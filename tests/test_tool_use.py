@@ -10,8 +10,8 @@ import shutil
 
 import pytest
 
-from omni.api.toolcalls import PARSERS
-from omni.api.tooluse import ToolUse
+from omni.api.toolcalls import PARSERS, ToolCall, format_calls
+from omni.api.tooluse import MAX_PARALLEL_CALLS, ToolUse
 from omni.engine.checkpoint import Checkpoint
 from omni.engine.tokenizer import TextTokenizer
 
@@ -177,3 +177,60 @@ def test_a_forced_call_is_exactly_calls_then_the_end(tokenizer, family, choice, 
         for call in parsed.calls:
             assert not isinstance(choice, dict) or call.name == "add"
             jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+
+
+@pytest.mark.parametrize("family", sorted(CASES))
+def test_a_stream_cut_off_says_what_the_whole_output_says(family):
+    """Cut off by max_tokens: the same calls, and the cut call in neither's content."""
+    from .test_tool_parsers import CUT_CASES
+
+    use = ToolUse(family, TOOLS, "auto")
+    rng = random.Random(1)
+    for text, content, _calls in CUT_CASES[family]:
+        whole = use.parse(text, cut_off=True)
+        assert whole.content == content
+        for _ in range(5):
+            stream, sent, at = use.stream(), "", 0
+            while at < len(text):
+                n = rng.randint(1, 6)
+                sent += stream.feed(text[at : at + n])
+                at += n
+            rest, calls = stream.finish(cut_off=True)
+            assert [(c.name, c.arguments) for c in calls] == [
+                (c.name, c.arguments) for c in whole.calls
+            ]
+            assert (sent + rest).strip() == (content or "")
+
+
+@pytest.fixture(scope="module")
+def grammars(tokenizer):
+    from omni.engine.grammar import Grammars
+
+    return Grammars(tokenizer, tokenizer.vocab_size)
+
+
+@pytest.mark.parametrize("family", sorted(PARSERS))
+@pytest.mark.parametrize(
+    ("choice", "parallel", "most"),
+    [
+        ("required", True, MAX_PARALLEL_CALLS),
+        ("required", False, 1),
+        ({"type": "function", "function": {"name": "add"}}, True, 1),
+    ],
+)
+def test_a_forced_answer_ends_after_its_last_call(
+    tokenizer, grammars, family, choice, parallel, most
+):
+    """Issue 50: the grammar takes `most` calls, then only the end (unbounded, a small
+    model repeated its call until max_tokens)."""
+    from omni.engine.grammar import GrammarSpec
+
+    spec = GrammarSpec.structural_tag(ToolUse(family, [ADD, CITY], choice, parallel).grammar())
+    call = ToolCall("add", '{"a": 1, "b": 2}')
+    eos = min(tokenizer.eos_ids)
+    for n in range(1, most + 2):
+        matcher = grammars.constraint(spec)._matcher
+        taken = matcher.accept_string(format_calls(family, [call] * n))
+        assert taken == (n <= most), (n, most)
+        if taken:
+            assert matcher.accept_token(eos) and matcher.is_terminated()

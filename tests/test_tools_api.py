@@ -186,7 +186,7 @@ def test_n_choices_share_the_prompt_and_are_n_1_at_temperature_0(client):
                 ],
                 "tool_choice": "required",
             },
-            "tools",
+            "tools[0].function.parameters",
         ),
         ({"messages": [QUESTION, {"role": "tool", "content": "{}"}]}, "messages[1]"),
     ],
@@ -212,3 +212,95 @@ def test_a_forced_call_ends_after_the_call(client, question):
     )
     assert resp.choices[0].finish_reason == "tool_calls"
     assert resp.usage.completion_tokens < 300
+
+
+# Issue 50: a tool's schema is checked whatever tool_choice says; a forced call ends once
+# its calls are complete, and a call cut off by max_tokens is never content.
+
+UNSUPPORTED = {  # a pattern xgrammar cannot compile (lookbehind)
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "parameters": {
+            "type": "object",
+            "properties": {"code": {"type": "string", "pattern": "(?<=x)y"}},
+        },
+    },
+}
+NOT_AN_OBJECT = {"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}
+
+
+@pytest.mark.parametrize("tool_choice", [None, "auto", "none", "required"])
+@pytest.mark.parametrize(("tool", "why"), [(UNSUPPORTED, "Lookbehind"), (NOT_AN_OBJECT, "object")])
+def test_a_bad_tool_schema_is_a_400_whatever_the_tool_choice(client, tool_choice, tool, why):
+    kw = {"tool_choice": tool_choice} if tool_choice else {}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(
+            model=TEXT, messages=[QUESTION], tools=[WEATHER, tool], max_tokens=1, **kw
+        )
+    err = caught.value
+    assert err.status_code == 400
+    assert err.body["param"] == "tools[1].function.parameters", err.body
+    name = tool["function"]["name"]
+    assert err.body["message"].startswith(f"Invalid schema for function '{name}': "), err.body
+    assert why in err.body["message"] and ".cc:" not in err.body["message"], err.body
+
+
+def streamed_calls(client, **kw) -> tuple[str, str | None, list[tuple[str, str]]]:
+    """A streamed answer as its deltas say: content, finish_reason and calls."""
+    content, reason, calls = "", None, {}
+    for chunk in client.chat.completions.create(model=TEXT, stream=True, **kw):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            reason = c.finish_reason or reason
+            for d in c.delta.tool_calls or []:
+                name, args = calls.get(d.index, ("", ""))
+                calls[d.index] = (
+                    name + (d.function.name or ""),
+                    args + (d.function.arguments or ""),
+                )
+    return content, reason, [calls[i] for i in sorted(calls)]
+
+
+@pytest.mark.parametrize(
+    ("question", "seed"),
+    [("Weather in Paris?", 0), ("Is it raining in Tokyo?", 1), ("How hot is Cairo today?", 2)],
+)
+def test_required_without_parallel_calls_is_one_call_whole_and_streamed(client, question, seed):
+    kw = {
+        "messages": [{"role": "user", "content": question}],
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "temperature": 1.0,
+        "seed": seed,
+        "max_tokens": 60,
+    }
+    choice = client.chat.completions.create(model=TEXT, **kw).choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    assert choice.message.content is None, choice
+    (call,) = choice.message.tool_calls
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    content, reason, calls = streamed_calls(client, **kw)
+    assert (content, reason) == ("", "tool_calls")
+    assert calls == [(call.function.name, call.function.arguments)]
+
+
+@pytest.mark.parametrize("max_tokens", [3, 12])
+@pytest.mark.parametrize(
+    "tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+def test_a_call_cut_off_by_max_tokens_is_not_content(client, max_tokens, tool_choice):
+    """The answer is cut inside its call: no call, no markup, finish_reason length;
+    streamed, nothing at all."""
+    kw = {
+        "messages": [QUESTION],
+        "tools": [WEATHER],
+        "tool_choice": tool_choice,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+    }
+    choice = client.chat.completions.create(model=TEXT, **kw).choices[0]
+    assert choice.finish_reason == "length"
+    assert choice.message.content is None and not choice.message.tool_calls, choice
+    assert streamed_calls(client, **kw) == ("", "length", [])

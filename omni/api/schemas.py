@@ -229,6 +229,16 @@ class EmbeddingRequest(Strict):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: Annotated[int, Field(ge=1)] | None = None
     user: str | None = None
+    # extension (vLLM's name): embed each input's first k tokens (-1: as many as the
+    # model takes) instead of refusing a longer one (omni/runtime/embeddings.py)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+
+    @field_validator("truncate_prompt_tokens")
+    @classmethod
+    def _some_tokens(cls, value):
+        if value == 0:
+            raise ValueError("must be a number of tokens, or -1 for the model's maximum")
+        return value
 
     @field_validator("input")
     @classmethod

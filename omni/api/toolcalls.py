@@ -9,7 +9,10 @@ Each family writes its calls its own way:
 - mistral: `[TOOL_CALLS][{"name": .., "arguments": {..}}, ..]`, or the newer
   `[TOOL_CALLS]name[ARGS]{..}` once per call.
 
-A parser never loses text: output it cannot read as calls stays the message's content.
+A parser never loses text: output it cannot read as calls stays the message's content,
+with one exception. Where the text was cut off (by max_tokens), the call it ends in is
+left out, and so is a start of a call's marker at its very end: half a call is neither
+a call nor content. The calls complete before the cut stand.
 `parser_for` picks the family from the checkpoint's chat template (what the model was
 taught), then its model type; a model's catalog entry can name one instead.
 """
@@ -41,6 +44,7 @@ class ToolCall:
 class Parsed:
     content: str | None  # the text around the calls (None where there is none)
     calls: list[ToolCall]
+    cut: bool = False  # a call (or its marker) cut off at the end was left out
 
 
 def _call(obj, args_keys: tuple[str, ...] = ("arguments", "parameters")) -> ToolCall | None:
@@ -66,67 +70,103 @@ def _content(text: str) -> str | None:
 _DECODER = json.JSONDecoder()
 
 
-def _json_values(text: str, sep: str) -> list | None:
-    """`text` as JSON values separated by `sep` (or whitespace); None unless all of it is."""
+def _json_prefix(text: str, sep: str) -> tuple[list, int]:
+    """The JSON values `text` starts with, separated by `sep` (or whitespace), and where
+    they end (len(text) where all of it is values)."""
     values, pos = [], 0
     while True:
         while pos < len(text) and (text[pos].isspace() or text[pos] == sep):
             pos += 1
         if pos == len(text):
-            return values
+            return values, pos
         try:
             value, pos = _DECODER.raw_decode(text, pos)
         except json.JSONDecodeError:
-            return None
+            return values, pos
         values.append(value)
+
+
+def _json_values(text: str, sep: str) -> list | None:
+    """`text` as JSON values separated by `sep` (or whitespace); None unless all of it is."""
+    values, end = _json_prefix(text, sep)
+    return values if end == len(text) else None
+
+
+def _less_partial(text: str, *markers: str) -> str:
+    """`text` less a start of one of `markers` at its end ('<tool_' of '<tool_call>')."""
+    for k in range(max(map(len, markers)) - 1, 0, -1):
+        if any(text.endswith(m[:k]) for m in markers if k < len(m)):
+            return text[:-k]
+    return text
+
+
+def _uncut(text: str, cut_off: bool, *markers: str) -> Parsed:
+    """Text with no call in it; cut off, less a call's marker begun at its end."""
+    kept = _less_partial(text, *markers) if cut_off else text
+    return Parsed(_content(kept), [], cut=kept != text)
 
 
 _HERMES = re.compile(r"<tool_call>(.*?)(?:</tool_call>|$)", re.DOTALL)
 
 
-def parse_hermes(text: str) -> Parsed:
+def parse_hermes(text: str, cut_off: bool = False) -> Parsed:
     if "<tool_call>" not in text:
-        return Parsed(_content(text), [])
+        return _uncut(text, cut_off, "<tool_call>")
     calls, cut = [], None
     for match in _HERMES.finditer(text):
+        unclosed = match.end() == len(text) and not match.group(0).endswith(">")
+        body = _less_partial(match.group(1), "</tool_call>") if unclosed else match.group(1)
         try:
-            call = _call(json.loads(match.group(1)))
+            call = _call(json.loads(body))
         except json.JSONDecodeError:
             call = None
-        if call is None and match.end() == len(text) and not match.group(0).endswith(">"):
-            cut = match.group(0)  # the last call, cut off (max_tokens): the rest stands
+        if call is None and unclosed:
+            cut = match.group(0)  # the last call, cut off (max_tokens)
         elif call is None:
             return Parsed(_content(text), [])  # one unreadable block: all of it is text
         else:
             calls.append(call)
+    before = text[: text.index("<tool_call>")]
+    if cut and cut_off:
+        return Parsed(_content(before), calls, cut=True)
     if not calls:
         return Parsed(_content(text), [])
-    before = text[: text.index("<tool_call>")]
     return Parsed(_content(before + ("\n" + cut if cut else "")), calls)
 
 
-def parse_llama3(text: str) -> Parsed:
+# How every Llama 3 call begins (a JSON object that does not is no call)
+_LLAMA3_CALL = '{"name":'
+
+
+def parse_llama3(text: str, cut_off: bool = False) -> Parsed:
     """JSON calls from the first '{' (or after <|python_tag|>) to the end of the text."""
     start = text.find("<|python_tag|>")
     body_at = start + len("<|python_tag|>") if start >= 0 else text.find("{")
     if body_at < 0:
-        return Parsed(_content(text), [])
-    values = _json_values(text[body_at:], ";")
-    calls = [_call(v) for v in values] if values else []
-    if not calls or None in calls:
+        return _uncut(text, cut_off, "<|python_tag|>", "{")
+    body = text[body_at:]
+    values, end = _json_prefix(body, ";")
+    calls = [_call(v) for v in values]
+    before = text[: start if start >= 0 else body_at]
+    rest = "".join(body[end:].split())  # what is not values: a call cut off?
+    a_call = start >= 0 or rest.startswith(_LLAMA3_CALL) or _LLAMA3_CALL.startswith(rest)
+    if rest and cut_off and a_call and None not in calls:
+        return Parsed(_content(before), calls, cut=True)
+    if not calls or None in calls or rest:
         return Parsed(_content(text.replace("<|python_tag|>", "")), [])
-    return Parsed(_content(text[: start if start >= 0 else body_at]), calls)
+    return Parsed(_content(before), calls)
 
 
 _MISTRAL_NAMED = re.compile(r"\[TOOL_CALLS\]\s*([A-Za-z0-9_.-]+)\s*\[ARGS\]")
 
 
-def parse_mistral(text: str) -> Parsed:
+def parse_mistral(text: str, cut_off: bool = False) -> Parsed:
     at = text.find("[TOOL_CALLS]")
     if at < 0:
-        return Parsed(_content(text), [])
+        return _uncut(text, cut_off, "[TOOL_CALLS]")
     before, body = text[:at], text[at:]
     calls: list[ToolCall | None] = []
+    whole = True  # every call complete
     if _MISTRAL_NAMED.match(body):  # [TOOL_CALLS]name[ARGS]{...}, once per call
         for match in _MISTRAL_NAMED.finditer(body):
             try:
@@ -134,12 +174,18 @@ def parse_mistral(text: str) -> Parsed:
             except json.JSONDecodeError:
                 args = None
             calls.append(_call({"name": match.group(1), "arguments": args}))
+        if calls[-1] is None:  # the last: cut off, if it is no call
+            calls, whole = calls[:-1], False
     else:  # [TOOL_CALLS][{...}, ...]
-        values = _json_values(body[len("[TOOL_CALLS]") :], ",")
-        if values and len(values) == 1 and isinstance(values[0], list):
-            values = values[0]
-        calls = [_call(v) for v in values] if values else []
-    if not calls or None in calls:
+        listed = body[len("[TOOL_CALLS]") :].lstrip()
+        bracketed = listed.startswith("[")
+        inner = listed[1:] if bracketed else listed
+        values, end = _json_prefix(inner, ",")
+        whole = bool(values) and inner[end:].strip() == ("]" if bracketed else "")
+        calls = [_call(v) for v in values]
+    if not whole and cut_off and None not in calls:
+        return Parsed(_content(before), calls, cut=True)
+    if not whole or not calls or None in calls:
         return Parsed(_content(text), [])
     return Parsed(_content(before), calls)
 
@@ -160,7 +206,8 @@ def format_calls(family: str, calls: list[ToolCall]) -> str:
     raise ValueError(f"unknown tool parser {family!r}")
 
 
-PARSERS: dict[str, Callable[[str], Parsed]] = {
+# text, and whether it was cut off (by max_tokens) -> its calls
+PARSERS: dict[str, Callable[[str, bool], Parsed]] = {
     "hermes": parse_hermes,
     "llama3": parse_llama3,
     "mistral": parse_mistral,

@@ -45,6 +45,14 @@ _MARKERS = {
     "llama3": ("<|python_tag|>", "{"),
 }
 
+# The most calls a forced answer may hold with parallel calls: the grammar ends the
+# answer after this many (a larger fan-out takes another turn).
+MAX_PARALLEL_CALLS = 4
+
+
+def _const(text: str) -> dict:
+    return {"type": "const_string", "value": text}
+
 
 def _decoded_arguments(call: dict) -> dict:
     """An OpenAI tool call with its arguments as an object, as HF templates expect."""
@@ -128,9 +136,10 @@ class ToolUse:
 
     def grammar(self) -> dict | None:
         """xgrammar's structural tag that makes tool_choice "required" or a named function
-        exact: the output is one call (or, with parallel calls, several) of the listed
-        functions in the family's format, each one's arguments valid for its schema, and
-        nothing else; then the end."""
+        exact: the output is one call (with parallel calls under "required", up to
+        MAX_PARALLEL_CALLS) of the listed functions in the family's format, each one's
+        arguments valid for its schema, and nothing else; then the end. (Unbounded, a
+        small model writes its call again and again until max_tokens.)"""
         if not self.grammar_forced:
             return None
         tools = self.tools
@@ -143,33 +152,37 @@ class ToolUse:
                 "begin": f"{begin}{t['function']['name']}{args_at}",
                 "content": {
                     "type": "json_schema",
-                    "json_schema": t["function"].get("parameters") or {"type": "object"},
+                    # an object, also where the schema leaves its type open: the
+                    # parser reads no other arguments
+                    "json_schema": {"type": "object", **(t["function"].get("parameters") or {})},
                     "max_whitespace_cnt": 1,  # free whitespace could pad a sampled call forever
                 },
                 "end": end,
             }
             for t in tools
         ]
-        calls = {
-            "type": "tags_with_separator",
-            "tags": tags,
-            "separator": separator,
-            "at_least_one": True,
-            "stop_after_first": not self.parallel or isinstance(self.choice, dict),
-        }
-        parts = [{"type": "const_string", "value": prefix}] if prefix else []
-        parts += [calls] + ([{"type": "const_string", "value": suffix}] if suffix else [])
+        call = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+        parts = [_const(prefix), call] if prefix else [call]
+        more = MAX_PARALLEL_CALLS - 1 if self.parallel and self.choice == "required" else 0
+        if more:
+            then = {"type": "sequence", "elements": [_const(separator), call]}
+            parts.append({"type": "repeat", "min": 0, "max": more, "content": then})
+        parts += [_const(suffix)] if suffix else []
         # a newline may close the turn: a model that writes one there is not thereby
         # made to start another call
-        parts.append({"type": "optional", "content": {"type": "const_string", "value": "\n"}})
+        parts.append({"type": "optional", "content": _const("\n")})
         return {"type": "structural_tag", "format": {"type": "sequence", "elements": parts}}
 
     # ---------------------------------------------------------------- output
 
-    def parse(self, text: str) -> Parsed:
-        parsed = PARSERS[self.family](text)
+    def parse(self, text: str, cut_off: bool = False) -> Parsed:
+        """The calls in a choice's `text`, `cut_off` where it ended at max_tokens. Under a
+        forced call every text is calls, so any that is not whole was cut off (by
+        max_tokens, a stop sequence or a stop token): the call it ends in is left out,
+        never returned as content."""
+        parsed = PARSERS[self.family](text, cut_off or self.grammar_forced)
         if not self.parallel and len(parsed.calls) > 1:
-            parsed = Parsed(parsed.content, parsed.calls[:1])
+            parsed = Parsed(parsed.content, parsed.calls[:1], parsed.cut)
         return parsed
 
     def stream(self) -> ToolCallStream:
@@ -216,10 +229,11 @@ class ToolCallStream:
         )
         return None, keep
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """The rest: content still to send, and the calls."""
-        parsed = self._use.parse(self._sent + self._held)
-        if not parsed.calls:
+    def finish(self, cut_off: bool = False) -> tuple[str, list[ToolCall]]:
+        """The rest: content still to send, and the calls (`cut_off`: the text ended at
+        max_tokens)."""
+        parsed = self._use.parse(self._sent + self._held, cut_off)
+        if not parsed.calls and not parsed.cut:
             return self._held, []
         content, sent = parsed.content or "", self._sent.strip()
         return (content[len(sent) :] if content.startswith(sent) else ""), parsed.calls

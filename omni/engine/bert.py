@@ -159,17 +159,29 @@ class BertEncoder(nn.Module):
 
 
 class EmbeddingTokenizer:
-    """tokenizer.json with the pipeline's own max length and no fixed padding."""
+    """tokenizer.json with the pipeline's own max length, and neither padding nor
+    truncation: a longer input is its caller's to refuse or to cut (`keep`)."""
 
     def __init__(self, ckpt: Checkpoint, max_position: int):
         self._tok = Tokenizer.from_file(str(ckpt.path / "tokenizer.json"))
         st = ckpt.json("sentence_bert_config.json")
         self.max_length = min(int(st.get("max_seq_length", max_position)), max_position)
         self._tok.no_padding()
-        self._tok.enable_truncation(self.max_length)
+        self._tok.no_truncation()
+        # the tokens the pipeline adds to each text ([CLS] and [SEP])
+        self.special_tokens = self._tok.num_special_tokens_to_add(False)
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in self._tok.encode_batch(texts)]
+    def encode_batch(self, texts: list[str], keep: int | None = None) -> list[list[int]]:
+        """Each text's token ids, its special tokens included; with `keep` (more than
+        `special_tokens`), its first `keep`: the text's first keep - special_tokens
+        tokens between the special ones, as the pipeline truncates."""
+        if keep is None:
+            return [e.ids for e in self._tok.encode_batch(texts)]
+        out = []
+        for encoding in self._tok.encode_batch(texts, add_special_tokens=False):
+            encoding.truncate(keep - self.special_tokens)
+            out.append(self._tok.post_process(encoding).ids)
+        return out
 
 
 class EmbeddingModel:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,8 +35,21 @@ THREADS = max(1, min(8, len(os.sched_getaffinity(0))))
 SWITCH_INTERVAL_S = 0.0002
 
 
+# Where in xgrammar's sources an error was raised, and when: "[09:06:05]
+# /project/cpp/json_schema_converter.cc:4944: " (nothing a caller can act on).
+_XGRAMMAR_LOCATION = re.compile(r"\[\d{1,2}:\d{2}:\d{2}\]\s*|(?:[\w.+-]*/)*[\w.+-]+\.\w+:\d+:\s*")
+_EBNF_PLACE = re.compile(r"^EBNF parser error at line \d+, column \d+:\s*")
+
+
 class GrammarError(ValueError):
     """A grammar xgrammar cannot compile: an invalid or unsupported schema."""
+
+
+def xgrammar_reason(exc: BaseException) -> str:
+    """xgrammar's error message without its source file, line and timestamp: the
+    reason alone ("Lookbehind is not supported yet")."""
+    lines = (_XGRAMMAR_LOCATION.sub("", line).strip() for line in str(exc).splitlines())
+    return " ".join(line for line in lines if line) or type(exc).__name__
 
 
 @dataclass(frozen=True)
@@ -89,6 +103,27 @@ def spelled_string_bounds(node):
     return out
 
 
+def _patterns(node, path: str = ""):
+    """(where, regex) of each `pattern` and `patternProperties` key in a JSON schema."""
+    if isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _patterns(value, f"{path}[{i}]")
+        return
+    if not isinstance(node, dict):
+        return
+    for key, value in node.items():
+        at = f"{path}.{key}" if path else key
+        if key == "pattern" and isinstance(value, str):
+            yield at, value
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            for name, sub in value.items():
+                if key == "patternProperties":
+                    yield f"{at}[{name!r}]", name
+                yield from _patterns(sub, f"{at}.{name}")
+        elif key not in _DATA_KEYS:
+            yield from _patterns(value, at)
+
+
 def _spell_tag_schemas(node):
     """A structural tag with `spelled_string_bounds` applied to each JSON schema in it."""
     if isinstance(node, list):
@@ -136,8 +171,23 @@ class Grammars:
             if spec.kind == "structural_tag":
                 return self._compiler.compile_structural_tag(spec.source)
         except (RuntimeError, ValueError) as exc:  # xgrammar's errors for a bad schema
-            raise GrammarError(str(exc).strip().splitlines()[-1]) from None
+            reason = xgrammar_reason(exc)
+            if spec.kind == "json_schema" and ("regex" in reason.lower() or "EBNF" in reason):
+                reason = self._where(json.loads(spec.source), reason)
+            raise GrammarError(reason) from None
         raise GrammarError(f"unknown grammar kind {spec.kind!r}")
+
+    def _where(self, schema, reason: str) -> str:
+        """`reason` with the place in `schema` of the first pattern xgrammar refuses, if
+        one is (its regex errors say where in the pattern, not which pattern)."""
+        for path, pattern in _patterns(schema):
+            try:
+                self._xgr.Grammar.from_regex(pattern)
+            except (RuntimeError, ValueError) as exc:
+                # the line and column of its own grammar text mean nothing to a caller
+                why = _EBNF_PLACE.sub("", xgrammar_reason(exc))
+                return f"{path} {pattern!r}: {why}"
+        return reason
 
     def constraint(self, spec: GrammarSpec) -> Constraint:
         return Constraint(self, self._xgr.GrammarMatcher(self.compile(spec)))

@@ -1,4 +1,19 @@
-"""OpenAI embeddings route of an embedding instance."""
+"""OpenAI embeddings route of an embedding instance.
+
+An input longer than the model takes (all-MiniLM-L6-v2: 256 tokens, its two special
+tokens included) is a 400 naming `input`, as OpenAI's is, unless the request asks for
+truncation with `truncate_prompt_tokens` (vLLM's extension; the openai client sends it
+in `extra_body`):
+
+- k, from 1 to the model's maximum: each input is cut to its first k tokens. A text
+  keeps its first k - 2 tokens between [CLS] and [SEP] (as sentence-transformers
+  truncates), so k must be at least 3 for text; a list of token ids keeps its first k ids.
+- -1: the same with k the model's maximum.
+- more than the model's maximum: a 400 naming `truncate_prompt_tokens`.
+
+Inputs no longer than k are embedded whole. `usage.prompt_tokens` counts the tokens
+embedded, after any cut.
+"""
 
 from __future__ import annotations
 
@@ -24,17 +39,59 @@ class EmbeddingRoutes:
         app.router.add_post("/v1/embeddings", self.embeddings)
 
     def _token_lists(self, req: EmbeddingRequest) -> list[list[int]]:
-        inp = req.input
-        if isinstance(inp, str):
-            return self.model.tokenizer.encode_batch([inp])
-        if isinstance(inp[0], str):
-            return self.model.tokenizer.encode_batch(inp)
-        lists = [inp] if isinstance(inp[0], int) else inp
-        vocab, limit = self.model.model.cfg.vocab_size, self.model.tokenizer.max_length
-        for tokens in lists:
-            if any(not 0 <= t < vocab for t in tokens):
+        """Each input's token ids, cut to `truncate_prompt_tokens` if asked (a 400 if one
+        is too long otherwise)."""
+        inp, keep = req.input, self._keep(req)
+        tokenizer = self.model.tokenizer
+        if isinstance(inp, str) or isinstance(inp[0], str):
+            lists = tokenizer.encode_batch([inp] if isinstance(inp, str) else inp, keep)
+        else:
+            lists = [inp] if isinstance(inp[0], int) else inp
+            vocab = self.model.model.cfg.vocab_size
+            if any(not 0 <= t < vocab for tokens in lists for t in tokens):
                 raise ApiError(400, f"Token ids must be in [0, {vocab}).", param="input")
-        return [tokens[:limit] for tokens in lists]
+            lists = [tokens[:keep] for tokens in lists]
+        limit = tokenizer.max_length
+        for i, tokens in enumerate(lists):
+            if len(tokens) > limit:
+                where = f" in input[{i}]" if len(lists) > 1 else ""
+                raise ApiError(
+                    400,
+                    f"This model's maximum context length is {limit} tokens, however you "
+                    f"requested {len(tokens)} tokens{where}. Please reduce the input, or set "
+                    f"truncate_prompt_tokens to embed its first tokens only.",
+                    param="input",
+                    code="context_length_exceeded",
+                )
+        return lists
+
+    def _keep(self, req: EmbeddingRequest) -> int | None:
+        """How many tokens of each input to embed at most: None where the request asks
+        for no truncation."""
+        keep, limit = req.truncate_prompt_tokens, self.model.tokenizer.max_length
+        if keep is None:
+            return None
+        if keep == -1:
+            return limit
+        if keep > limit:
+            raise ApiError(
+                400,
+                f"truncate_prompt_tokens is {keep}, more than this model's maximum context "
+                f"length of {limit} tokens.",
+                param="truncate_prompt_tokens",
+                code="invalid_value",
+            )
+        specials = self.model.tokenizer.special_tokens
+        texts = isinstance(req.input, str) or isinstance(req.input[0], str)
+        if texts and keep <= specials:
+            raise ApiError(
+                400,
+                f"truncate_prompt_tokens is {keep}; a text needs at least {specials + 1} "
+                f"(this model adds {specials} special tokens to each).",
+                param="truncate_prompt_tokens",
+                code="invalid_value",
+            )
+        return keep
 
     async def embeddings(self, request: web.Request) -> web.Response:
         req = parse_request(EmbeddingRequest, await request.read())

@@ -61,6 +61,7 @@ class TextGenRoutes:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         req = parse_request(ChatCompletionRequest, await request.read())
         tools = self._tool_use(req)
+        await self._check_tools(tools)
         tok = self.engine.tokenizer
         history = [m.to_template() for m in req.messages]
         try:
@@ -175,27 +176,52 @@ class TextGenRoutes:
             n=req.n,
         )
 
+    async def _check_tools(self, tools: ToolUse) -> None:
+        """Each tool's parameters must be a JSON schema of an object that the grammar
+        engine can compile, whatever tool_choice says (as OpenAI checks them): a 400
+        naming the tool otherwise."""
+        for i, tool in enumerate(tools.tools):
+            function = tool["function"]
+            reason = await self._parameters_fault(function.get("parameters"))
+            if reason is not None:
+                raise ApiError(
+                    400,
+                    f"Invalid schema for function {function['name']!r}: {reason}",
+                    param=f"tools[{i}].function.parameters",
+                    code="invalid_function_parameters",
+                )
+
+    async def _parameters_fault(self, schema: dict | None) -> str | None:
+        """Why a tool's parameters schema cannot be used (None where it can)."""
+        if schema is None:
+            return None
+        if schema.get("type", "object") != "object":  # a call's arguments are an object
+            return f"parameters must be a JSON schema of type 'object', not {schema['type']!r}"
+        try:
+            await asyncio.to_thread(self.engine.check_grammar, GrammarSpec.json_schema(schema))
+        except GrammarError as exc:
+            return str(exc)
+        return None
+
     async def _grammar(self, req: GenerationFields, tools: ToolUse | None) -> GrammarSpec | None:
         """The grammar a response_format or a forced tool call asks for, compiled (a 400
         naming the field if it cannot be)."""
         fmt = getattr(req, "response_format", None)
         tag = tools.grammar() if tools is not None else None
         if tag is not None:
-            spec, param = GrammarSpec.structural_tag(tag), "tools"
+            spec, param, what = GrammarSpec.structural_tag(tag), "tools", "Invalid tools"
         elif fmt is None or fmt.type == "text":
             return None
         elif fmt.type == "json_object":
-            spec, param = GrammarSpec("json_object"), "response_format"
+            spec, param, what = GrammarSpec("json_object"), "response_format", "Invalid format"
         else:
             spec = GrammarSpec.json_schema(fmt.json_schema.json_schema or {})
             param = "response_format.json_schema.schema"
+            what = f"Invalid schema for response_format {fmt.json_schema.name!r}"
         try:
             await asyncio.to_thread(self.engine.check_grammar, spec)
         except GrammarError as exc:
-            what = "tool parameters" if param == "tools" else "JSON schema"
-            raise ApiError(
-                400, f"Invalid {what}: {exc}", param=param, code="invalid_value"
-            ) from None
+            raise ApiError(400, f"{what}: {exc}", param=param, code="invalid_value") from None
         return spec
 
     async def _respond(
@@ -310,7 +336,7 @@ async def _stream(
                 last[i] = out
                 reason = out.finish_reason
                 if i in calls:
-                    rest, found = calls[i].finish()
+                    rest, found = calls[i].finish(cut_off=reason == "length")
                     if rest:
                         await _send(resp, fmt.chunk(i, rest, None, pending[i]))
                         pending[i] = []
@@ -408,9 +434,10 @@ class _Formatter:
         else:
             message: dict = {"role": "assistant", "content": text}
             if tools is not None:
-                parsed = tools.parse(text)
-                if parsed.calls:
+                parsed = tools.parse(text, cut_off=reason == "length")
+                if parsed.calls or parsed.cut:  # (a call cut off is neither content nor a call)
                     message["content"] = parsed.content
+                if parsed.calls:
                     message["tool_calls"] = [c.to_json() for c in parsed.calls]
                     reason = "tool_calls" if reason == "stop" else reason
             out = {"index": index, "message": message}
