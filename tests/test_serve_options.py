@@ -115,9 +115,7 @@ def test_a_taken_dashboard_port_is_one_warning_line_and_off_is_silent(tmp_path):
         text = edge_log(tmp_path, f"127.0.0.1:{port}")
     about = [line for line in text.splitlines() if "dashboard" in line]
     assert len(about) == 1, text
-    assert re.search(
-        r" WARNING [\w.]+: edge dashboard not served: cannot listen", about[0]
-    )
+    assert re.search(r" WARNING [\w.]+: edge dashboard not served: cannot listen", about[0])
     assert f"127.0.0.1:{port}" in about[0] and "--dashboard HOST:PORT" in about[0]
     assert "ERROR" not in text and "Traceback" not in text
     assert "dashboard" not in edge_log(tmp_path, "off")
