@@ -98,7 +98,7 @@ def test_an_instance_that_cannot_start_fails_fast_with_its_reason(tmp_path, mode
         r = httpx.post(
             f"{node.base_url}/v1/completions", json={"model": "m", "prompt": "t1"}, timeout=30
         )
-        assert time.monotonic() - t0 < 2  # at once, not after request_timeout
+        assert time.monotonic() - t0 < 20  # at once, not after request_timeout (60 s)
         assert r.status_code == 503 and "Retry-After" in r.headers
         assert r.json()["error"]["message"] == f"Model 'm' failed to start: {failed}"
 

@@ -269,7 +269,7 @@ def test_a_gate_lets_the_step_go_as_soon_as_the_flag_drops(tmp_path):
     gate = YieldGate(tmp_path / "f")
     t0 = time.monotonic()
     gate()
-    assert time.monotonic() - t0 < 0.05 and gate.deferred_steps == 0  # not raised: no wait
+    assert time.monotonic() - t0 < 1 and gate.deferred_steps == 0  # not raised: no wait
     flag.set(True)
 
     async def drop_later():

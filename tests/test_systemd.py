@@ -297,9 +297,7 @@ def test_watchdog_stays_silent_while_unhealthy(no_systemd_env, monkeypatch):
 def test_watchdog_returns_without_watchdog(no_systemd_env, monkeypatch):
     with listening() as (sock, address):
         monkeypatch.setenv("NOTIFY_SOCKET", address)
-        t0 = time.monotonic()
-        asyncio.run(asyncio.wait_for(sdnotify.watchdog(lambda: True), 5))
-        assert time.monotonic() - t0 < 1
+        asyncio.run(asyncio.wait_for(sdnotify.watchdog(lambda: True), 5))  # else: TimeoutError
         assert drain(sock) == []
 
 
