@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -91,6 +95,21 @@ def tiny_llama(path: Path) -> Path:
     for f in path.iterdir():  # transformers writes weights 0600; sandboxes read as other
         f.chmod(0o644)
     return path
+
+
+@contextlib.contextmanager
+def readable_tiny_llama(prefix: str) -> Iterator[Path]:
+    """tiny_llama in a fresh directory under /tmp that a sandboxed instance's own uid can
+    reach (pytest's tmp_path is root's alone), removed afterwards."""
+    root = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        root.chmod(0o755)
+        model = tiny_llama(root / "m")
+        for path in (model, *model.rglob("*")):
+            path.chmod(0o755 if path.is_dir() else 0o644)
+        yield model
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def eagle3_head(path: Path, target: LlamaConfig, draft_vocab: int, seed: int = 0) -> Path:

@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -18,7 +16,7 @@ import psutil
 import pytest
 
 from omni.isolation import hostfs
-from tests.checkpoints import tiny_llama
+from tests.checkpoints import readable_tiny_llama
 from tests.conftest import wait_until
 from tests.nodes import Omnid
 
@@ -29,13 +27,8 @@ MODELS = ("a", "b")
 def models() -> Path:
     if os.geteuid() != 0:
         pytest.skip("sandboxes need root")
-    root = Path(tempfile.mkdtemp(prefix="omni-lr-", dir="/tmp"))  # sandbox-readable
-    root.chmod(0o755)
-    tiny_llama(root / "m")
-    for path in (root / "m", *(root / "m").rglob("*")):
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    yield root / "m"
-    shutil.rmtree(root, ignore_errors=True)
+    with readable_tiny_llama("omni-lr-") as path:
+        yield path
 
 
 def config(model: Path, **node) -> str:

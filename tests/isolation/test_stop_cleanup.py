@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import tempfile
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import psutil
 import pytest
 
 from omni.isolation.cgroups import CGROUP_ROOT, SUBTREE, V1_CONTROLLERS
-from tests.checkpoints import tiny_llama
+from tests.checkpoints import readable_tiny_llama
 from tests.conftest import wait_until
 from tests.nodes import Omnid
 
@@ -27,13 +26,8 @@ def model() -> Path:
         pytest.skip("sandboxes need root")
     if (CGROUP_ROOT / "cgroup.controllers").exists():
         pytest.skip("finds omnid's groups where cgroup v1 puts them")
-    root = Path(tempfile.mkdtemp(prefix="omni-clean-", dir="/tmp"))  # sandbox-readable
-    root.chmod(0o755)
-    tiny_llama(root / "m")
-    for path in (root / "m", *(root / "m").rglob("*")):
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    yield root / "m"
-    shutil.rmtree(root, ignore_errors=True)
+    with readable_tiny_llama("omni-clean-") as path:
+        yield path
 
 
 def scope_dirs(runtime_dir: Path) -> list[Path]:
