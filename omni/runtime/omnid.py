@@ -361,15 +361,22 @@ class Node:
         await self.shutdown()
         log.info("node drained: %s stopped", ", ".join(e.name for e in self.drained) or "nothing")
 
+    async def settle_drain(self) -> None:
+        """End a drain under way: one still waiting for requests in flight is called off
+        (it has stopped nothing), one stopping instances finishes (cut off half-way, it
+        would leave their mounts and directories behind)."""
+        task, self._drain = self._drain, None
+        if task is None:
+            return
+        if not task.done() and self.drained is None:
+            task.cancel()
+        await asyncio.wait([task])
+
     async def undrain(self) -> list[str]:
         """Undo a drain: route again, and start again the instances it stopped (called off
         while it still waits for requests in flight, it has stopped nothing). Returns the
         names of those started again."""
-        task, self._drain = self._drain, None
-        if task is not None and not task.done() and self.drained is None:
-            task.cancel()  # still waiting for requests in flight: nothing is stopped yet
-        if task is not None:
-            await asyncio.wait([task])  # a drain stopping instances finishes first
+        await self.settle_drain()
         self.draining = False
         entries, self.drained = self.drained or [], None
         started = []
@@ -1026,6 +1033,7 @@ async def stop_node(node: Node, live_restore: bool, cgroups: CgroupManager | Non
     """Leave the instances running for the next omnid (live restore, where any run), or
     stop them and remove what they and omnid made: the instances' and sandboxes'
     directories in the runtime dir, and omnid's cgroups."""
+    await node.settle_drain()  # what a drain stops, it stops to the end
     if live_restore and node.isolated and (node.instances or node.running):
         log.info("live restore: leaving %d instances running", len(node.instances))
         await node.detach()
