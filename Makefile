@@ -8,9 +8,9 @@ PIP := $(PY) -m pip install --quiet --disable-pip-version-check --no-compile
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.omni-installed
 
-.PHONY: setup serve test lint clean systemd-tools etcd-server chromium
+.PHONY: setup serve test lint clean systemd-tools etcd-server chromium espeak-ng
 
-setup: $(STAMP) chromium
+setup: $(STAMP) chromium espeak-ng
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,6 +55,15 @@ chromium:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 			apt-get install -y -qq --no-install-recommends chromium >/dev/null) || \
 		echo "make: could not install chromium; the dashboards' browser tests will be skipped" >&2
+
+# The speech runtimes' tests make their input with Debian's espeak-ng (a sentence spoken
+# into a WAV file): install it where missing (not root, offline or not Debian: those
+# tests skip and say why).
+espeak-ng:
+	@command -v espeak-ng >/dev/null || \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -qq --no-install-recommends espeak-ng >/dev/null) || \
+		echo "make: could not install espeak-ng; the speech runtimes' tests will be skipped" >&2
 
 # Two workers, a test file each at a time (their servers are per file); then, alone, the
 # tests whose figures a busy host would move. The two workers, and the instances their

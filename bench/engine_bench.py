@@ -59,6 +59,7 @@ import torch  # noqa: E402
 from bench.overcommit_bench import hf_config, percentile, tensor_shapes  # noqa: E402
 from bench.results_io import RESULTS, write_result  # noqa: E402
 from bench.results_io import device as device_info  # noqa: E402
+from omni.instance.settings import InstanceSettings  # noqa: E402
 from tests.checkpoints import save_word_level_tokenizer  # noqa: E402
 
 PARTS = ("check", "decode", "offline", "online", "coldstart")
@@ -903,16 +904,16 @@ def run_process(argv: list[str], result: Path, label: str, deadline: Deadline) -
 
 
 class Worker:
-    """One `python -m omni.runtime.worker`: the instance process omnid would start (same
+    """One `python -m omni.instance.worker`: the instance process omnid would start (same
     engine, same OpenAI routes), here outside any sandbox, serving its Unix socket."""
 
     def __init__(self, ckpt: Path, workdir: Path):
         self.socket = Path(tempfile.mkdtemp(prefix="omni-eb-", dir="/tmp")) / "sock"
         self.log = workdir / "worker.log"
-        argv = [sys.executable, "-m", "omni.runtime.worker", "--name", "bench"]
-        argv += ["--model-dir", str(ckpt), "--socket", str(self.socket)]
+        argv = [sys.executable, "-m", "omni.instance.worker"]
+        settings = InstanceSettings("bench", str(ckpt), str(self.socket))
         path = [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(path), **settings.to_env())
         self.started = time.perf_counter()
         self._out = self.log.open("w")
         self.proc = subprocess.Popen(
@@ -1049,7 +1050,7 @@ async def part_online(args, ckpt: Path, vocab: int, workdir: Path, deadline: Dea
     Poisson arrivals over --online-seconds with the mix's lengths (outputs capped at
     --online-max-output); CPU of the worker process per wall second over each window."""
     worker = Worker(ckpt, workdir)
-    out: dict = {"server": "omni.runtime.worker on a Unix socket (no omnid proxy hop)"}
+    out: dict = {"server": "omni.instance.worker on a Unix socket (no omnid proxy hop)"}
     try:
         out["start_to_ready_s"] = round(await worker.wait_ready(max(1.0, deadline.left())), 2)
         async with worker.session(max(30.0, deadline.left())) as s:

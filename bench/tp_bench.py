@@ -5,7 +5,7 @@ Random bf16 checkpoints (std 0.02, norms 1) in HF format (config.json, safetenso
 shards of ~4 GB, tokenizer.json), written to --ckpt-dir: a 70B checkpoint is 141 GB,
 more than the lent two-GPU machine's disk, so the default is a tmpfs the script mounts
 (its memory is the page cache the ranks read from). Each case runs in a child process
-that serves the way an omnid instance does: omni.runtime.worker.start_ranks starts the
+that serves the way an omnid instance does: omni.instance.engine_loader.start_ranks starts the
 other ranks (NCCL between GPUs, gloo for rank 0's step messages), rank 0 runs the
 Engine. Measured per case:
 
@@ -78,12 +78,12 @@ def weight_bytes(cfg: dict) -> int:
 
 
 def serve_case(args, started: float) -> dict:
-    """Rank 0 of `args.tp`: what an omnid instance runs (worker.start_ranks), timed."""
+    """Rank 0 of `args.tp`: what an omnid instance runs (engine_loader.start_ranks), timed."""
     from omni.engine.checkpoint import Checkpoint
     from omni.engine.engine import Engine
     from omni.engine.llama import LlamaForCausalLM
     from omni.engine.tokenizer import TextTokenizer
-    from omni.runtime.worker import start_ranks
+    from omni.instance.engine_loader import start_ranks
 
     on_gpu = torch.cuda.is_available() and not args.small
     device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)

@@ -34,7 +34,9 @@ import orjson
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
+from omni.api import oip_grpc
 from omni.api.errors import ApiError, error_middleware, json_response, unavailable
+from omni.api.oip_http import add_model_routes, live, oip_error, oip_errors, server_metadata
 from omni.api.proxy import (
     CLIENT_CLOSED,
     OUTCOME,
@@ -76,6 +78,10 @@ SESSION = web.AppKey("session", aiohttp.ClientSession)
 FOLLOWER = web.AppKey("follower", asyncio.Task)
 MAP_FOLLOWER = web.AppKey("map_follower", asyncio.Task)
 MAX_ATTEMPTS = 3  # nodes tried for one request that failed before anything was streamed
+# What an Open Inference Protocol request costs in the fair queues and rate limits, in
+# place of tokens: its tensors say nothing of its work, so each request counts one.
+OIP_COST = 1.0
+DEFAULT_GRPC_PORT = "8001"  # as Triton's
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
@@ -203,7 +209,7 @@ def edge_app(
     `deadlines`: default deadline (ms) per model, "*" for the others; `etcd`: HOST:PORT
     of the cluster's etcd, whose announced nodes join the static ones; `location`: where
     this edge is, to read its distance to each node's location from the latency map."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=max_body)
+    app = web.Application(middlewares=[error_middleware, oip_errors], client_max_size=max_body)
     deadlines = deadlines or {}
     static = [upstream] if isinstance(upstream, str) else list(upstream)
     nodes = NodeSet(static)
@@ -262,6 +268,27 @@ def edge_app(
             upstream_name="omnid",
             drop_headers=TRUSTED_HEADERS,
         )
+
+    def model_node(model: str) -> Node:
+        """A healthy node that serves `model`, else any (which answers the 404)."""
+        return next(iter(nodes.hosts(model)), None) or any_node()
+
+    async def oip_model_query(request: web.Request) -> web.StreamResponse:
+        """A model's OIP metadata or readiness, from a node that serves it (no permit)."""
+        admission.tenant(request.headers.get("Authorization"))
+        return await relay(
+            request,
+            request.app[SESSION],
+            model_node(request.match_info["name"]).url + request.path_qs,
+            None,
+            upstream_name="omnid",
+            drop_headers=TRUSTED_HEADERS,
+        )
+
+    async def oip_ready(_request: web.Request) -> web.Response:
+        if any(n.healthy and n.models for n in nodes.nodes):
+            return json_response({"ready": True})
+        return oip_error(503, "No node is reachable.", 1)
 
     async def admit(call: Call) -> Permit | None:
         try:
@@ -359,9 +386,34 @@ def edge_app(
         tenant = admission.tenant(request.headers.get("Authorization"))
         body = await read_body(request, max_body)
         data = check_inference_body(body)
+        if data.get("stream") and request.headers.get(ASYNC_HEADER, "").lower() in ("true", "1"):
+            message = "An async request cannot stream; fetch its result when done."
+            raise ApiError(400, message, param="stream", code="invalid_value")
+        cost, prompt_tokens = estimate_cost(data), estimate_prompt_tokens(data)
         model = data["model"]
+        return await admit_and_relay(request, tenant, model, body, cost, prompt_tokens, arrived)
+
+    async def oip_infer(request: web.Request) -> web.StreamResponse:
+        """An Open Inference Protocol request: the model is in the path; its tensors are
+        not tokens, so it costs OIP_COST in the fair queues and rate limits."""
+        arrived = time.monotonic()
+        tenant = admission.tenant(request.headers.get("Authorization"))
+        body = await read_body(request, max_body)
+        model = request.match_info["name"]
+        return await admit_and_relay(request, tenant, model, body, OIP_COST, 0, arrived)
+
+    async def admit_and_relay(
+        request: web.Request,
+        tenant: Tenant,
+        model: str,
+        body: bytes,
+        cost: float,
+        prompt_tokens: int,
+        arrived: float,
+    ) -> web.StreamResponse:
+        """Queue a checked request fairly for a permit, then relay it to a node (or, with
+        x-omni-async, answer 202 and run it later)."""
         deadline = deadline_from(request.headers, arrived, deadlines.get(model, deadlines.get("*")))
-        cost = estimate_cost(data)
         admission.check_rate(tenant, cost)
         call = Call(
             tenant=tenant,
@@ -375,15 +427,12 @@ def edge_app(
                 **({"x-omni-origin": location} if location else {}),
             },
             cost=cost,
-            prompt_tokens=estimate_prompt_tokens(data),
+            prompt_tokens=prompt_tokens,
             deadline=deadline,
             session_key=request.headers.get(AFFINITY_HEADER) or None,
             arrived=arrived,
         )
         if request.headers.get(ASYNC_HEADER, "").lower() in ("true", "1"):
-            if data.get("stream"):
-                message = "An async request cannot stream; fetch its result when done."
-                raise ApiError(400, message, param="stream", code="invalid_value")
             return submit_async(call)
         call.client = request
 
@@ -469,6 +518,10 @@ def edge_app(
     app.router.add_get("/metrics", metrics_page)
     for path in INFERENCE_PATHS:
         app.router.add_post(path, infer)
+    app.router.add_get("/v2", server_metadata)  # the Open Inference Protocol
+    app.router.add_get("/v2/health/live", live)
+    app.router.add_get("/v2/health/ready", oip_ready)
+    add_model_routes(app, oip_model_query, oip_model_query, oip_infer)
     return app
 
 
@@ -497,6 +550,8 @@ async def run(args: argparse.Namespace) -> None:
         etcd=args.etcd,
         location=args.location,
     )
+    http_url = oip_grpc.loopback_url(args.host, args.port)  # gRPC calls take the HTTP path
+    grpc_front = await oip_grpc.start_front(args.grpc_bind, http_url, args.grpc_required)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
@@ -509,6 +564,8 @@ async def run(args: argparse.Namespace) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if grpc_front is not None:
+        await grpc_front.stop()
     if board is not None:
         await board.cleanup()
     await runner.cleanup()
@@ -581,6 +638,12 @@ def arg_parser() -> argparse.ArgumentParser:
         help="this edge's location: new nodes start at the latency map's round trip to theirs",
     )
     parser.add_argument(
+        "--grpc-port",
+        default=env("OMNI_GRPC_PORT"),
+        help="the Open Inference Protocol over gRPC: PORT (on --host), HOST:PORT or 'off' "
+        f"($OMNI_GRPC_PORT; {DEFAULT_GRPC_PORT}, given up with a warning if it is taken)",
+    )
+    parser.add_argument(
         "--dashboard",
         default=env("OMNI_EDGE_DASHBOARD", dashboard.DEFAULT_BIND),
         help="HOST:PORT of the read-only dashboard's own listener, loopback unless an "
@@ -596,6 +659,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     try:
         args.deadlines = parse_deadlines(args.deadline_ms)
         args.dashboard = dashboard.parse(args.dashboard)
+        args.grpc_required = args.grpc_port is not None
+        args.grpc_bind = oip_grpc.parse_port(args.grpc_port or DEFAULT_GRPC_PORT, args.host)
     except ValueError as exc:
         parser.error(str(exc))
     if not args.upstream:
@@ -609,7 +674,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("omni-edge")
     try:
         asyncio.run(run(args))
-    except TenantConfigError as exc:
+    except (TenantConfigError, oip_grpc.ListenError) as exc:
         log.error("%s", exc)
         raise SystemExit(2) from None
 

@@ -57,6 +57,19 @@ def _check_bind(_ctx, _param, value: str | None) -> str | None:
     return value
 
 
+def _check_grpc_port(_ctx, _param, value: str | None) -> str | None:
+    """--grpc-port: PORT, HOST:PORT or 'off', refused here as the edge would."""
+    if value is None:
+        return value
+    from omni.api.oip_grpc import parse_port  # (grpc: not for every `omni` command)
+
+    try:
+        parse_port(value, "127.0.0.1")
+    except ValueError as exc:
+        raise click.BadParameter(str(exc)) from None
+    return value
+
+
 @dataclass
 class Announcer:
     """What `omni serve` tells its user of the start: "starting" once the edge answers,
@@ -150,8 +163,17 @@ def main() -> None:
     help="omnid TOML config with [[models]] entries.",
 )
 @click.option("--max-body-bytes", type=int, default=None, help="Edge request size limit, in bytes.")
+@click.option(
+    "--grpc-port",
+    envvar="OMNI_GRPC_PORT",
+    default=None,
+    metavar="PORT|HOST:PORT|off",
+    callback=_check_grpc_port,
+    help="The edge's Open Inference Protocol over gRPC [$OMNI_GRPC_PORT; default: 8001 on "
+    "--host, skipped with a warning if taken].",
+)
 def serve(
-    host, port, omnid_port, edge_dashboard, runtime_dir, data_dir, config, max_body_bytes
+    host, port, omnid_port, edge_dashboard, runtime_dir, data_dir, config, max_body_bytes, grpc_port
 ) -> None:
     """Run omnid and omni-edge on this machine until Ctrl-C, restarting either if it exits.
     "serving on" is printed once every model answers."""
@@ -167,6 +189,8 @@ def serve(
         str(runtime_dir),
         "--data-dir",
         str(data_dir),
+        "--grpc-port",
+        "off",  # the edge's is the public one
     ]
     if config:
         omnid += ["--config", str(config)]
@@ -185,6 +209,8 @@ def serve(
         edge += ["--max-body-bytes", str(max_body_bytes)]
     if edge_dashboard is not None:
         edge += ["--dashboard", edge_dashboard]
+    if grpc_port is not None:
+        edge += ["--grpc-port", grpc_port]
 
     stopping = False
 

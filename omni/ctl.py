@@ -144,9 +144,12 @@ def _drain_line(data: dict) -> str | None:
 @click.option("--permits", type=int, help="Requests at the instance at once.")
 @click.option("--cold", is_flag=True, help="Load, then swap out until first used.")
 @click.option("--memory", help="Host memory limit, e.g. 16GiB.")
+@click.option("--runtime", type=click.Choice(["omni", "python"]), help="What runs it.")
+@click.option("--handler", help='With --runtime python: "file.py:Class" or "module:Class".')
 @click.pass_context
 def load(ctx: click.Context, name: str, path: Path, **options) -> None:
-    """Add the HF checkpoint directory PATH to the catalog as NAME and start it.
+    """Add the HF checkpoint directory PATH (or, with --runtime python, a handler's model
+    directory) to the catalog as NAME and start it.
 
     The catalog change survives omnid restarts."""
     body = {"name": name, "path": str(path.resolve())}

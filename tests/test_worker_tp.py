@@ -14,6 +14,8 @@ from pathlib import Path
 import aiohttp
 import psutil
 
+from omni.instance.settings import InstanceSettings
+
 from .checkpoints import tiny_llama
 from .test_engine import ARCHES, tiny_checkpoint
 
@@ -21,11 +23,11 @@ PROMPT = "t5 t17 t3 t40 t8 t9 t61"
 
 
 def start(model_dir, socket, tp: int, parallel: str = "tp") -> subprocess.Popen:
-    env = os.environ | {"OMNI_TENSOR_PARALLEL": str(tp), "OMNI_TORCH_THREADS": "1"}
-    env["OMNI_PARALLEL"] = parallel
-    argv = [sys.executable, "-m", "omni.runtime.worker", "--name", "tiny"]
-    argv += ["--model-dir", str(model_dir), "--socket", str(socket)]
-    return subprocess.Popen(argv, env=env)
+    settings = InstanceSettings(
+        "tiny", str(model_dir), str(socket), tensor_parallel=tp, parallel=parallel
+    )
+    env = os.environ | settings.to_env() | {"OMNI_TORCH_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "omni.instance.worker"], env=env)
 
 
 def complete(socket) -> str:
@@ -98,7 +100,7 @@ def test_omnid_runs_both_ranks_in_the_instance_sandbox(tmp_path):
         ranks = [p for p in family if "spawn_main" in " ".join(p.cmdline())]
         ranks = [p for p in ranks if "resource_tracker" not in " ".join(p.cmdline())]
         assert len(ranks) == 1, [p.cmdline() for p in family]
-        worker = next(p for p in family if "omni.runtime.worker" in " ".join(p.cmdline()))
+        worker = next(p for p in family if "omni.instance.worker" in " ".join(p.cmdline()))
         cgroups = {p.pid: Path(f"/proc/{p.pid}/cgroup").read_text() for p in (worker, ranks[0])}
         assert cgroups[worker.pid] == cgroups[ranks[0].pid]
         assert "omni" in cgroups[worker.pid], cgroups  # the instance's own cgroup
@@ -113,7 +115,8 @@ def test_omnid_runs_both_ranks_in_the_instance_sandbox(tmp_path):
 
 
 def test_a_mixture_of_experts_with_its_experts_shared_out_serves_what_one_rank_serves(tmp_path):
-    """OMNI_PARALLEL=ep (omnid's `parallel = "ep"`): each rank holds half the experts."""
+    """parallel = "ep" in its settings (omnid's `parallel = "ep"`): each rank holds half
+    the experts."""
     _, ckpt = tiny_checkpoint(tmp_path / "ckpt", ARCHES["mixtral"]())
     texts = {}
     for tp, parallel in ((1, "tp"), (2, "ep")):

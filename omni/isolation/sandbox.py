@@ -21,6 +21,9 @@ from omni.proc import die_with_parent, kill_group
 
 from . import hostfs
 
+# Where an isolated instance sees its model's own packages (SandboxSpec.python_env).
+PYTHON_ENV_MOUNT = Path("/omni/env")
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -52,6 +55,13 @@ class SandboxSpec:
     pass_fds: tuple[int, ...] = ()
     log_path: Path | None = None  # its stdout and stderr; None: a pipe (Sandbox.output)
     fingerprint: str = ""  # what it was started as: a restarted omnid adopts it if unchanged
+    # its model's own packages (omni.runtime.envs): read-only, on its import path after
+    # omni's own code and before site-packages; an isolated sandbox shows it at
+    # PYTHON_ENV_MOUNT and no other model's
+    python_env: Path | None = None
+    # where set (a python-runtime model's): of site-packages, an isolated sandbox shows
+    # these entries alone (the shared base, envs.shared_base_entries), plus omni itself
+    python_base: tuple[Path, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +101,13 @@ class Sandbox(Protocol):
         ...
 
 
+def with_import_path(env: dict[str, str], entry: str) -> dict[str, str]:
+    """`env` with `entry` last on its PYTHONPATH: after omni's own code (which a model's
+    package must not shadow), still before site-packages (which it may)."""
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**env, "PYTHONPATH": os.pathsep.join([*parts, entry])}
+
+
 def open_log(path: Path | None):
     """Where a sandbox's output goes: the log file, or a pipe omnid reads."""
     return subprocess.PIPE if path is None else path.open("ab")
@@ -109,11 +126,14 @@ class ProcessSandbox:
         for path in (self.spec.socket_dir, *self.spec.extra_rw):
             path.parent.mkdir(parents=True, exist_ok=True)
             hostfs.fresh_dir(path, 0o700)
+        env = self.spec.env
+        if self.spec.python_env is not None:  # no view: its host path
+            env = with_import_path(env, str(self.spec.python_env))
         log = open_log(self.spec.log_path)
         try:
             self._proc = await asyncio.create_subprocess_exec(
                 *self.spec.argv,
-                env=self.spec.env,
+                env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,

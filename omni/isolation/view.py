@@ -1,7 +1,9 @@
 """What an instance may see: the mount plan of its filesystem view.
 
-Read-only system and Python environment (read-only down to every sub-mount),
-its own model directory read-only, its socket directory, a private
+Read-only system and Python environment (read-only down to every sub-mount;
+for a python-runtime model, of site-packages only the shared base and omni), its
+own model directory read-only, its model's own packages read-only at
+/omni/env (no other model's), its socket directory, a private
 size-limited /tmp (noexec), a JIT cache (the one place it may both write and
 execute), its own /proc (read-only; on a GPU its kernel knobs alone, since the
 CUDA driver needs it writable) with a meminfo, stat, loadavg and uptime that
@@ -22,10 +24,11 @@ import math
 import os
 import site
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from .sandbox import SandboxSpec
+from .sandbox import PYTHON_ENV_MOUNT, SandboxSpec, with_import_path
 
 SYSTEM_DIRS = ("/usr", "/lib", "/lib64", "/lib32", "/libx32", "/bin", "/sbin")
 ETC_ENTRIES = (
@@ -189,6 +192,24 @@ def sys_parts(gpu: bool) -> list[str]:
     return parts
 
 
+def _narrow_site_packages(
+    entries: tuple[Path, ...], visible: list[Path], mounts: list[dict], bind: Callable[..., None]
+) -> None:
+    """Each visible site-packages directory holding `entries` covered with an empty
+    tmpfs (root's, 0755) on which those entries alone, and the `omni` package if it
+    lies there, are bound again: the packages of omnid's venv outside the shared base
+    stay out of a handler's reach."""
+    package = Path(__file__).resolve().parents[1]
+    shown = [*entries, package]
+    for site_dir in sorted({Path(e).parent for e in entries}):
+        if not _under(site_dir, visible):
+            continue
+        mounts.append({"type": "tmpfs", "dst": str(site_dir), "options": "mode=0755,size=64k"})
+        for entry in shown:
+            if Path(entry).parent == site_dir and os.path.exists(entry):
+                bind(Path(entry))
+
+
 def build_plan(
     spec: SandboxSpec, cfg: ViewConfig, workdir: Path, cgroup_mounts: list[dict] | None = None
 ) -> dict:
@@ -229,13 +250,21 @@ def build_plan(
     for path in [*python_paths(spec.env.get("PYTHONPATH", "")), *spec.extra_ro]:
         if not _under(path, visible):
             bind(path)
+    if spec.python_base is not None:
+        _narrow_site_packages(spec.python_base, visible, mounts, bind)
     bind(spec.model_dir)
+    env = spec.env
+    hidden_envs: list[Path] = []
+    if spec.python_env is not None:  # its own packages at a fixed path; no other model's
+        bind(spec.python_env, PYTHON_ENV_MOUNT)
+        env = with_import_path(env, str(PYTHON_ENV_MOUNT))
+        hidden_envs.append(spec.python_env.parent)
     if spec.shared_dir is not None:  # root's directory: writable files, no new entries
         bind(spec.shared_dir, ro=False, noexec=True)
     bind(spec.socket_dir, ro=False, noexec=True)
     for path in spec.extra_rw:
         bind(path, ro=False, noexec=True)
-    hide = [h for h in spec.hide if h.is_dir() and not _under(spec.model_dir, [h])]
+    hide = [h for h in (*spec.hide, *hidden_envs) if h.is_dir() and not _under(spec.model_dir, [h])]
     for hidden in _outermost(hide):  # another model's files under a visible path
         if _under(hidden, visible):
             mounts.append(
@@ -330,7 +359,7 @@ def build_plan(
         "gid": cfg.gid,
         "rlimits": rlimits,
         "argv": spec.argv,
-        "env": {**JIT_ENV, **spec.env},  # the instance's own settings win
+        "env": {**JIT_ENV, **env},  # the instance's own settings win
         "cwd": "/tmp",
         "memory_bytes": spec.limits.memory_bytes,  # what sysinfo(2) answers (launch.py)
     }

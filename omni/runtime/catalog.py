@@ -13,7 +13,7 @@ from omni.api.live import parse_bind
 from omni.api.toolcalls import PARSERS
 from omni.engine.checkpoint import Checkpoint, CheckpointError
 from omni.isolation.sandbox import Limits
-from omni.runtime import config_schema
+from omni.runtime import config_schema, envs
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -48,18 +48,34 @@ def parse_size(value) -> int:
     raise ValueError(f"{value!r} is not a size (e.g. 4GiB, 512MiB or a byte count)")
 
 
-TOOL_PARSER_ENV = "OMNI_TOOL_PARSER"  # the instance reads its tool_parser here
-TENSOR_PARALLEL_ENV = "OMNI_TENSOR_PARALLEL"  # ... and how many ranks it runs
-RANK_CONTROLS_ENV = "OMNI_RANK_CONTROLS"  # ... and each rank's shim control block
-PARALLEL_ENV = "OMNI_PARALLEL"  # ... and how a mixture of experts is split: "tp" | "ep"
 PARALLEL_MODES = ("tp", "ep")  # each expert's width over the ranks, or whole experts
-QUANTIZATION_ENV = "OMNI_QUANTIZATION"  # ... and what it quantizes its weights to at load
-KV_CACHE_DTYPE_ENV = "OMNI_KV_CACHE_DTYPE"  # ... and its KV cache's element type
-KV_HOST_ENV = "OMNI_KV_HOST_BYTES"  # ... its host-memory KV tier's budget (kv_host_cache)
-KV_DISK_ENV = "OMNI_KV_DISK"  # ... its disk KV tier: "<budget bytes>:<directory>"
-SPECULATIVE_ENV = "OMNI_SPECULATIVE"  # ... and how it speculates (JSON of the table)
 SPECULATIVE_KEYS = config_schema.keys("models.speculative")
-RUNTIMES = {"omni"}  # the engine instances run; the catalog names it so others can follow
+RUNTIMES = {"omni", "python"}  # OMNI's engine; a handler (omni/instance/handler.py)
+HANDLER_KEYS = ("handler", "requirements", "max_batch_size", "max_queue_delay_ms", "infer_timeout")
+# what OMNI's engine alone reads: refused for a handler's model rather than ignored
+ENGINE_KEYS = ("tool_parser", "tensor_parallel", "parallel", "quantization", "kv_cache_dtype")
+ENGINE_KEYS += ("speculative", "kv_host_cache", "kv_disk_cache", "role", "serves")
+HANDLER_RE = re.compile(r"^[A-Za-z0-9_./-]+:[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class HandlerConfig:
+    """A `runtime = "python"` model: its handler, its own packages, and how it batches."""
+
+    handler: str  # "file.py:Class" (in the model directory) or "package.module:Class"
+    requirements: tuple[str, ...] = ()  # pinned, "name==version"
+    max_batch_size: int | None = None  # None: the handler's own
+    max_queue_delay_ms: float | None = None  # None: the handler's own
+    infer_timeout_s: float = 60.0
+
+    def to_json(self) -> dict:
+        return {
+            "handler": self.handler,
+            "requirements": list(self.requirements),
+            "max_batch_size": self.max_batch_size,
+            "max_queue_delay_ms": self.max_queue_delay_ms,
+            "infer_timeout_s": self.infer_timeout_s,
+        }
 
 
 @dataclass(frozen=True)
@@ -107,6 +123,7 @@ class ModelEntry:
     runtime: str = "omni"
     version: str = ""  # the rollout version a scheduler placed (telemetry is tagged with it)
     tool_parser: str | None = None  # how its tool calls are read; None: from the checkpoint
+    handler: HandlerConfig | None = None  # runtime "python": what it runs
 
     @classmethod
     def from_path(
@@ -118,12 +135,15 @@ class ModelEntry:
         placement: Placement = Placement(),
         version: str = "",
         tool_parser: str | None = None,
+        handler: HandlerConfig | None = None,
     ) -> ModelEntry:
         """Validate the name and the checkpoint now, so a bad entry never reaches an instance."""
         if not isinstance(name, str) or not NAME_RE.match(name):
             raise CatalogError(
                 f"model name {name!r} is invalid: use 1-64 letters, digits, '.', '_' or '-'"
             )
+        if handler is not None:
+            return cls._of_handler(name, Path(path), origin, limits, placement, version, handler)
         ckpt = Checkpoint.open(Path(path).resolve())  # CheckpointError names the file
         spec = dict(placement.speculative)
         if spec.get("method") == "draft":  # the draft must be a model too
@@ -139,6 +159,36 @@ class ModelEntry:
             placement,
             version=version,
             tool_parser=tool_parser,
+        )
+
+    @classmethod
+    def _of_handler(
+        cls,
+        name: str,
+        path: Path,
+        origin: str,
+        limits: Limits,
+        placement: Placement,
+        version: str,
+        handler: HandlerConfig,
+    ) -> ModelEntry:
+        """A handler's model: a directory, holding its handler file where it names one."""
+        path = path.resolve()
+        if not path.is_dir():
+            raise CatalogError(f"{path}: not a directory (a python-runtime model's)")
+        where, _, _ = handler.handler.partition(":")
+        if where.endswith(".py") and not (path / where).is_file():
+            raise CatalogError(f"{path / where}: missing (the model's handler file)")
+        return cls(
+            name,
+            path,
+            kind="python",
+            origin=origin,
+            limits=limits,
+            placement=placement,
+            runtime="python",
+            version=version,
+            handler=handler,
         )
 
     def to_json(self) -> dict:
@@ -168,6 +218,7 @@ class ModelEntry:
             "drain_s": self.placement.drain_s,
             "version": self.version,
             "tool_parser": self.tool_parser,
+            "handler": self.handler.to_json() if self.handler else None,
         }
 
 
@@ -178,6 +229,7 @@ class ModelConfig:
     limits: Limits = DEFAULT_LIMITS
     placement: Placement = Placement()
     tool_parser: str | None = None
+    handler: HandlerConfig | None = None
 
 
 # While a hot model serves, the colder instances of its GPU together take about one
@@ -207,6 +259,7 @@ class NodeConfig:
     # adopt; an instance no omnid owns for orphan_timeout_s ends itself
     live_restore: bool = False
     orphan_timeout_s: float = 60.0
+    wheelhouse: Path | None = None  # models' requirements from here alone (envs.py)
 
 
 # the keys each table may hold: declared, with what they do, in config_schema.py
@@ -261,6 +314,46 @@ def tool_parser_from(item: dict, where: str) -> str | None:
     if value is not None and value not in PARSERS:
         raise CatalogError(f"{where}.tool_parser: {value!r} is not one of {sorted(PARSERS)}")
     return value
+
+
+def handler_from(item: dict, where: str) -> HandlerConfig | None:
+    """A python-runtime model's handler settings; None for OMNI's engine."""
+    runtime = item.get("runtime", "omni")
+    if runtime not in RUNTIMES:
+        raise CatalogError(f"{where}.runtime: {runtime!r} is not one of {sorted(RUNTIMES)}")
+    if runtime != "python":
+        stray = [k for k in HANDLER_KEYS if k in item]
+        if stray:
+            raise CatalogError(f'{where}.{stray[0]}: only for runtime = "python"')
+        return None
+    engine_only = [k for k in ENGINE_KEYS if k in item]
+    if engine_only:
+        raise CatalogError(f'{where}.{engine_only[0]}: only for runtime = "omni"')
+    handler = item.get("handler")
+    if not isinstance(handler, str) or not HANDLER_RE.match(handler) or ".." in handler:
+        raise CatalogError(
+            f"{where}.handler: required with runtime = \"python\": 'file.py:Class' "
+            "(in the model directory) or 'package.module:Class'"
+        )
+    requirements = item.get("requirements", [])
+    if not isinstance(requirements, list):
+        raise CatalogError(f"{where}.requirements: a list of pinned packages, 'name==version'")
+    try:
+        envs.validate(requirements)
+    except envs.EnvBuildError as exc:
+        raise CatalogError(f"{where}.{exc}") from None
+    delay = item.get("max_queue_delay_ms")
+    if delay is not None and (isinstance(delay, bool) or not isinstance(delay, int | float)):
+        raise CatalogError(f"{where}.max_queue_delay_ms: must be a number of milliseconds")
+    if delay is not None and not 0 <= delay <= 60_000:
+        raise CatalogError(f"{where}.max_queue_delay_ms: must be from 0 to 60000")
+    return HandlerConfig(
+        handler,
+        tuple(requirements),
+        _positive_int(item, "max_batch_size", where) if "max_batch_size" in item else None,
+        None if delay is None else float(delay),
+        _seconds(item, "infer_timeout", where, 60.0),
+    )
 
 
 def placement_from(item: dict, where: str, gpus: dict[int, int] | None) -> Placement:
@@ -487,7 +580,7 @@ def load_config(path: Path) -> NodeConfig:
     defaults = data.get("default_models", True)
     if not isinstance(defaults, bool):
         raise CatalogError(f"{path}: 'default_models' must be true or false")
-    for key in ("state_dir", "runtime_dir"):
+    for key in ("state_dir", "runtime_dir", "wheelhouse"):
         if key in data and not (isinstance(data[key], str) and data[key].startswith("/")):
             raise CatalogError(f"{path}: '{key}' must be an absolute path")
     sandbox = data.get("sandbox")
@@ -499,10 +592,6 @@ def load_config(path: Path) -> NodeConfig:
         for key in ("name", "path"):
             if not isinstance(item.get(key), str):
                 raise CatalogError(f"{where}.{key}: required string")
-        if item.get("runtime", "omni") not in RUNTIMES:
-            raise CatalogError(
-                f"{where}.runtime: {item['runtime']!r} is not one of {sorted(RUNTIMES)}"
-            )
         if any(m.name == item["name"] for m in out):
             raise CatalogError(f"{where}.name: {item['name']!r} is already listed")
         out.append(
@@ -512,6 +601,7 @@ def load_config(path: Path) -> NodeConfig:
                 limits_from(item, where),
                 placement_from(item, where, gpus),
                 tool_parser_from(item, where),
+                handler_from(item, where),
             )
         )
     check_disaggregated(out, str(path))
@@ -530,6 +620,7 @@ def load_config(path: Path) -> NodeConfig:
         require_limits=_require_limits(data, path),
         live_restore=_flag(data, "live_restore", path),
         orphan_timeout_s=_seconds(data, "orphan_timeout", str(path), 60.0),
+        wheelhouse=Path(data["wheelhouse"]) if "wheelhouse" in data else None,
     )
 
 

@@ -189,6 +189,15 @@ KEYS = (
     ),
     Key(
         "node",
+        "wheelhouse",
+        "path",
+        "A directory of wheels from which the `requirements` of python-runtime models are "
+        "installed, offline (nothing is fetched from an index).",
+        example="/var/lib/omni/wheels",
+        default_text="pip's index",
+    ),
+    Key(
+        "node",
         "gpus",
         "array of tables",
         "The GPUs instances may use, each with a memory budget (below).",
@@ -240,10 +249,60 @@ KEYS = (
     Key(
         "models",
         "runtime",
-        "string",
-        "The engine that runs the model; `omni` is the only one.",
+        '"omni" or "python"',
+        "What runs the model: `omni`, OMNI's own engine (a checkpoint for text generation "
+        "or embeddings); `python`, a handler of your own in the model directory or in "
+        "`omni/runtimes/`, served over the Open Inference Protocol (`/v2`).",
         example="omni",
         default="omni",
+    ),
+    Key(
+        "models",
+        "handler",
+        "string",
+        'With `runtime = "python"`: the handler class, as `file.py:Class` (a file in the '
+        "model directory) or `package.module:Class` (a module on the instance's path).",
+        example="handler.py:Model",
+        default_text='required with runtime = "python"',
+        context={"runtime": "python"},
+    ),
+    Key(
+        "models",
+        "requirements",
+        "list of string",
+        "The handler's own Python packages, pinned (`name==version`, wheels only). omnid "
+        "builds their environment once and binds it read-only into this model's sandbox.",
+        example=["numpy==2.1.3"],
+        default_text="none",
+        context={"runtime": "python", "handler": "handler.py:Model"},
+    ),
+    Key(
+        "models",
+        "max_batch_size",
+        "int",
+        "How many concurrent requests the instance merges into one `infer()` call of the handler.",
+        example=8,
+        default_text="the handler's own",
+        context={"runtime": "python", "handler": "handler.py:Model"},
+    ),
+    Key(
+        "models",
+        "max_queue_delay_ms",
+        "milliseconds",
+        "How long a request may wait for others to fill its batch.",
+        example=5,
+        default_text="the handler's own",
+        context={"runtime": "python", "handler": "handler.py:Model"},
+    ),
+    Key(
+        "models",
+        "infer_timeout",
+        "seconds",
+        "How long one `infer()` call may take. Past it, its requests get 504 and the "
+        "instance is restarted.",
+        example=30,
+        default=60,
+        context={"runtime": "python", "handler": "handler.py:Model"},
     ),
     Key(
         "models",

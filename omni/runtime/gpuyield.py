@@ -10,8 +10,9 @@ which omnid sets so that the yielding instances together take about one step
 per `gpu_yield` window: a cold model still advances under sustained hot load.
 
 One small shared file per instance carries the flag: omnid writes it, the
-instance's engine reads it before each step. It is cooperative scheduling
-between OMNI's own engines, not an isolation boundary.
+instance's engine reads it before each step (its path is in the instance's settings,
+`yield_path`). It is cooperative scheduling between OMNI's own engines, not an
+isolation boundary.
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from pathlib import Path
 
 from omni.isolation import hostfs
 
-ENV = "OMNI_GPU_YIELD"
 MAGIC = 0x4F4D5949  # "OMYI"
 LAYOUT = struct.Struct("<III")  # magic, flag, max_defer_us
 POLL_S = 0.0002
@@ -73,11 +73,6 @@ class YieldGate:
             raise ValueError(f"{path}: not a GPU yield flag")
         self.waited_s = 0.0  # in total, for the instance's health stats
         self.deferred_steps = 0
-
-    @classmethod
-    def from_env(cls) -> YieldGate | None:
-        path = os.environ.get(ENV)
-        return cls(Path(path)) if path else None
 
     def raised(self) -> bool:
         return struct.unpack_from("<I", self._map, 4)[0] != 0

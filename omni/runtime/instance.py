@@ -31,24 +31,13 @@ from aiohttp.client_exceptions import UnixClientConnectorError
 from omni.api.errors import ApiError
 from omni.cudashim import ControlBlock, Mode
 from omni.cudashim import instance_env as shim_env
+from omni.instance.settings import InstanceSettings
 from omni.isolation import hostfs
 from omni.isolation.record import Record
 from omni.isolation.sandbox import ExitStatus, Sandbox, SandboxSpec
 
-from .catalog import (
-    KV_CACHE_DTYPE_ENV,
-    KV_DISK_ENV,
-    KV_HOST_ENV,
-    PARALLEL_ENV,
-    QUANTIZATION_ENV,
-    RANK_CONTROLS_ENV,
-    SPECULATIVE_ENV,
-    TENSOR_PARALLEL_ENV,
-    TOOL_PARSER_ENV,
-    ModelEntry,
-)
+from .catalog import ModelEntry
 from .code import InstanceCode
-from .gpuyield import ENV as YIELD_ENV
 from .gpuyield import YieldFlag
 from .residency import GpuPool, Residency, Tenant
 
@@ -157,7 +146,7 @@ class Backoff:
 
 # what omnid keeps of an instance's health answers: speculation's counters, the KV tiers',
 # and the load a router weighs (queued prompt tokens, KV blocks in use)
-ENGINE_STATS = ("spec_", "kv_host_", "kv_disk_", "kv_blocks_", "queued_prompt_tokens")
+ENGINE_STATS = ("spec_", "kv_host_", "kv_disk_", "kv_blocks_", "queued_prompt_tokens", "batch_")
 
 
 class Instance:
@@ -178,8 +167,12 @@ class Instance:
         code: InstanceCode | None = None,
         kv_disk_dir: Path | None = None,
         adopt: tuple[Record, SandboxAdopter] | None = None,
+        data_dir: Path | None = None,
+        wheelhouse: Path | None = None,
     ):
-        """`kv_disk_dir`: its disk KV tier's directory (where its entry asks for one)."""
+        """`kv_disk_dir`: its disk KV tier's directory (where its entry asks for one);
+        `data_dir`: where the environments of models' own packages are built, from
+        `wheelhouse` where given."""
         self.entry = entry
         self.kv_disk_dir = kv_disk_dir if entry.placement.kv_disk_bytes else None
         # omnid's directory for it (root's: the instance may write the files omnid puts
@@ -188,6 +181,9 @@ class Instance:
         self.socket_path = self.dir / "io" / "sock"
         self.yield_path = self.dir / "gpu.yield"  # visible in its sandbox
         self.gpu = gpu
+        self.data_dir = data_dir
+        self.wheelhouse = wheelhouse
+        self.packages_dir: Path | None = None  # its own packages' environment, once built
         # one standing per GPU (rank): each GPU's memory is accounted and swapped apart, and
         # a swap-out of one rank takes the others out with it (they serve only together)
         self.tenants = [
@@ -389,6 +385,7 @@ class Instance:
             ("speculative", "spec_"),
             ("kv_host", "kv_host_"),
             ("kv_disk", "kv_disk_"),
+            ("batching", "batch_"),  # a handler's dynamic batching (omni/instance/batcher.py)
         ):
             part = {k: v for k, v in self.engine_stats.items() if k.startswith(prefix)}
             if part:
@@ -402,50 +399,63 @@ class Instance:
             for r, (pool, tenant) in enumerate(zip(self.gpu.pools, self.tenants, strict=True))
         ]
 
-    def _spec(self) -> SandboxSpec:
-        argv = self.code.argv(
-            "omni.runtime.worker",
-            "--name",
-            self.name,
-            "--model-dir",
-            str(self.entry.path),
-            "--socket",
-            str(self.socket_path),
+    def settings(self) -> InstanceSettings:
+        """What the instance is told to serve, and how (its one settings document)."""
+        entry, placement, handler = self.entry, self.entry.placement, self.entry.handler
+        gpus = len(self.gpu.pools) if self.gpu is not None else 0
+        yields = self.tenant is not None and self.tenant.yield_flag is not None
+        return InstanceSettings(
+            name=self.name,
+            model_dir=str(entry.path),
+            socket=str(self.socket_path),
+            runtime=entry.runtime,
+            device="cuda:0" if gpus else "cpu",
+            handler=handler.handler if handler else None,
+            packages_dir=str(self.packages_dir) if self.packages_dir else None,
+            max_batch_size=handler.max_batch_size if handler else None,
+            max_queue_delay_ms=handler.max_queue_delay_ms if handler else None,
+            infer_timeout_s=handler.infer_timeout_s if handler else 60.0,
+            tool_parser=entry.tool_parser,
+            tensor_parallel=placement.tensor_parallel,
+            parallel=placement.parallel,
+            quantization=placement.quantization,
+            kv_cache_dtype=placement.kv_cache_dtype,
+            kv_host_bytes=placement.kv_host_bytes,
+            kv_disk_bytes=placement.kv_disk_bytes if self.kv_disk_dir else 0,
+            kv_disk_dir=str(self.kv_disk_dir) if self.kv_disk_dir else None,
+            speculative=dict(placement.speculative),
+            memory_limit_bytes=entry.limits.memory_bytes or 0,
+            rank_controls=tuple(str(self.control_path(r)) for r in range(gpus)) if gpus > 1 else (),
+            yield_path=str(self.yield_path) if yields else None,
         )
-        env = {**instance_env(), **self.code.env()}
-        if self.entry.limits.memory_bytes:
-            env["OMNI_MEMORY_LIMIT_BYTES"] = str(self.entry.limits.memory_bytes)
-        if self.entry.tool_parser:
-            env[TOOL_PARSER_ENV] = self.entry.tool_parser
-        if self.entry.placement.quantization:
-            env[QUANTIZATION_ENV] = self.entry.placement.quantization
-        if self.entry.placement.kv_cache_dtype:
-            env[KV_CACHE_DTYPE_ENV] = self.entry.placement.kv_cache_dtype
-        if self.entry.placement.kv_host_bytes:
-            env[KV_HOST_ENV] = str(self.entry.placement.kv_host_bytes)
-        extra_rw = ()
-        if self.kv_disk_dir is not None:
-            env[KV_DISK_ENV] = f"{self.entry.placement.kv_disk_bytes}:{self.kv_disk_dir}"
-            extra_rw = (self.kv_disk_dir,)
-        if self.entry.placement.speculative:
-            env[SPECULATIVE_ENV] = json.dumps(dict(self.entry.placement.speculative))
-        if self.entry.placement.tensor_parallel > 1:
-            env[TENSOR_PARALLEL_ENV] = str(self.entry.placement.tensor_parallel)
-            env[PARALLEL_ENV] = self.entry.placement.parallel
+
+    async def _build_packages(self) -> None:
+        """The environment of the model's own packages (built once, then reused)."""
+        handler = self.entry.handler
+        if handler is None or not handler.requirements or self.packages_dir is not None:
+            return
+        from .envs import environment
+
+        data_dir = self.data_dir or self.dir.parent
+        self.packages_dir = await asyncio.to_thread(
+            environment, list(handler.requirements), data_dir, self.wheelhouse
+        )
+
+    def _spec(self) -> SandboxSpec:
+        argv = self.code.argv("omni.instance.worker")
+        env = {**instance_env(), **self.code.env(), **self.settings().to_env()}
+        extra_rw = (self.kv_disk_dir,) if self.kv_disk_dir is not None else ()
         gpus, extra_ro = None, ()
         if self.gpu is not None:
             gpus = tuple(pool.index for pool in self.gpu.pools)
             env.update(shim_env(self.control_path(0), self.gpu.shim_library))
-            if len(gpus) > 1:
-                controls = (str(self.control_path(r)) for r in range(len(gpus)))
-                env[RANK_CONTROLS_ENV] = ",".join(controls)
-            if self.tenant is not None and self.tenant.yield_flag is not None:
-                env[YIELD_ENV] = str(self.yield_path)
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))  # rank r: the r-th
             libs = [Path(p) for p in env.get("LD_LIBRARY_PATH", "").split(":") if p]
             extra_ro = (self.gpu.shim_library.parent, *(p for p in libs if p.is_dir()))
         if self.entry.placement.draft_path is not None:  # a draft model's, an EAGLE head's
             extra_ro = (*extra_ro, self.entry.placement.draft_path)
+        if self.packages_dir is not None:  # its own packages, read-only
+            extra_ro = (*extra_ro, self.packages_dir)
         return SandboxSpec(
             self.name,
             argv,
@@ -523,6 +533,7 @@ class Instance:
                     await asyncio.to_thread(hostfs.fresh_dir, self.dir)  # none of its last run
                     if self.gpu is not None:
                         await self._claim_gpu()
+                    await self._build_packages()
                     self._sandbox = self._factory(self._spec())
                     await self._sandbox.start()
                 if self._sandbox.output is not None:

@@ -37,6 +37,12 @@ KV_TIER_GAUGES = {  # the engine's KV tiers (kv_tiers.TierStats), cumulative
         ("restore_seconds", "Seconds spent bringing blocks back from {where}"),
     )
 } | {"kv_disk_write_errors": "KV blocks lost to a failed write to the disk tier"}
+BATCH_GAUGES = {  # a handler's dynamic batching (omni/instance/batcher.py), cumulative
+    "batch_runs": "infer() calls (batches) the handler ran",
+    "batch_requests": "Requests those batches held",
+    "batch_failed": "Requests that got an error from the handler or its outputs",
+    "batch_cancelled": "Requests dropped before they ran, their clients gone",
+}
 SWAP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -79,6 +85,13 @@ class NodeCollector(Collector):
             key: GaugeMetricFamily(f"omni_{key}", help_text, labels=["model"])
             for key, help_text in KV_TIER_GAUGES.items()
         }
+        batching = {
+            key: GaugeMetricFamily(f"omni_{key}", help_text, labels=["model"])
+            for key, help_text in BATCH_GAUGES.items()
+        }
+        batch_sizes = GaugeMetricFamily(
+            "omni_batch_size_batches", "Batches the handler ran, by size", labels=["model", "size"]
+        )
         for inst in self._instances():
             info = inst.to_json()
             name = info["name"]
@@ -91,6 +104,11 @@ class NodeCollector(Collector):
             for key, value in {**info.get("kv_host", {}), **info.get("kv_disk", {})}.items():
                 if key in tier:
                     tier[key].add_metric([name], value)
+            for key, value in (info.get("batching") or {}).items():
+                if key in batching:
+                    batching[key].add_metric([name], value)
+            for size, count in (info.get("batching") or {}).get("batch_sizes", {}).items():
+                batch_sizes.add_metric([name, size], count)
             if "residency" in info:
                 residency.add_metric([name, info["residency"]], 1)
                 for rank in info.get("ranks") or [info]:  # a multi-GPU instance: each GPU
@@ -98,6 +116,7 @@ class NodeCollector(Collector):
                     quota.add_metric([name, str(rank["gpu"])], rank["quota_bytes"])
         yield from (state, residency, used, quota, in_flight, restarts, *spec.values())
         yield from tier.values()
+        yield from (*batching.values(), batch_sizes)
 
         budget = GaugeMetricFamily(
             "omni_gpu_budget_bytes", "GPU memory budget for instances", labels=["gpu"]

@@ -31,7 +31,9 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from omni import paths, sdnotify
+from omni.api import oip_grpc
 from omni.api.errors import ApiError, error_middleware, json_response, model_not_found, unavailable
+from omni.api.oip_http import oip_errors
 from omni.api.proxy import CLIENT_CLOSED, OUTCOME, relay
 from omni.api.schemas import (
     ChatCompletionRequest,
@@ -51,13 +53,15 @@ from omni.isolation.uids import UidAllocator
 from omni.isolation.view import ViewConfig
 from omni.logs import setup_logging
 
-from . import dashboard, disaggregated
+from . import dashboard, disaggregated, oip_routes
 from .catalog import (
     DEFAULT_GPU_YIELD_S,
+    HANDLER_KEYS,
     SANDBOX_LIMITS,
     CatalogError,
     ModelEntry,
     NodeConfig,
+    handler_from,
     limits_from,
     load_config,
     placement_from,
@@ -81,6 +85,7 @@ HOST_UID_TABLE = Path("/run/omni-uids/table.json")
 MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
 ADMIN_GROUP = "omni"  # members may use the admin socket
 PERMIT_QUEUE = 4  # requests that may wait for a permit, per permit
+DEFAULT_GRPC_PORT = "8082"  # on loopback: the edge's (8001) is the public one
 # endpoint -> (schema, model kind that serves it)
 ENDPOINTS = {
     "/v1/chat/completions": (ChatCompletionRequest, "generate"),
@@ -126,6 +131,7 @@ class Node:
         self.catalog = CatalogStore(state_dir) if state_dir else None
         # instances' disk KV tiers (kv_disk_cache): on disk, unlike the runtime dir
         self.kv_disk_root = (state_dir or runtime_dir) / "kv-disk"
+        self.wheelhouse: Path | None = None  # models' own packages from here (envs.py)
         self.metrics = Metrics(lambda: list(self.instances.values()), self.pools_list)
         self.load: LoadAccumulator | None = None  # load telemetry, when a cluster takes it
         self.pools = {
@@ -256,6 +262,8 @@ class Node:
             gpu=gpu,
             kv_disk_dir=self.kv_disk_root / entry.name,
             adopt=self._adoption(entry),
+            data_dir=self.kv_disk_root.parent,  # (its packages' environments: envs.py)
+            wheelhouse=self.wheelhouse,
         )
         for pool, tenant in zip(gpu.pools if gpu else (), inst.tenants, strict=True):
             pool.add(tenant)
@@ -304,6 +312,19 @@ class Node:
         if inst is None:
             raise model_not_found(name)
         return inst
+
+    async def wait_ready(self, inst: Instance) -> None:
+        """Wait for the instance to be ready (up to `ready_wait_s`), else a 503 that says
+        why."""
+        if await inst.wait_ready(self.ready_wait_s):
+            return
+        if inst.failure is not None:
+            raise unavailable(
+                f"Model '{inst.name}' failed to start: {inst.failure}", inst.retry_after_s()
+            )
+        raise unavailable(
+            f"Model '{inst.name}' is {inst.state}; retry shortly.", inst.retry_after_s()
+        )
 
     @contextlib.asynccontextmanager
     async def admission(self, inst: Instance, deadline: float, ticket: Ticket | None = None):
@@ -486,6 +507,8 @@ SPEC_KEYS = {
     "speculative",
     "kv_host_cache",
     "kv_disk_cache",
+    "runtime",
+    *HANDLER_KEYS,
 }
 
 
@@ -508,7 +531,10 @@ def entry_from_spec(name, spec: dict, origin: str = "admin") -> ModelEntry:
             "the draft checkpoint's 'path'"
         )
     tool_parser = tool_parser_from(spec, "model")
-    return ModelEntry.from_path(name, path, origin, limits, placement, version, tool_parser)
+    handler = handler_from(spec, "model")
+    return ModelEntry.from_path(
+        name, path, origin, limits, placement, version, tool_parser, handler
+    )
 
 
 def node_record(args: argparse.Namespace, config: NodeConfig) -> dict:
@@ -633,7 +659,7 @@ def failure(inst: Instance) -> dict:
 
 
 def inference_app(node: Node) -> web.Application:
-    app = web.Application(middlewares=[error_middleware], client_max_size=64 << 20)
+    app = web.Application(middlewares=[error_middleware, oip_errors], client_max_size=64 << 20)
 
     async def models(_request: web.Request) -> web.Response:
         # `permits`: the instance's concurrency, which the edge queues fairly for; `load`:
@@ -661,7 +687,8 @@ def inference_app(node: Node) -> web.Application:
         status = 500  # an unexpected error: the middleware answers 500
         ticket = request["omni_ticket"] = Ticket()
         try:
-            resp = await route(request)
+            v2 = request.path.startswith("/v2/")
+            resp = await (oip_routes.infer(node, request) if v2 else route(request))
             status = request.get(OUTCOME, resp.status)  # a stream cut short is not a 200
             return resp
         except ApiError as exc:
@@ -711,14 +738,7 @@ def inference_app(node: Node) -> web.Application:
                 param="model",
                 code="wrong_model_kind",
             )
-        if not await inst.wait_ready(node.ready_wait_s):
-            if inst.failure is not None:
-                raise unavailable(
-                    f"Model '{req.model}' failed to start: {inst.failure}", inst.retry_after_s()
-                )
-            raise unavailable(
-                f"Model '{req.model}' is {inst.state}; retry shortly.", inst.retry_after_s()
-            )
+        await node.wait_ready(inst)
         t_admit = time.monotonic()
         async with node.admission(inst, t_admit + node.request_timeout_s, ticket):
             node.metrics.observe_admission(req.model, time.monotonic() - t_admit)
@@ -747,6 +767,7 @@ def inference_app(node: Node) -> web.Application:
     app.router.add_get("/metrics", metrics)
     for path in ENDPOINTS:
         app.router.add_post(path, infer)
+    oip_routes.add_routes(app, node, infer)  # /v2: the Open Inference Protocol
     return app
 
 
@@ -947,6 +968,7 @@ async def run(args: argparse.Namespace) -> None:
                 model.limits,
                 model.placement,
                 tool_parser=model.tool_parser,
+                handler=model.handler,
             )
         )
 
@@ -961,6 +983,7 @@ async def run(args: argparse.Namespace) -> None:
     )
     entries = node.catalog.apply(entries) if node.catalog else entries
     node.orphan_timeout_s = config.orphan_timeout_s
+    node.wheelhouse = config.wheelhouse
     node.sandbox_factory, cgroups = sandbox_factory(
         args.sandbox, runtime_dir, node, config.require_limits
     )
@@ -990,6 +1013,9 @@ async def serve_node(
             raise CatalogError(f"model {entry.name!r}: {exc}") from None
     await asyncio.to_thread(node.end_unclaimed)
 
+    grpc_bind, grpc_required = grpc_listener(args)
+    http_url = oip_grpc.loopback_url(args.host, args.port)  # gRPC calls take the HTTP path
+    grpc_front = await oip_grpc.start_front(grpc_bind, http_url, grpc_required)
     runners = []
     inference = web.AppRunner(inference_app(node), handler_cancellation=True, access_log=None)
     await inference.setup()
@@ -1024,6 +1050,8 @@ async def serve_node(
     sdnotify.notify("STOPPING=1")
     watchdog.cancel()
     await member.stop()  # routed around at once, not a lease TTL later
+    if grpc_front is not None:
+        await grpc_front.stop()
     for runner in runners:
         await runner.cleanup()
     admin_path.unlink(missing_ok=True)
@@ -1046,6 +1074,16 @@ async def stop_node(node: Node, live_restore: bool, cgroups: CgroupManager | Non
         await asyncio.to_thread(hostfs.remove_tree, path)
     with contextlib.suppress(OSError):  # each instance removed its own; shared, if not
         node.kv_disk_root.rmdir()
+
+
+def grpc_listener(args: argparse.Namespace) -> tuple[str | None, bool]:
+    """Where omnid's gRPC front listens (None: off), and whether it was asked for (a
+    taken port then stops omnid; the default's is given up with a warning)."""
+    value = getattr(args, "grpc_port", None)
+    try:
+        return oip_grpc.parse_port(value or DEFAULT_GRPC_PORT, "127.0.0.1"), value is not None
+    except ValueError as exc:
+        raise CatalogError(str(exc)) from None
 
 
 def positive_seconds(value: str) -> float:
@@ -1144,6 +1182,12 @@ def arg_parser() -> argparse.ArgumentParser:
         help="seconds per load report ($OMNI_TELEMETRY_INTERVAL; 10)",
     )
     parser.add_argument(
+        "--grpc-port",
+        default=env("OMNID_GRPC_PORT"),
+        help="the Open Inference Protocol over gRPC: PORT (on loopback), HOST:PORT or 'off' "
+        f"($OMNID_GRPC_PORT; {DEFAULT_GRPC_PORT}, given up with a warning if it is taken)",
+    )
+    parser.add_argument(
         "--ready-wait",
         type=float,
         default=30.0,
@@ -1161,7 +1205,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging("omnid")
     try:
         asyncio.run(run(args))
-    except (CatalogError, CheckpointError) as exc:
+    except (CatalogError, CheckpointError, oip_grpc.ListenError) as exc:
         log.error("%s", exc)
         raise SystemExit(2) from None
 

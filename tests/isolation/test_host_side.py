@@ -35,7 +35,7 @@ HANDOFF = "kv-" + "ab" * 16
 # against the links) and crashes, so that omnid restarts it over what it left.
 HOSTILE = """
 import errno, json, os, sys, time
-d = os.path.dirname(os.environ["OMNI_GPU_YIELD"])
+d = os.path.dirname(json.loads(os.environ["OMNI_INSTANCE_SETTINGS"])["yield_path"])
 io = os.path.join(d, "io")
 ctl = os.environ["OMNI_CUDA_CONTROL"]
 def attempt(fn):

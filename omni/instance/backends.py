@@ -1,0 +1,105 @@
+"""One way in for every kind of model: what the instance process serves sits behind a
+Backend, chosen from the settings omnid passed.
+
+- runtime "omni", a text-generation checkpoint: OMNI's engine (`TextGenBackend`);
+- runtime "omni", an encoder checkpoint: embeddings (`EmbeddingBackend`);
+- runtime "python": a third-party handler (python_backend.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Protocol
+
+from aiohttp import web
+
+from omni.engine.checkpoint import Checkpoint
+
+from .settings import InstanceSettings
+
+log = logging.getLogger("omni.worker")
+
+
+class Backend(Protocol):
+    kind: str  # what /health reports: "generate", "embed", "python"
+
+    def add_routes(self, app: web.Application) -> None: ...
+
+    def stats(self) -> dict:
+        """Counters for /health (omnid keeps those its metrics name)."""
+        ...
+
+    def unhealthy(self) -> str | None:
+        """Why the instance must be restarted; None while it serves."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+class TextGenBackend:
+    """OMNI's engine behind the OpenAI chat and completion routes."""
+
+    kind = "generate"
+
+    def __init__(self, settings: InstanceSettings, ckpt: Checkpoint):
+        from .engine_loader import load_engine
+
+        self.engine, self.gate = load_engine(settings, ckpt)
+        self.settings = settings
+
+    def add_routes(self, app: web.Application) -> None:
+        from .textgen import TextGenRoutes
+
+        handoff_dir = Path(self.settings.socket).parent
+        TextGenRoutes(
+            self.engine, self.settings.name, self.settings.tool_parser, handoff_dir
+        ).add_to(app)
+
+    def stats(self) -> dict:
+        return {**self.engine.stats(), **self.gate.stats()} if self.gate else self.engine.stats()
+
+    def unhealthy(self) -> str | None:
+        return None
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.engine.shutdown)
+
+
+class EmbeddingBackend:
+    """A BERT encoder behind the OpenAI embeddings route."""
+
+    kind = "embed"
+
+    def __init__(self, settings: InstanceSettings, ckpt: Checkpoint):
+        from omni.engine.bert import EmbeddingModel
+
+        self.model = EmbeddingModel(ckpt)
+        self.name = settings.name
+
+    def add_routes(self, app: web.Application) -> None:
+        from .embeddings import EmbeddingRoutes
+
+        EmbeddingRoutes(self.model, self.name).add_to(app)
+
+    def stats(self) -> dict:
+        return {}
+
+    def unhealthy(self) -> str | None:
+        return None
+
+    async def close(self) -> None:
+        pass
+
+
+def open_backend(settings: InstanceSettings) -> Backend:
+    """Load the model the settings name, behind the backend its runtime and kind call for."""
+    if settings.runtime == "python":
+        from .python_backend import PythonBackend
+
+        return PythonBackend(settings)
+    ckpt = Checkpoint.open(Path(settings.model_dir))
+    if ckpt.kind == "generate":
+        return TextGenBackend(settings, ckpt)
+    return EmbeddingBackend(settings, ckpt)

@@ -1,0 +1,197 @@
+"""Dynamic batching of a handler's requests.
+
+Concurrent requests queue; one loop takes up to `max_batch_size` of them, waiting at most
+`max_queue_delay_s` after the first for more, and runs them as one `infer()` call in a
+worker thread, so the event loop keeps answering health checks. A request whose client
+left (its task cancelled) is dropped before it runs. Each request gets its own outcome:
+its outputs, or the error that concerns it.
+
+A batch that runs past `infer_timeout_s` cannot be taken back from its thread: its
+requests get 504, the batcher is marked hung (the instance's health then fails, and omnid
+restarts it), and what comes after gets 503 at once instead of waiting behind it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from .handler import HandlerError
+
+log = logging.getLogger("omni.batcher")
+
+Tensors = dict[str, np.ndarray]
+Infer = Callable[[list[Tensors]], list[Tensors]]
+# one request's outputs as the handler returned them -> checked outputs (raises TensorError)
+CheckOutputs = Callable[[object], Tensors]
+
+
+class InferError(Exception):
+    """A request that failed; `status` is the HTTP status its caller gets."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class _WrongResults(Exception):
+    """infer() did not return one result per request (raised by the worker, never the
+    handler: a handler's own exceptions are its failures)."""
+
+
+@dataclass
+class _Pending:
+    inputs: Tensors
+    future: asyncio.Future
+    queued_at: float
+
+
+class Batcher:
+    def __init__(
+        self,
+        infer: Infer,
+        check_outputs: CheckOutputs,
+        max_batch_size: int = 1,
+        max_queue_delay_s: float = 0.0,
+        infer_timeout_s: float = 60.0,
+    ):
+        self._infer = infer
+        self._check = check_outputs
+        self.max_batch_size = max(1, max_batch_size)
+        self.max_queue_delay_s = max(0.0, max_queue_delay_s)
+        self.infer_timeout_s = infer_timeout_s
+        self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
+        # one thread: a handler need not be re-entrant
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-infer")
+        self._loop_task: asyncio.Task | None = None
+        self.hung: str | None = None  # why the instance must be restarted, once it must
+        self.sizes: Counter[int] = Counter()  # requests per batch -> batches run
+        self.failed = 0  # requests that got an error from the handler or its outputs
+        self.cancelled = 0  # requests dropped, their clients gone, before they ran
+
+    async def submit(self, inputs: Tensors) -> Tensors:
+        """One request's outputs; raises InferError. Cancelling the caller drops it."""
+        if self.hung:
+            raise InferError(503, f"the model is being restarted: {self.hung}")
+        if self._loop_task is None:
+            self._loop_task = asyncio.create_task(self._run(), name="omni-batcher")
+        future = asyncio.get_running_loop().create_future()
+        self._queue.put_nowait(_Pending(inputs, future, time.monotonic()))
+        return await future  # a cancelled caller cancels the future: the loop skips it
+
+    async def close(self) -> None:
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def stats(self) -> dict:
+        """For the instance's /health (omnid shows them in /metrics and /v1/instances)."""
+        return {
+            "batch_runs": sum(self.sizes.values()),
+            "batch_requests": sum(n * count for n, count in self.sizes.items()),
+            "batch_sizes": {str(n): count for n, count in sorted(self.sizes.items())},
+            "batch_failed": self.failed,
+            "batch_cancelled": self.cancelled,
+            "batch_queued": self._queue.qsize(),
+        }
+
+    async def _run(self) -> None:
+        while True:
+            batch = await self._next_batch()
+            if batch:
+                await self._run_batch(batch)
+
+    async def _next_batch(self) -> list[_Pending]:
+        """The next requests to run: up to max_batch_size, those still wanted."""
+        batch = [await self._queue.get()]
+        deadline = batch[0].queued_at + self.max_queue_delay_s
+        while len(batch) < self.max_batch_size:
+            if not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+                continue
+            wait_s = deadline - time.monotonic()
+            if wait_s <= 0:
+                break
+            try:
+                batch.append(await asyncio.wait_for(self._queue.get(), wait_s))
+            except TimeoutError:
+                break
+        wanted = [p for p in batch if not p.future.done()]
+        self.cancelled += len(batch) - len(wanted)
+        return wanted
+
+    async def _run_batch(self, batch: list[_Pending]) -> None:
+        inputs = [p.inputs for p in batch]
+        loop = asyncio.get_running_loop()
+        running = loop.run_in_executor(self._pool, self._infer_checked, inputs)
+        try:
+            results = await asyncio.wait_for(asyncio.shield(running), self.infer_timeout_s)
+        except TimeoutError:
+            self.hung = f"infer() ran past its {self.infer_timeout_s:g} s timeout"
+            log.error("handler hung: %s; the instance must be restarted", self.hung)
+            self._fail(batch, InferError(504, f"the model did not answer: {self.hung}"))
+            self._fail_queued()
+            return
+        except _WrongResults as exc:
+            self._fail(batch, InferError(500, str(exc)))
+            return
+        except HandlerError as exc:
+            self._fail(batch, InferError(400, str(exc) or "the model refused the request"))
+            return
+        except Exception as exc:
+            log.exception("handler's infer() raised")
+            message = f"the model's infer() failed: {type(exc).__name__}: {exc}"
+            self._fail(batch, InferError(500, message[:1000]))
+            return
+        self.sizes[len(batch)] += 1
+        for pending, result in zip(batch, results, strict=True):
+            if pending.future.done():
+                continue
+            if isinstance(result, InferError):
+                self.failed += 1
+                pending.future.set_exception(result)
+            else:
+                pending.future.set_result(result)
+
+    def _infer_checked(self, inputs: list[Tensors]) -> list[Tensors | InferError]:
+        """In the worker thread, under the batch's timeout (checking a hostile result may
+        take as long as it likes too): each request's checked outputs, or its error."""
+        results = self._infer(inputs)
+        if not isinstance(results, list) or len(results) != len(inputs):
+            count = len(results) if isinstance(results, list) else type(results).__name__
+            message = f"the model returned {count} results for {len(inputs)} requests"
+            log.error("handler's infer(): %s", message)
+            raise _WrongResults(message)
+        checked: list[Tensors | InferError] = []
+        for result in results:
+            try:
+                checked.append(self._check(result))
+            except Exception as exc:  # TensorError, or anything a hostile result raises
+                log.error("handler's infer() returned an invalid output: %s", exc)
+                message = f"the model returned an invalid output: {exc}"
+                checked.append(InferError(500, message[:1000]))
+        return checked
+
+    def _fail(self, batch: list[_Pending], error: InferError) -> None:
+        for pending in batch:
+            if not pending.future.done():
+                self.failed += 1
+                pending.future.set_exception(error)
+
+    def _fail_queued(self) -> None:
+        """After a hang: those waiting would wait behind it, so they fail now."""
+        queued = []
+        while not self._queue.empty():
+            queued.append(self._queue.get_nowait())
+        self._fail(queued, InferError(503, f"the model is being restarted: {self.hung}"))

@@ -1,0 +1,71 @@
+"""The interface third-party model code implements to run as a `runtime = "python"` model.
+
+A handler declares its tensors, loads once on a device, and answers a batch of requests
+per `infer()` call. The worker around it (python_backend.py) batches concurrent requests,
+checks every output against `outputs` before it reaches a client (handler code is treated
+as hostile), and turns failures into errors for the requests concerned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+# the Open Inference Protocol's tensor types
+OIP_DATATYPES = (
+    "BOOL",
+    "UINT8",
+    "UINT16",
+    "UINT32",
+    "UINT64",
+    "INT8",
+    "INT16",
+    "INT32",
+    "INT64",
+    "FP16",
+    "FP32",
+    "FP64",
+    "BYTES",
+)  # (BYTES: numpy object arrays whose elements are bytes)
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    datatype: str  # one of OIP_DATATYPES
+    shape: tuple[int, ...]  # one request's tensor; -1 = any length on that axis
+
+    def __post_init__(self) -> None:
+        if self.datatype not in OIP_DATATYPES:
+            raise ValueError(f"tensor {self.name!r}: datatype {self.datatype!r} is not an OIP type")
+        if any(not isinstance(d, int) or d < -1 for d in self.shape):
+            raise ValueError(f"tensor {self.name!r}: shape {self.shape!r} (sizes, or -1 for any)")
+
+    def to_json(self) -> dict:
+        """As the protocol's model metadata lists it."""
+        return {"name": self.name, "datatype": self.datatype, "shape": list(self.shape)}
+
+
+class HandlerError(Exception):
+    """A bad request, as the handler sees it: the caller gets a 400 with this message."""
+
+
+class Handler:
+    """Subclass this in a model directory's `handler.py` (or a module in omni/runtimes/)."""
+
+    inputs: tuple[TensorSpec, ...] = ()
+    outputs: tuple[TensorSpec, ...] = ()
+    max_batch_size: int = 1  # the worker merges up to this many concurrent requests
+    max_queue_delay_ms: float = 0.0  # how long the worker may hold a request to fill a batch
+
+    def load(self, model_dir: Path, device: str) -> None:
+        """Read weights from `model_dir` onto `device` ("cpu" or "cuda:N"); called once."""
+
+    def infer(self, batch: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
+        """One dict of named arrays per request in, one per request out, in the same order."""
+        raise NotImplementedError
+
+    def unload(self) -> None:
+        """Release what `load` took; called once as the instance stops."""

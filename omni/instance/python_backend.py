@@ -1,0 +1,164 @@
+"""The `runtime = "python"` backend: a third-party handler served over the Open Inference
+Protocol on the instance's socket.
+
+`handler = "package.module:Class"` names a module on the path (the runtimes shipped in
+omni/runtimes/, or the model's own packages); `handler = "file.py:Class"` a file in the
+model directory, imported by path. Requests are checked against the handler's declared
+inputs, batched (batcher.py), and its outputs checked before they are encoded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import logging
+import sys
+from functools import partial
+from pathlib import Path
+
+from aiohttp import web
+
+from omni.api import oip
+
+from .batcher import Batcher, InferError
+from .handler import Handler, TensorSpec
+from .settings import InstanceSettings
+from .validate import TensorError, check_inputs, check_outputs
+
+log = logging.getLogger("omni.python_backend")
+PLATFORM = "omni-python"
+
+
+class HandlerLoadError(RuntimeError):
+    """The handler named in the catalog cannot be imported or is not a Handler."""
+
+
+def load_handler_class(spec: str, model_dir: Path) -> type[Handler]:
+    """The class `spec` names: "package.module:Class" or "file.py:Class" (in model_dir)."""
+    where, _, class_name = spec.partition(":")
+    if not where or not class_name:
+        raise HandlerLoadError(f"handler {spec!r}: expected 'module:Class' or 'file.py:Class'")
+    if where.endswith(".py"):
+        module = _import_file(model_dir, where)
+    else:
+        module = importlib.import_module(where)
+    cls = getattr(module, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, Handler)):
+        raise HandlerLoadError(f"handler {spec!r}: {class_name} is not a Handler subclass")
+    return cls
+
+
+def _import_file(model_dir: Path, relative: str):
+    path = (model_dir / relative).resolve()
+    if not path.is_relative_to(model_dir.resolve()) or not path.is_file():
+        raise HandlerLoadError(f"handler file {relative!r} is not a file in {model_dir}")
+    name = f"omni_handler_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def declared(specs: object) -> tuple[TensorSpec, ...]:
+    """A handler's `inputs` or `outputs`, which must be TensorSpecs with distinct names."""
+    specs = tuple(specs) if isinstance(specs, tuple | list) else None
+    if specs is None or not all(isinstance(s, TensorSpec) for s in specs):
+        raise HandlerLoadError("a handler's inputs and outputs are tuples of TensorSpec")
+    if len({s.name for s in specs}) != len(specs):
+        raise HandlerLoadError("a handler declares two tensors of one name")
+    return specs
+
+
+def error(status: int, message: str) -> web.Response:
+    """The protocol's error body."""
+    return web.Response(body=oip.error_body(message), status=status, content_type=oip.JSON_TYPE)
+
+
+class PythonBackend:
+    kind = "python"
+
+    def __init__(self, settings: InstanceSettings):
+        self.name = settings.name
+        model_dir = Path(settings.model_dir)
+        if settings.packages_dir:  # the model's own packages come before anything else
+            sys.path.insert(0, settings.packages_dir)
+        sys.path.insert(1 if settings.packages_dir else 0, str(model_dir))  # its own modules
+        assert settings.handler is not None
+        self.handler = load_handler_class(settings.handler, model_dir)()
+        self.handler.load(model_dir, settings.device)
+        self.inputs, self.outputs = declared(self.handler.inputs), declared(self.handler.outputs)
+        delay_ms = settings.max_queue_delay_ms
+        self.batcher = Batcher(
+            self.handler.infer,
+            partial(check_outputs, specs=self.outputs, max_bytes=settings.max_output_bytes),
+            settings.max_batch_size or self.handler.max_batch_size,
+            (self.handler.max_queue_delay_ms if delay_ms is None else delay_ms) / 1000,
+            settings.infer_timeout_s,
+        )
+
+    def add_routes(self, app: web.Application) -> None:
+        app.router.add_post("/v2/models/{model}/infer", self.infer)
+        app.router.add_get("/v2/models/{model}", self.metadata)
+        app.router.add_get("/v2/models/{model}/ready", self.ready)
+
+    def unhealthy(self) -> str | None:
+        return self.batcher.hung
+
+    def stats(self) -> dict:
+        return self.batcher.stats()
+
+    async def close(self) -> None:
+        await self.batcher.close()
+        if not self.batcher.hung:  # (a hung thread may still be inside the handler)
+            await asyncio.to_thread(self.handler.unload)
+
+    def _model(self, request: web.Request) -> web.Response | None:
+        """A 404 for any model but this one."""
+        if request.match_info["model"] != self.name:
+            return error(404, f"unknown model {request.match_info['model'][:64]!r}")
+        return None
+
+    async def metadata(self, request: web.Request) -> web.Response:
+        if (missing := self._model(request)) is not None:
+            return missing
+        return web.json_response(
+            {
+                "name": self.name,
+                "versions": ["1"],
+                "platform": PLATFORM,
+                "inputs": [s.to_json() for s in self.inputs],
+                "outputs": [s.to_json() for s in self.outputs],
+            }
+        )
+
+    async def ready(self, request: web.Request) -> web.Response:
+        if (missing := self._model(request)) is not None:
+            return missing
+        if self.batcher.hung:
+            return error(503, f"the model is being restarted: {self.batcher.hung}")
+        return web.Response(status=200)
+
+    async def infer(self, request: web.Request) -> web.Response:
+        if (missing := self._model(request)) is not None:
+            return missing
+        try:
+            req = oip.decode_request(await request.read(), request.headers)
+            check_inputs(req.inputs, self.inputs)
+            outputs = await self.batcher.submit(req.inputs)
+        except oip.OipError as exc:
+            return error(exc.status, exc.message)
+        except TensorError as exc:
+            return error(400, str(exc))
+        except InferError as exc:
+            return error(exc.status, exc.message)
+        if req.outputs is not None:
+            unknown = [n for n in req.outputs if n not in outputs]
+            if unknown:
+                return error(400, f"unknown output {unknown[0][:64]!r}")
+            outputs = {n: outputs[n] for n in req.outputs}
+        binary = {name for name in outputs if req.wants_binary(name)}
+        body, headers = oip.encode_response(self.name, outputs, req.id, binary)
+        return web.Response(body=body, headers=headers)

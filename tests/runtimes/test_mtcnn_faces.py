@@ -1,0 +1,104 @@
+"""The MTCNN runtime finds the astronaut's face in scikit-image's portrait, as
+facenet-pytorch's MTCNN does run bare, with the weights the facenet-pytorch wheel ships.
+
+facenet-pytorch pins torch<2.3 and numpy<2, which it does not need for detection: as a
+model's own environment would, it is installed with --no-deps into a folder of its own,
+with the torchvision built for this torch, and that folder is put on the path.
+"""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from skimage import data
+
+from .conftest import as_request, served
+
+REPO = Path(__file__).resolve().parents[2]
+FACENET = "facenet-pytorch==2.6.0"
+NMS_PROBE = "import torch, torchvision; torchvision.ops.nms(torch.zeros(1, 4), torch.ones(1), 0.5)"
+
+
+def matching_torchvision() -> str:
+    """torchvision is released in step with torch: 2.N pairs with 0.(N+15)."""
+    major, minor = (int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
+    return f"torchvision==0.{minor + 15}.*" if major == 2 else "torchvision"
+
+
+def facenet_env() -> Path:
+    """facenet-pytorch and torchvision, installed once per torch version under .cache."""
+    env = REPO / ".cache" / "runtime-envs" / f"mtcnn-torch{torch.__version__}"
+    if not (env / "facenet_pytorch").is_dir():
+        install = [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps"]
+        install += ["--target", str(env), FACENET, matching_torchvision()]
+        if subprocess.run(install, capture_output=True).returncode != 0:
+            pytest.skip(f"could not install {FACENET} and torchvision (offline?)")
+    probe = subprocess.run(
+        [sys.executable, "-c", NMS_PROBE], env={"PYTHONPATH": str(env)}, capture_output=True
+    )
+    if probe.returncode != 0:
+        pytest.skip(
+            "torchvision's compiled ops do not load on this torch "
+            f"({torch.__version__}): PyPI's Linux torchvision is built for the CUDA build"
+        )
+    return env
+
+
+@pytest.fixture(scope="module")
+def mtcnn_path():
+    env = str(facenet_env())
+    sys.path.insert(0, env)
+    yield
+    sys.path.remove(env)
+
+
+@pytest.fixture(scope="module")
+def faces(mtcnn_path, tmp_path_factory):
+    from omni.runtimes.mtcnn_faces import MTCNNFaces
+
+    model_dir = tmp_path_factory.mktemp("mtcnn")
+    (model_dir / "omni-model.toml").write_text('weights = "package"\n')
+    handler = MTCNNFaces()
+    handler.load(model_dir, "cpu")
+    return handler
+
+
+def encoded(image: np.ndarray, fmt: str) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format=fmt)
+    return buffer.getvalue()
+
+
+def test_finds_the_face_as_mtcnn_run_bare(faces):
+    from facenet_pytorch import MTCNN
+
+    png = encoded(data.astronaut(), "PNG")
+    [result] = served(faces, [as_request(image=png)])
+    boxes, probs = MTCNN(keep_all=True).detect(Image.open(io.BytesIO(png)).convert("RGB"))
+    np.testing.assert_allclose(result["boxes"], np.asarray(boxes, np.float32), atol=1e-3)
+    np.testing.assert_allclose(result["probs"], np.asarray(probs, np.float32), atol=1e-6)
+    [(x1, y1, x2, y2)] = result["boxes"]  # one face: Eileen Collins', upper middle
+    assert probs[0] > 0.99 and 150 < x1 < x2 < 300 and 30 < y1 < y2 < 200
+
+
+def test_no_face_gives_empty_outputs_and_batch_mates_change_nothing(faces):
+    portrait = as_request(image=encoded(data.astronaut(), "JPEG"))
+    coins = as_request(image=encoded(np.stack([data.coins()] * 3, axis=-1), "PNG"))
+    [alone] = served(faces, [portrait])
+    together = served(faces, [coins, portrait])
+    assert together[0]["boxes"].shape == (0, 4) and together[0]["probs"].shape == (0,)
+    np.testing.assert_array_equal(together[1]["boxes"], alone["boxes"])
+
+
+def test_a_file_that_is_not_an_image_is_a_bad_request(faces):
+    from omni.instance.handler import HandlerError
+
+    with pytest.raises(HandlerError, match="image"):
+        served(faces, [as_request(image=b"not an image")])
