@@ -699,7 +699,9 @@ def inference_app(node: Node) -> web.Application:
             raise
         finally:
             model = request.get("omni_model", "-")  # "-": no body read, or no such model
-            node.metrics.observe_request(model, request.path, status, time.monotonic() - t0)
+            # the route's pattern, not the path: /v2's paths name the model (and version)
+            endpoint = request.match_info.route.resource.canonical
+            node.metrics.observe_request(model, endpoint, status, time.monotonic() - t0)
             if node.load is not None and "omni_model" in request:
                 prompt, completion = usage_tokens(ticket.usage)
                 node.load.record_request(
