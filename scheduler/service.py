@@ -36,7 +36,7 @@ from pathlib import Path
 
 import orjson
 
-from omni.runtime.catalog import parse_size
+from omni.runtime.catalog import HANDLER_KEYS, parse_size
 
 from .autoscale import AutoscaleConfig, Autoscaler, Decision
 from .history import HistoryStore, demand_buckets, telemetry_series
@@ -79,6 +79,7 @@ class WantedModel:
     permits: int | None = None
     max_replicas: int | None = None
     version: str = "1"
+    runtime: dict = dataclasses.field(default_factory=dict)  # what runs it: RUNTIME_KEYS
 
     @property
     def base_version(self) -> Version:
@@ -87,7 +88,7 @@ class WantedModel:
 
     def node_spec(self, version: Version) -> dict:
         """What a node is told to run (omnid's catalog keys)."""
-        out: dict = {"path": version.path, "version": version.name}
+        out: dict = {"path": version.path, "version": version.name, **self.runtime}
         if self.permits:
             out["permits"] = self.permits
         return out
@@ -100,10 +101,15 @@ class WantedModel:
         )
 
 
+# A node's catalog keys that say what runs a model, passed to the nodes as they are
+# (omnid checks them): a handler's model (runtime = "python") and its packages.
+RUNTIME_KEYS = ("runtime", *HANDLER_KEYS)
+
+
 def load_models(path: Path) -> list[WantedModel]:
     """[[models]] tables: name, path, version (a label, default "1"), quota (on each of its
     GPUs), gpus (GPUs of one node an instance spans: tensor parallelism), replicas (the
-    minimum), max_replicas, and the placement constraints."""
+    minimum), max_replicas, the placement constraints, and what runs it (RUNTIME_KEYS)."""
     with path.open("rb") as f:
         data = tomllib.load(f)
     out = []
@@ -129,7 +135,10 @@ def load_models(path: Path) -> list[WantedModel]:
             version = str(m.get("version", "1"))
             if not version:
                 raise ValueError("version must not be empty")
-            out.append(WantedModel(spec, str(m["path"]), m.get("permits"), high, version))
+            runtime = {k: m[k] for k in RUNTIME_KEYS if k in m}
+            if "handler" in runtime and runtime.get("runtime") != "python":
+                raise ValueError('handler needs runtime = "python"')
+            out.append(WantedModel(spec, str(m["path"]), m.get("permits"), high, version, runtime))
         except KeyError as exc:
             raise ValueError(f"{where}: missing {exc.args[0]!r}") from None
         except (TypeError, ValueError) as exc:

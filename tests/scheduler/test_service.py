@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from omni.runtime.omnid import entry_from_spec
 from scheduler.__main__ import advertised_host, join_hostport, parse_hostport
 from scheduler.autoscale import AutoscaleConfig
 from scheduler.placement import ModelSpec, Placement, place
@@ -26,6 +27,32 @@ def test_a_models_file_with_a_missing_or_bad_key_names_it(tmp_path):
     (model,) = load_models(path)
     assert model.spec.quota_bytes == 2 << 30 and model.spec.replicas == 3
     assert model.spec.gpu_kinds == {"H100"} and model.spec.spread == 2
+
+
+def test_a_handler_s_model_tells_nodes_what_runs_it(tmp_path):
+    path, model = tmp_path / "models.toml", tmp_path / "asr"
+    model.mkdir()
+    path.write_text(
+        f'[[models]]\nname = "asr"\npath = "{model}"\nruntime = "python"\n'
+        'handler = "omni.runtimes.pocketsphinx_asr:PocketSphinxASR"\n'
+        'requirements = ["numpy==2.1.0"]\nmax_batch_size = 8\n'
+        '[[models]]\nname = "llm"\npath = "/m/llm"\n'
+    )
+    asr, llm = load_models(path)
+    spec = asr.node_spec(asr.base_version)
+    assert spec == {
+        "path": str(model),
+        "version": "1",
+        "runtime": "python",
+        "handler": "omni.runtimes.pocketsphinx_asr:PocketSphinxASR",
+        "requirements": ["numpy==2.1.0"],
+        "max_batch_size": 8,
+    }
+    assert entry_from_spec("asr", spec).handler.handler.startswith("omni.runtimes.")
+    assert llm.node_spec(llm.base_version) == {"path": "/m/llm", "version": "1"}
+    path.write_text('[[models]]\nname = "a"\npath = "/m"\nhandler = "h.py:H"\n')
+    with pytest.raises(ValueError, match=r"models\[0\]: handler needs runtime"):
+        load_models(path)
 
 
 def test_announced_nodes_become_placement_nodes():
