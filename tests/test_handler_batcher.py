@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from omni.instance.batcher import Batcher, InferError
-from omni.instance.handler import HandlerError, TensorSpec
+from omni.instance.handler import HandlerError, TensorSpec, each, together
 from omni.instance.settings import InstanceSettings, SettingsError
 from omni.instance.validate import TensorError, check_inputs, check_outputs
 from omni.runtime import catalog
@@ -187,13 +187,13 @@ def failing(exc: Exception):
     ("infer", "status", "says"),
     [
         (failing(HandlerError("x must be positive")), 400, "x must be positive"),
+        (failing(HandlerError()), 400, "the model refused the request"),
         (failing(ZeroDivisionError("boom")), 500, "ZeroDivisionError: boom"),
-        (lambda batch: [ok_outputs()], 500, "1 results for 2 requests"),
-        (lambda batch: None, 500, "NoneType results for 2 requests"),
-        (lambda batch: [ok_outputs(), {"y": 5}], 500, "invalid output"),
+        (lambda batch: None, 500, "NoneType results for 1 requests"),
+        (lambda batch: [{"y": 5}] * len(batch), 500, "invalid output"),
     ],
 )
-def test_a_failing_handler_fails_its_batch_with_a_clear_error(infer, status, says):
+def test_a_handler_that_fails_every_request_fails_each_with_a_clear_error(infer, status, says):
     async def main():
         b = batcher(infer, max_batch_size=2, max_queue_delay_s=0.2)
         results = await asyncio.gather(
@@ -204,11 +204,139 @@ def test_a_failing_handler_fails_its_batch_with_a_clear_error(infer, status, say
         return results, after, b
 
     results, after, b = asyncio.run(main())
-    errors = [r for r in results if isinstance(r, InferError)]
-    assert errors and all(e.status == status for e in errors)
-    assert any(says in e.message for e in errors), [e.message for e in errors]
+    for error in [*results, *after]:
+        assert isinstance(error, InferError) and error.status == status, error
+        assert says in error.message, error.message
     assert b.hung is None  # it keeps serving
-    assert not isinstance(after[0], InferError) or after[0].status == status
+    assert b.stats()["batch_failed"] == 3
+
+
+class NegativeIsBad:
+    """A handler's infer() that adds 1, and fails a request whose x is negative in one
+    of four ways: `returns` a HandlerError in its place, `raises` one for the batch,
+    `crashes` (another exception, for the batch), or returns a `malformed` output."""
+
+    def __init__(self, style: str):
+        self.style = style
+        self.calls: list[int] = []
+
+    def __call__(self, batch: list[dict]) -> list:
+        self.calls.append(len(batch))
+        bad = [bool((r["x"] < 0).any()) for r in batch]
+        if any(bad) and self.style == "raises":
+            raise HandlerError("x must not be negative")
+        if any(bad) and self.style == "crashes":
+            raise ValueError("negative x")
+        return [self.failure(r) if b else self.answer(r) for r, b in zip(batch, bad, strict=True)]
+
+    def answer(self, r: dict) -> dict:
+        return {"y": r["x"] + 1, "s": r["s"]}
+
+    def failure(self, r: dict):
+        if self.style == "returns":
+            return HandlerError("x must not be negative")
+        return {"y": r["x"]}  # malformed: no "s"
+
+
+@pytest.mark.parametrize(
+    ("style", "status", "says", "calls"),
+    [
+        ("returns", 400, "x must not be negative", [3]),
+        ("raises", 400, "x must not be negative", [3, 1, 1, 1]),  # then each alone
+        ("crashes", 500, "ValueError: negative x", [3, 1, 1, 1]),
+        ("malformed", 500, "missing output 's'", [3]),
+    ],
+)
+def test_one_bad_request_fails_alone_and_its_batch_mates_get_their_answers(
+    style, status, says, calls
+):
+    handler = NegativeIsBad(style)
+
+    async def main():
+        b = batcher(handler, max_batch_size=3, max_queue_delay_s=0.2)
+        submitted = (b.submit(request(v)) for v in (1, -1, 2))
+        results = await asyncio.gather(*submitted, return_exceptions=True)
+        await b.close()
+        return results, b.stats()
+
+    (first, bad, last), stats = asyncio.run(main())
+    assert first["y"].tolist() == [2.0] * 3 and first["s"].tolist() == [b"1"]
+    assert last["y"].tolist() == [3.0] * 3 and last["s"].tolist() == [b"2"]
+    assert isinstance(bad, InferError) and bad.status == status and says in bad.message, bad
+    assert handler.calls == calls
+    assert stats["batch_runs"] == len(calls) and stats["batch_requests"] == sum(calls)
+    assert stats["batch_sizes"] == {str(n): calls.count(n) for n in sorted(set(calls))}
+    assert stats["batch_failed"] == 1 and stats["batch_cancelled"] == 0
+    assert stats["batch_rerun"] == (3 if len(calls) > 1 else 0)
+
+
+def test_a_batch_given_the_wrong_number_of_results_is_run_again_request_by_request():
+    calls = []
+
+    def first_only(batch):
+        calls.append(len(batch))
+        return [{"y": batch[0]["x"] + 1, "s": batch[0]["s"]}]
+
+    async def main():
+        b = batcher(first_only, max_batch_size=2, max_queue_delay_s=0.2)
+        results = await asyncio.gather(b.submit(request(1)), b.submit(request(2)))
+        await b.close()
+        return results, b.stats()
+
+    results, stats = asyncio.run(main())
+    assert [r["y"].tolist() for r in results] == [[2.0] * 3, [3.0] * 3]
+    assert calls == [2, 1, 1] and stats["batch_failed"] == 0 and stats["batch_rerun"] == 2
+
+
+def test_a_request_that_hangs_when_run_again_alone_fails_the_rest_at_once():
+    release = threading.Event()
+
+    def refuse_then_hang(batch):
+        if len(batch) > 1:
+            raise HandlerError("one of these is bad")
+        release.wait(30)
+        return [ok_outputs()]
+
+    async def main():
+        b = batcher(refuse_then_hang, max_batch_size=2, max_queue_delay_s=0.2, infer_timeout_s=0.5)
+        t0 = time.monotonic()
+        results = await asyncio.gather(
+            b.submit(request(1)), b.submit(request(2)), return_exceptions=True
+        )
+        took = time.monotonic() - t0
+        release.set()
+        await b.close()
+        return results, took, b
+
+    (hung, after), took, b = asyncio.run(main())
+    assert isinstance(hung, InferError) and hung.status == 504, hung
+    assert isinstance(after, InferError) and after.status == 503, after
+    assert took < 3 and b.hung
+
+
+def test_each_puts_a_refusal_in_its_items_place_and_passes_it_on():
+    def positive(x: int) -> int:
+        if x < 0:
+            raise HandlerError(f"{x} is negative")
+        return x
+
+    steps = each(each([1, -2, 3], positive), lambda x: x * 10)
+    assert steps[0::2] == [10, 30] and isinstance(steps[1], HandlerError)
+    assert str(steps[1]) == "-2 is negative"
+    with pytest.raises(ZeroDivisionError):  # only refusals are caught
+        each([0], lambda x: 1 / x)
+
+
+def test_together_runs_the_items_not_refused_at_once_and_keeps_each_in_its_place():
+    runs = []
+
+    def run(items: list[int]) -> list[int]:
+        runs.append(items)
+        return [x * 10 for x in items]
+
+    refused = HandlerError("no")
+    assert together([1, refused, 3], run) == [10, refused, 30] and runs == [[1, 3]]
+    assert together([refused], run) == [refused] and len(runs) == 1  # nothing to run
 
 
 def test_a_hung_handler_times_out_and_marks_the_instance_for_a_restart():
@@ -320,7 +448,7 @@ def test_a_handler_is_loaded_from_the_model_directory_or_a_module(tmp_path, monk
     for spec, says in (
         ("../outside.py:H", "not a file in"),
         ("h.py:N", "not a Handler subclass"),
-        ("h.py:Missing", "not a Handler subclass"),
+        ("h.py:Missing", "h.py has no 'Missing'"),
         ("h.py", "expected 'module:Class'"),
     ):
         with pytest.raises(HandlerLoadError, match=says):

@@ -6,6 +6,15 @@ worker thread, so the event loop keeps answering health checks. A request whose 
 left (its task cancelled) is dropped before it runs. Each request gets its own outcome:
 its outputs, or the error that concerns it.
 
+A request's outcome never depends on its batch-mates. A handler fails one request by
+returning a HandlerError in its place (a 400 for it alone), and an output unlike its
+declaration fails its request alone (a 500). When infer() fails as a whole for several
+requests (it raised, a HandlerError or anything else, or returned a wrong number of
+results), nothing says which request caused it, so each is run again alone, in a call
+of its own under its own timeout, and gets that call's outcome: the bad request fails,
+the others are answered. This costs a bad batch one call per request; a handler spares
+that by returning its refusals in place rather than raising them.
+
 A batch that runs past `infer_timeout_s` cannot be taken back from its thread: its
 requests get 504, the batcher is marked hung (the instance's health then fails, and omnid
 restarts it), and what comes after gets 503 at once instead of waiting behind it.
@@ -29,7 +38,7 @@ from .handler import HandlerError
 log = logging.getLogger("omni.batcher")
 
 Tensors = dict[str, np.ndarray]
-Infer = Callable[[list[Tensors]], list[Tensors]]
+Infer = Callable[[list[Tensors]], list[Tensors | HandlerError]]
 # one request's outputs as the handler returned them -> checked outputs (raises TensorError)
 CheckOutputs = Callable[[object], Tensors]
 
@@ -41,6 +50,11 @@ class InferError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+def refusal(error: HandlerError) -> str:
+    """The message a refused request's caller gets."""
+    return (str(error) or "the model refused the request")[:1000]
 
 
 class _WrongResults(Exception):
@@ -74,8 +88,9 @@ class Batcher:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-infer")
         self._loop_task: asyncio.Task | None = None
         self.hung: str | None = None  # why the instance must be restarted, once it must
-        self.sizes: Counter[int] = Counter()  # requests per batch -> batches run
+        self.sizes: Counter[int] = Counter()  # requests per infer() call -> calls made
         self.failed = 0  # requests that got an error from the handler or its outputs
+        self.rerun = 0  # requests run again alone, their batch's call having failed
         self.cancelled = 0  # requests dropped, their clients gone, before they ran
 
     async def submit(self, inputs: Tensors) -> Tensors:
@@ -96,13 +111,17 @@ class Batcher:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> dict:
-        """For the instance's /health (omnid shows them in /metrics and /v1/instances)."""
+        """For the instance's /health (omnid shows them in /metrics and /v1/instances).
+        Every infer() call counts, a failed one and a rerun alone too; a request that
+        was run again is counted in each call that held it, and once in batch_failed
+        if its own call failed."""
         return {
             "batch_runs": sum(self.sizes.values()),
             "batch_requests": sum(n * count for n, count in self.sizes.items()),
             "batch_sizes": {str(n): count for n, count in sorted(self.sizes.items())},
             "batch_failed": self.failed,
             "batch_cancelled": self.cancelled,
+            "batch_rerun": self.rerun,
             "batch_queued": self._queue.qsize(),
         }
 
@@ -132,29 +151,22 @@ class Batcher:
         return wanted
 
     async def _run_batch(self, batch: list[_Pending]) -> None:
-        inputs = [p.inputs for p in batch]
-        loop = asyncio.get_running_loop()
-        running = loop.run_in_executor(self._pool, self._infer_checked, inputs)
+        """One infer() call for `batch`; if it fails as a whole, each request alone."""
+        if self.hung:  # (a call of the requests run again alone hung)
+            self._fail(batch, InferError(503, f"the model is being restarted: {self.hung}"))
+            return
         try:
-            results = await asyncio.wait_for(asyncio.shield(running), self.infer_timeout_s)
-        except TimeoutError:
-            self.hung = f"infer() ran past its {self.infer_timeout_s:g} s timeout"
-            log.error("handler hung: %s; the instance must be restarted", self.hung)
-            self._fail(batch, InferError(504, f"the model did not answer: {self.hung}"))
-            self._fail_queued()
+            results = await self._call(batch)
+        except InferError as error:
+            if len(batch) == 1 or self.hung:
+                self._fail(batch, error)
+                return
+            log.warning("infer() failed for %d requests (%s): each runs alone", len(batch), error)
+            self.rerun += len(batch)
+            for pending in batch:
+                if not pending.future.done():
+                    await self._run_batch([pending])
             return
-        except _WrongResults as exc:
-            self._fail(batch, InferError(500, str(exc)))
-            return
-        except HandlerError as exc:
-            self._fail(batch, InferError(400, str(exc) or "the model refused the request"))
-            return
-        except Exception as exc:
-            log.exception("handler's infer() raised")
-            message = f"the model's infer() failed: {type(exc).__name__}: {exc}"
-            self._fail(batch, InferError(500, message[:1000]))
-            return
-        self.sizes[len(batch)] += 1
         for pending, result in zip(batch, results, strict=True):
             if pending.future.done():
                 continue
@@ -163,6 +175,29 @@ class Batcher:
                 pending.future.set_exception(result)
             else:
                 pending.future.set_result(result)
+
+    async def _call(self, batch: list[_Pending]) -> list[Tensors | InferError]:
+        """`batch`'s infer() call in the worker thread, under the timeout: each request's
+        checked outputs or error; raises InferError where the call fails as a whole."""
+        self.sizes[len(batch)] += 1
+        loop = asyncio.get_running_loop()
+        inputs = [p.inputs for p in batch]
+        running = loop.run_in_executor(self._pool, self._infer_checked, inputs)
+        try:
+            return await asyncio.wait_for(asyncio.shield(running), self.infer_timeout_s)
+        except TimeoutError:
+            self.hung = f"infer() ran past its {self.infer_timeout_s:g} s timeout"
+            log.error("handler hung: %s; the instance must be restarted", self.hung)
+            self._fail_queued()
+            raise InferError(504, f"the model did not answer: {self.hung}") from None
+        except _WrongResults as exc:
+            raise InferError(500, str(exc)) from None
+        except HandlerError as exc:
+            raise InferError(400, refusal(exc)) from None
+        except Exception as exc:
+            log.exception("handler's infer() raised")
+            message = f"the model's infer() failed: {type(exc).__name__}: {exc}"
+            raise InferError(500, message[:1000]) from None
 
     def _infer_checked(self, inputs: list[Tensors]) -> list[Tensors | InferError]:
         """In the worker thread, under the batch's timeout (checking a hostile result may
@@ -173,15 +208,18 @@ class Batcher:
             message = f"the model returned {count} results for {len(inputs)} requests"
             log.error("handler's infer(): %s", message)
             raise _WrongResults(message)
-        checked: list[Tensors | InferError] = []
-        for result in results:
-            try:
-                checked.append(self._check(result))
-            except Exception as exc:  # TensorError, or anything a hostile result raises
-                log.error("handler's infer() returned an invalid output: %s", exc)
-                message = f"the model returned an invalid output: {exc}"
-                checked.append(InferError(500, message[:1000]))
-        return checked
+        return [self._check_one(result) for result in results]
+
+    def _check_one(self, result: object) -> Tensors | InferError:
+        """One request's checked outputs, or its error: its refusal (a HandlerError in its
+        place) or its invalid output."""
+        try:
+            if isinstance(result, HandlerError):
+                return InferError(400, refusal(result))
+            return self._check(result)
+        except Exception as exc:  # TensorError, or anything a hostile result raises
+            log.error("handler's infer() returned an invalid output: %s", exc)
+            return InferError(500, f"the model returned an invalid output: {exc}"[:1000])
 
     def _fail(self, batch: list[_Pending], error: InferError) -> None:
         for pending in batch:

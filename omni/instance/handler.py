@@ -4,12 +4,19 @@ A handler declares its tensors, loads once on a device, and answers a batch of r
 per `infer()` call. The worker around it (python_backend.py) batches concurrent requests,
 checks every output against `outputs` before it reaches a client (handler code is treated
 as hostile), and turns failures into errors for the requests concerned.
+
+A request's answer never depends on its batch-mates: a handler refuses one request by
+returning a HandlerError in that request's place (`each` and `together` do this), and a
+failure of a whole `infer()` call of several requests makes the worker run each of them
+again alone (batcher.py), so only the bad ones fail.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 
@@ -49,7 +56,43 @@ class TensorSpec:
 
 
 class HandlerError(Exception):
-    """A bad request, as the handler sees it: the caller gets a 400 with this message."""
+    """A bad request, as the handler sees it: the caller gets a 400 with this message.
+    Returned in a request's place in infer()'s list, it fails that request alone; raised,
+    it fails the whole call (whose requests are then each run again alone)."""
+
+
+# what infer() returns: each request's outputs, or the HandlerError that refuses it
+Answers = list[dict[str, np.ndarray] | HandlerError]
+Item = TypeVar("Item")
+Result = TypeVar("Result")
+
+
+def each(
+    items: Iterable[Item | HandlerError], step: Callable[[Item], Result]
+) -> list[Result | HandlerError]:
+    """`step` of every item, where the HandlerError `step` raises takes that item's place
+    and an item that already is one is passed on: one bad request fails alone, and
+    steps chain (`each(each(batch, decode), run)`)."""
+    out: list[Result | HandlerError] = []
+    for item in items:
+        if isinstance(item, HandlerError):
+            out.append(item)
+            continue
+        try:
+            out.append(step(item))
+        except HandlerError as refused:
+            out.append(refused)
+    return out
+
+
+def together(
+    items: list[Item | HandlerError], run: Callable[[list[Item]], Iterable[Result]]
+) -> list[Result | HandlerError]:
+    """`run` once on the items that are not refusals (one forward pass for them all), its
+    results put back in their items' places, the refusals left in theirs."""
+    kept = [item for item in items if not isinstance(item, HandlerError)]
+    results = iter(run(kept) if kept else ())
+    return [item if isinstance(item, HandlerError) else next(results) for item in items]
 
 
 class Handler:
@@ -63,8 +106,9 @@ class Handler:
     def load(self, model_dir: Path, device: str) -> None:
         """Read weights from `model_dir` onto `device` ("cpu" or "cuda:N"); called once."""
 
-    def infer(self, batch: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        """One dict of named arrays per request in, one per request out, in the same order."""
+    def infer(self, batch: list[dict[str, np.ndarray]]) -> Answers:
+        """One dict of named arrays per request in, one per request out, in the same order;
+        a request the handler refuses gets a HandlerError in its place."""
         raise NotImplementedError
 
     def unload(self) -> None:

@@ -44,6 +44,8 @@ def load_handler_class(spec: str, model_dir: Path) -> type[Handler]:
     else:
         module = importlib.import_module(where)
     cls = getattr(module, class_name, None)
+    if cls is None:
+        raise HandlerLoadError(f"handler {spec!r}: {where} has no {class_name!r}")
     if not (isinstance(cls, type) and issubclass(cls, Handler)):
         raise HandlerLoadError(f"handler {spec!r}: {class_name} is not a Handler subclass")
     return cls

@@ -42,6 +42,7 @@ BATCH_GAUGES = {  # a handler's dynamic batching (omni/instance/batcher.py), cum
     "batch_requests": "Requests those batches held",
     "batch_failed": "Requests that got an error from the handler or its outputs",
     "batch_cancelled": "Requests dropped before they ran, their clients gone",
+    "batch_rerun": "Requests run again alone after their whole batch failed",
 }
 SWAP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 

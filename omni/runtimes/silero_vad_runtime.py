@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from omni.instance.handler import Handler, TensorSpec
+from omni.instance.handler import Answers, Handler, TensorSpec, each
 
 from .audio import SAMPLE_RATE, decode_audio
 from .model_config import read_model_config, weights_from_package
@@ -74,9 +74,12 @@ class SileroVAD(Handler):
         self.model = load_model(model_dir)
         self.options = detection_options(model_dir)
 
-    def infer(self, batch: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        clips = [decode_audio(single_bytes(request, "audio")) for request in batch]
-        return [{"segments": speech_segments(self.model, clip, self.options)} for clip in clips]
+    def infer(self, batch: list[dict[str, np.ndarray]]) -> Answers:
+        clips = each(batch, lambda request: decode_audio(single_bytes(request, "audio")))
+        return each(clips, self.segments)
+
+    def segments(self, clip: np.ndarray) -> dict[str, np.ndarray]:
+        return {"segments": speech_segments(self.model, clip, self.options)}
 
     def unload(self) -> None:
         self.model = None

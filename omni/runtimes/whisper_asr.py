@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from transformers import WhisperForConditionalGeneration, WhisperProcessor
 
-from omni.instance.handler import Handler, HandlerError, TensorSpec
+from omni.instance.handler import Answers, Handler, HandlerError, TensorSpec, each, together
 
 from .audio import SAMPLE_RATE, decode_audio
 from .model_config import read_model_config
@@ -33,6 +33,14 @@ from .tensors import bytes_tensor, single_bytes
 
 MAX_SECONDS = 30.0  # Whisper's window: longer audio would be cut silently
 PROMPT_TOKENS = 4  # <|startoftranscript|><|en|><|transcribe|><|notimestamps|>
+
+
+def read_clip(request: dict[str, np.ndarray]) -> np.ndarray:
+    """The request's audio, refused where Whisper would not hear all of it."""
+    clip = decode_audio(single_bytes(request, "audio"))
+    if clip.size / SAMPLE_RATE > MAX_SECONDS:
+        raise HandlerError(f"audio: {clip.size / SAMPLE_RATE:.1f} s, at most 30 s")
+    return clip
 
 
 def generation_options(model_dir: Path) -> dict:
@@ -62,12 +70,9 @@ class WhisperASR(Handler):
         room = self.model.config.max_target_positions - PROMPT_TOKENS
         self.options["max_new_tokens"] = min(self.options["max_new_tokens"], room)
 
-    def infer(self, batch: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        clips = [decode_audio(single_bytes(request, "audio")) for request in batch]
-        for clip in clips:
-            if clip.size / SAMPLE_RATE > MAX_SECONDS:
-                raise HandlerError(f"audio: {clip.size / SAMPLE_RATE:.1f} s, at most 30 s")
-        return [{"text": bytes_tensor(text)} for text in self.transcribe(clips)]
+    def infer(self, batch: list[dict[str, np.ndarray]]) -> Answers:
+        texts = together(each(batch, read_clip), self.transcribe)  # the good clips at once
+        return each(texts, lambda text: {"text": bytes_tensor(text)})
 
     def transcribe(self, clips: list[np.ndarray]) -> list[str]:
         """One transcript per 16 kHz mono clip, from one generate() call."""

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import soundfile
 
-from omni.instance.handler import Handler
+from omni.instance.handler import Handler, HandlerError
 from omni.instance.validate import check_inputs, check_outputs
 from omni.runtimes.audio import SAMPLE_RATE, decode_audio
 from omni.runtimes.model_config import CONFIG_NAME
@@ -21,11 +21,14 @@ MAX_RESPONSE_BYTES = 64 << 20
 
 def served(handler: Handler, batch: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
     """`handler.infer` as the worker calls it: each request checked against the declared
-    inputs before, each result against the declared outputs after."""
+    inputs before, each result against the declared outputs after. A request refused in
+    its place (a HandlerError returned) raises its error, as one raised would."""
     for request in batch:
         check_inputs(request, handler.inputs)
     results = handler.infer(batch)
     assert isinstance(results, list) and len(results) == len(batch)
+    for refused in (r for r in results if isinstance(r, HandlerError)):
+        raise refused
     return [check_outputs(result, handler.outputs, MAX_RESPONSE_BYTES) for result in results]
 
 

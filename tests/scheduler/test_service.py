@@ -34,7 +34,7 @@ def test_a_handler_s_model_tells_nodes_what_runs_it(tmp_path):
     model.mkdir()
     path.write_text(
         f'[[models]]\nname = "asr"\npath = "{model}"\nruntime = "python"\n'
-        'handler = "omni.runtimes.pocketsphinx_asr:PocketSphinxASR"\n'
+        'handler = "omni.runtimes.pocketsphinx_asr:PocketsphinxASR"\n'
         'requirements = ["numpy==2.1.0"]\nmax_batch_size = 8\n'
         '[[models]]\nname = "llm"\npath = "/m/llm"\n'
     )
@@ -44,7 +44,7 @@ def test_a_handler_s_model_tells_nodes_what_runs_it(tmp_path):
         "path": str(model),
         "version": "1",
         "runtime": "python",
-        "handler": "omni.runtimes.pocketsphinx_asr:PocketSphinxASR",
+        "handler": "omni.runtimes.pocketsphinx_asr:PocketsphinxASR",
         "requirements": ["numpy==2.1.0"],
         "max_batch_size": 8,
     }
