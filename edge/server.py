@@ -14,6 +14,8 @@ x-omni-tenant (prefix caches are per tenant; a client can never set it), with a
 W3C traceparent naming the edge's span. Errors from omnid pass through unchanged.
 With `x-omni-async: true` a request is answered 202 at once and runs when the
 queue allows; its answer is fetched from /v1/async/{id} (edge/async_jobs.py).
+An upload to /v1/audio/transcriptions is read within its own limit (an audio file's,
+omni/api/transcriptions.py) for the model it names, and then goes the same way.
 """
 
 from __future__ import annotations
@@ -32,10 +34,10 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
-from aiohttp.web_protocol import RequestPayloadError
 
-from omni.api import oip_grpc
+from omni.api import oip_grpc, transcriptions
 from omni.api.errors import ApiError, error_middleware, json_response, unavailable
+from omni.api.multipart_form import read_bounded
 from omni.api.oip_http import add_model_routes, live, oip_error, oip_errors, server_metadata
 from omni.api.proxy import (
     CLIENT_CLOSED,
@@ -82,25 +84,6 @@ MAX_ATTEMPTS = 3  # nodes tried for one request that failed before anything was 
 # place of tokens: its tensors say nothing of its work, so each request counts one.
 OIP_COST = 1.0
 DEFAULT_GRPC_PORT = "8001"  # as Triton's
-
-
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The request body, or a 413 as soon as it passes `limit` bytes."""
-    too_large = ApiError(
-        413, f"Request body exceeds the {limit}-byte limit.", code="request_too_large"
-    )
-    if request.content_length is not None and request.content_length > limit:
-        raise too_large
-    body = bytearray()
-    try:
-        async for chunk in request.content.iter_any():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
-    except RequestPayloadError:
-        message = "Request body could not be read (bad Content-Encoding or framing)."
-        raise ApiError(400, message, code="invalid_body") from None
-    return bytes(body)
 
 
 def check_inference_body(body: bytes) -> dict:
@@ -384,7 +367,7 @@ def edge_app(
     async def infer(request: web.Request) -> web.StreamResponse:
         arrived = time.monotonic()
         tenant = admission.tenant(request.headers.get("Authorization"))
-        body = await read_body(request, max_body)
+        body = await read_bounded(request, max_body)
         data = check_inference_body(body)
         if data.get("stream") and request.headers.get(ASYNC_HEADER, "").lower() in ("true", "1"):
             message = "An async request cannot stream; fetch its result when done."
@@ -398,9 +381,17 @@ def edge_app(
         not tokens, so it costs OIP_COST in the fair queues and rate limits."""
         arrived = time.monotonic()
         tenant = admission.tenant(request.headers.get("Authorization"))
-        body = await read_body(request, max_body)
+        body = await read_bounded(request, max_body)
         model = request.match_info["name"]
         return await admit_and_relay(request, tenant, model, body, OIP_COST, 0, arrived)
+
+    async def transcribe(request: web.Request) -> web.StreamResponse:
+        """OpenAI's transcriptions: the upload is read (within its own limit, not
+        max_body) for the model it names; a handler's request, it costs OIP_COST."""
+        arrived = time.monotonic()
+        tenant = admission.tenant(request.headers.get("Authorization"))
+        body, upload = await transcriptions.read_upload(request)
+        return await admit_and_relay(request, tenant, upload.model, body, OIP_COST, 0, arrived)
 
     async def admit_and_relay(
         request: web.Request,
@@ -518,6 +509,7 @@ def edge_app(
     app.router.add_get("/metrics", metrics_page)
     for path in INFERENCE_PATHS:
         app.router.add_post(path, infer)
+    app.router.add_post(transcriptions.PATH, transcribe)
     app.router.add_get("/v2", server_metadata)  # the Open Inference Protocol
     app.router.add_get("/v2/health/live", live)
     app.router.add_get("/v2/health/ready", oip_ready)

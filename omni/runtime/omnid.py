@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from omni import paths, sdnotify
-from omni.api import oip_grpc
+from omni.api import oip_grpc, transcriptions
 from omni.api.errors import ApiError, error_middleware, json_response, model_not_found, unavailable
 from omni.api.oip_http import oip_errors
 from omni.api.proxy import CLIENT_CLOSED, OUTCOME, relay
@@ -53,7 +53,7 @@ from omni.isolation.uids import UidAllocator
 from omni.isolation.view import ViewConfig
 from omni.logs import setup_logging
 
-from . import dashboard, disaggregated, oip_routes
+from . import dashboard, disaggregated, oip_routes, transcription_routes
 from .catalog import (
     DEFAULT_GPU_YIELD_S,
     HANDLER_KEYS,
@@ -687,8 +687,12 @@ def inference_app(node: Node) -> web.Application:
         status = 500  # an unexpected error: the middleware answers 500
         ticket = request["omni_ticket"] = Ticket()
         try:
-            v2 = request.path.startswith("/v2/")
-            resp = await (oip_routes.infer(node, request) if v2 else route(request))
+            if request.path.startswith("/v2/"):
+                resp = await oip_routes.infer(node, request)
+            elif request.path == transcriptions.PATH:
+                resp = await transcription_routes.transcribe(node, request)
+            else:
+                resp = await route(request)
             status = request.get(OUTCOME, resp.status)  # a stream cut short is not a 200
             return resp
         except ApiError as exc:
@@ -767,7 +771,7 @@ def inference_app(node: Node) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
-    for path in ENDPOINTS:
+    for path in (*ENDPOINTS, transcriptions.PATH):
         app.router.add_post(path, infer)
     oip_routes.add_routes(app, node, infer)  # /v2: the Open Inference Protocol
     return app

@@ -1,8 +1,11 @@
 """Speech recognition with CMU PocketSphinx and the US English model its wheel ships.
 
-Input `audio`: one sound file (BYTES [1], see audio.py). Output `text`: the words heard,
-lower case (BYTES [1]). The decoder keeps state through an utterance, so the requests of
-a batch are decoded one after another: no request's words depend on another's.
+Input `audio`: one sound file (BYTES [1], see audio.py). Outputs `text`: the words
+heard, lower case (BYTES [1]); `duration`: the clip's length in seconds (FP32 [1]). Those
+tensors make it a transcription model: OpenAI's /v1/audio/transcriptions serves it
+(omni/api/transcriptions.py has the rule). The decoder keeps state through an
+utterance, so the requests of a batch are decoded one after another: no request's words
+depend on another's.
 
 Weights: `weights = "package"` in omni-model.toml takes the model in the `pocketsphinx`
 wheel (acoustic model, trigram language model, pronouncing dictionary). Otherwise the
@@ -18,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from pocketsphinx import Decoder, get_model_path
 
-from omni.instance.handler import Handler, TensorSpec
+from omni.instance.handler import Answers, Handler, TensorSpec, each
 
 from .audio import SAMPLE_RATE, decode_audio, to_int16
 from .model_config import read_model_config, weights_from_package
@@ -61,7 +64,7 @@ def transcribe(decoder: Decoder, samples: np.ndarray) -> str:
 
 class PocketsphinxASR(Handler):
     inputs = (TensorSpec("audio", "BYTES", (1,)),)
-    outputs = (TensorSpec("text", "BYTES", (1,)),)
+    outputs = (TensorSpec("text", "BYTES", (1,)), TensorSpec("duration", "FP32", (1,)))
     max_batch_size = 8  # decoded one by one; batching only saves the queue's round trips
 
     def load(self, model_dir: Path, device: str) -> None:
@@ -70,9 +73,15 @@ class PocketsphinxASR(Handler):
             **model_files(model_dir), samprate=float(SAMPLE_RATE), loglevel="FATAL"
         )
 
-    def infer(self, batch: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        clips = [decode_audio(single_bytes(request, "audio")) for request in batch]
-        return [{"text": bytes_tensor(transcribe(self.decoder, clip))} for clip in clips]
+    def infer(self, batch: list[dict[str, np.ndarray]]) -> Answers:
+        clips = each(batch, lambda request: decode_audio(single_bytes(request, "audio")))
+        return each(
+            clips,
+            lambda clip: {
+                "text": bytes_tensor(transcribe(self.decoder, clip)),
+                "duration": np.array([clip.size / SAMPLE_RATE], np.float32),
+            },
+        )
 
     def unload(self) -> None:
         self.decoder = None

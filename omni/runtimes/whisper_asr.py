@@ -1,7 +1,8 @@
 """Speech recognition with a Whisper checkpoint, through Hugging Face transformers.
 
 Input `audio`: one sound file (BYTES [1], see audio.py), at most 30 s (Whisper's window;
-split longer recordings). Output `text`: the transcript (BYTES [1]).
+split longer recordings). Outputs `text`: the transcript (BYTES [1]); `duration`: the
+clip's length in seconds (FP32 [1]).
 
 The requests of a batch share one `generate()` call. Whisper pads every clip to the same
 30 s of log-mel features, so batch-mates change no request's input, and greedy decoding
@@ -53,9 +54,13 @@ def generation_options(model_dir: Path) -> dict:
     return options
 
 
+def answer(text: str, clip: np.ndarray) -> dict[str, np.ndarray]:
+    return {"text": bytes_tensor(text), "duration": np.array([clip.size / SAMPLE_RATE], np.float32)}
+
+
 class WhisperASR(Handler):
     inputs = (TensorSpec("audio", "BYTES", (1,)),)
-    outputs = (TensorSpec("text", "BYTES", (1,)),)
+    outputs = (TensorSpec("text", "BYTES", (1,)), TensorSpec("duration", "FP32", (1,)))
     max_batch_size = 16
     max_queue_delay_ms = 5.0
 
@@ -71,8 +76,12 @@ class WhisperASR(Handler):
         self.options["max_new_tokens"] = min(self.options["max_new_tokens"], room)
 
     def infer(self, batch: list[dict[str, np.ndarray]]) -> Answers:
-        texts = together(each(batch, read_clip), self.transcribe)  # the good clips at once
-        return each(texts, lambda text: {"text": bytes_tensor(text)})
+        clips = each(batch, read_clip)
+        texts = together(clips, self.transcribe)  # the good clips at once
+        return [
+            text if isinstance(text, HandlerError) else answer(text, clip)
+            for text, clip in zip(texts, clips, strict=True)
+        ]
 
     def transcribe(self, clips: list[np.ndarray]) -> list[str]:
         """One transcript per 16 kHz mono clip, from one generate() call."""
