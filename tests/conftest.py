@@ -32,6 +32,8 @@ REPO = Path(__file__).resolve().parent.parent
 # Converted default models are reused across test runs on one machine.
 DATA_DIR = REPO / ".cache" / "test-data"
 DEFAULT_MODELS = ("smollm2-135m-instruct", "all-minilm-l6-v2")
+# the defaults that run handlers on weights their packages ship (omni/runtime/defaults.py)
+PACKAGED_MODELS = ("pocketsphinx-en", "silero-vad", "langid")
 
 
 def free_port() -> int:

@@ -13,7 +13,7 @@ import openai
 import psutil
 import pytest
 
-from .conftest import wait_until
+from .conftest import PACKAGED_MODELS, wait_until
 
 TEXT = "smollm2-135m-instruct"
 EMBED = "all-minilm-l6-v2"
@@ -27,7 +27,7 @@ def client(server) -> openai.OpenAI:
 
 
 def test_models_lists_the_defaults(client):
-    assert {m.id for m in client.models.list()} == {TEXT, EMBED}
+    assert {m.id for m in client.models.list()} == {TEXT, EMBED, *PACKAGED_MODELS}
 
 
 def test_chat_completion(client):
@@ -174,14 +174,14 @@ def test_unload_and_load_change_models(client, server, text_model_dir):
     result = server.omnictl("unload", TEXT)
     assert result.returncode == 0, result.stderr
     try:
-        assert {m.id for m in client.models.list()} == {EMBED}
+        assert {m.id for m in client.models.list()} == {EMBED, *PACKAGED_MODELS}
         with pytest.raises(openai.NotFoundError) as err:
             client.completions.create(model=TEXT, prompt="hi", max_tokens=1)
         assert err.value.body["code"] == "model_not_found"
 
         result = server.omnictl("load", "smol-copy", str(text_model_dir))
         assert result.returncode == 0, result.stderr
-        assert {m.id for m in client.models.list()} == {EMBED, "smol-copy"}
+        assert {m.id for m in client.models.list()} == {EMBED, "smol-copy", *PACKAGED_MODELS}
         resp = client.completions.create(
             model="smol-copy", prompt="The capital of France is", max_tokens=5, temperature=0
         )  # waits for it to be ready

