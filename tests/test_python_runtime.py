@@ -1,8 +1,8 @@
 """Third-party handlers served by a real omnid (`runtime = "python"`), in plain processes
 and, as root, in the isolated sandbox: the Open Inference Protocol through omnid's /v2,
 dynamic batching counted in omnid's metrics, and hostile handlers (a wrong shape, a huge
-output, an exception, a hang, an exit) that get clear errors and the usual restart, never
-a hung request."""
+output, an exception, a hang, an exit, a read of another model's files) that get clear
+errors and the usual restart, never a hung request, and are contained."""
 
 from __future__ import annotations
 
@@ -78,6 +78,23 @@ class Exits(AddOne):
         os._exit(3)
 
 
+class Snoop(AddOne):
+    """Opens the file each request names (another model's) and says what happened."""
+
+    def infer(self, batch):
+        out = []
+        for r in batch:
+            try:
+                with open(r["s"][0].decode(), "rb") as f:
+                    said = b"read: " + f.read(64)
+            except OSError as exc:
+                said = type(exc).__name__.encode()
+            s = np.empty(1, dtype=object)
+            s[0] = said
+            out.append({"y": r["x"], "s": s, "batch": np.ones(1, np.int32)})
+        return out
+
+
 class Slow(AddOne):
     max_batch_size = 1
 
@@ -89,9 +106,7 @@ class Slow(AddOne):
 HOSTILE = ("wrong-shape", "huge", "raises", "hangs", "exits")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("handler-model")
+def handler_dir(path: Path) -> Path:
     (path / "handler.py").write_text(HANDLERS)
     (path / "offset.txt").write_text("1.0\n")
     for p in (path, *path.iterdir()):  # world-readable, as sandboxes need
@@ -100,7 +115,20 @@ def model_dir(tmp_path_factory) -> Path:
     return path
 
 
-def config(model: Path) -> str:
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return handler_dir(tmp_path_factory.mktemp("handler-model"))
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory) -> Path:
+    """Another model's directory, with a file only that model's sandbox may read."""
+    path = tmp_path_factory.mktemp("other-model")
+    (path / "secret.txt").write_text("the other model's weights\n")
+    return handler_dir(path)
+
+
+def config(model: Path, other: Path) -> str:
     entries = [
         ("add", "AddOne", ""),
         ("wrong-shape", "WrongShape", ""),
@@ -109,10 +137,12 @@ def config(model: Path) -> str:
         ("hangs", "Hangs", "infer_timeout = 1\n"),
         ("exits", "Exits", ""),
         ("slow", "Slow", ""),
+        ("snoop", "Snoop", ""),
     ]
     out = ""
-    for name, cls, extra in entries:
-        out += f'[[models]]\nname = "{name}"\npath = "{model}"\nruntime = "python"\n'
+    for name, cls, extra in [*entries, ("other", "AddOne", f'path = "{other}"\n')]:
+        path = "" if "path" in extra else f'path = "{model}"\n'
+        out += f'[[models]]\nname = "{name}"\n{path}runtime = "python"\n'
         out += f'handler = "handler.py:{cls}"\nmemory = "2GiB"\n{extra}'
     return out
 
@@ -127,11 +157,13 @@ SANDBOXES = [
 
 
 @pytest.fixture(scope="module", params=SANDBOXES)
-def node(request, tmp_path_factory, model_dir):
-    omnid = Omnid(tmp_path_factory.mktemp("node"), config(model_dir), "--sandbox", request.param)
+def node(request, tmp_path_factory, model_dir, other_model_dir):
+    text = config(model_dir, other_model_dir)
+    omnid = Omnid(tmp_path_factory.mktemp("node"), text, "--sandbox", request.param)
+    omnid.sandbox_kind = request.param
     try:
         omnid.models()
-        omnid.wait_ready(["add", "slow", *HOSTILE], timeout_s=180)
+        omnid.wait_ready(["add", "slow", "snoop", "other", *HOSTILE], timeout_s=180)
         yield omnid
     finally:
         assert omnid.stop() == 0, omnid.log()
@@ -241,6 +273,17 @@ def test_a_hostile_handler_gets_a_clear_error_and_keeps_serving(node, model, sta
         assert took < 30, took
     inst = node.instances()[model]
     assert inst["state"] == "ready" and inst["restarts"] == 0, inst
+
+
+def test_a_handler_cannot_read_another_model_s_files(node, model_dir, other_model_dir):
+    secret = other_model_dir / "secret.txt"
+    said = outputs(infer(node, "snoop", infer_body([1.0], str(secret))))["s"][0]
+    if node.sandbox_kind == "isolated":  # only its own model directory is in its view
+        assert said in ("FileNotFoundError", "PermissionError"), said
+    else:  # a plain process reads what its uid may: the isolated sandbox is the boundary
+        assert said == "read: the other model's weights\n", said
+    own = outputs(infer(node, "snoop", infer_body([1.0], str(model_dir / "offset.txt"))))
+    assert own["s"][0] == "read: 1.0\n", own  # its own, it reads
 
 
 def test_a_hung_handler_times_out_and_is_restarted(node):

@@ -19,7 +19,7 @@ import pytest
 
 from omni.runtime.catalog import load_config
 
-from .conftest import DATA_DIR, DEFAULT_MODELS, REPO, running_server
+from .conftest import DATA_DIR, DEFAULT_MODELS, PACKAGED_MODELS, REPO, running_server
 
 README = REPO / "README.md"
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```", re.MULTILINE | re.DOTALL)
@@ -35,7 +35,8 @@ def runnable() -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with running_server(tmp_path_factory.mktemp("readme"), ready=DEFAULT_MODELS) as srv:
+    ready = (*DEFAULT_MODELS, *PACKAGED_MODELS)
+    with running_server(tmp_path_factory.mktemp("readme"), ready=ready) as srv:
         yield srv
 
 
