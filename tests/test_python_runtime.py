@@ -18,6 +18,7 @@ from tests.conftest import wait_until
 from tests.nodes import Omnid
 
 HANDLERS = '''
+import importlib
 import os
 import threading
 import time
@@ -79,15 +80,21 @@ class Exits(AddOne):
 
 
 class Snoop(AddOne):
-    """Opens the file each request names (another model's) and says what happened."""
+    """Opens the file each request names (another model's), or imports the module it
+    names ("import:NAME"), and says what happened."""
 
     def infer(self, batch):
         out = []
         for r in batch:
+            target = r["s"][0].decode()
             try:
-                with open(r["s"][0].decode(), "rb") as f:
-                    said = b"read: " + f.read(64)
-            except OSError as exc:
+                if target.startswith("import:"):
+                    importlib.import_module(target.removeprefix("import:"))
+                    said = b"imported"
+                else:
+                    with open(target, "rb") as f:
+                        said = b"read: " + f.read(64)
+            except (OSError, ImportError) as exc:
                 said = type(exc).__name__.encode()
             s = np.empty(1, dtype=object)
             s[0] = said
@@ -284,6 +291,16 @@ def test_a_handler_cannot_read_another_model_s_files(node, model_dir, other_mode
         assert said == "read: the other model's weights\n", said
     own = outputs(infer(node, "snoop", infer_body([1.0], str(model_dir / "offset.txt"))))
     assert own["s"][0] == "read: 1.0\n", own  # its own, it reads
+
+
+def test_a_third_party_handler_sees_the_shared_base_alone_of_omnid_s_packages(node):
+    def tried(module: str) -> str:
+        return outputs(infer(node, "snoop", infer_body([1.0], f"import:{module}")))["s"][0]
+
+    assert tried("numpy") == "imported"  # the shared base
+    if node.sandbox_kind == "isolated":  # the rest of omnid's environment is not in its view
+        assert tried("transformers") == "ModuleNotFoundError"
+        assert tried("pocketsphinx") == "ModuleNotFoundError"
 
 
 def test_a_hung_handler_times_out_and_is_restarted(node):

@@ -85,9 +85,8 @@ class PythonBackend:
     def __init__(self, settings: InstanceSettings):
         self.name = settings.name
         model_dir = Path(settings.model_dir)
-        if settings.packages_dir:  # the model's own packages come before anything else
-            sys.path.insert(0, settings.packages_dir)
-        sys.path.insert(1 if settings.packages_dir else 0, str(model_dir))  # its own modules
+        # its own modules; its own packages are on PYTHONPATH (the sandbox's python_env)
+        sys.path.insert(0, str(model_dir))
         assert settings.handler is not None
         self.handler = load_handler_class(settings.handler, model_dir)()
         self.handler.load(model_dir, settings.device)

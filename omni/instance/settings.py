@@ -29,10 +29,9 @@ class InstanceSettings:
     socket: str  # the Unix socket the instance serves on; its directory is the instance's io/
     runtime: str = "omni"  # one of RUNTIMES
     device: str = "cpu"  # "cpu" or "cuda:N" (rank 0's GPU as the instance sees it)
-    # runtime "python": the handler ("package.module:Class" or "file.py:Class") and the
-    # read-only directory of its own packages, first on sys.path (None: none declared)
+    # runtime "python": the handler ("package.module:Class" or "file.py:Class"); its own
+    # packages come on PYTHONPATH, from the sandbox (SandboxSpec.python_env)
     handler: str | None = None
-    packages_dir: str | None = None
     max_batch_size: int | None = None  # None: the handler's own
     max_queue_delay_ms: float | None = None  # None: the handler's own
     infer_timeout_s: float = 60.0  # one batch's infer(): past it, 504 and the instance ends

@@ -214,6 +214,7 @@ def probe(python: Path, deadline: float) -> Interpreter:
 
 
 @functools.cache
+@functools.cache
 def shared_base_entries(python: Path = Path(sys.executable)) -> tuple[Path, ...]:
     """The shared base's files in site-packages: all of site-packages an isolated
     python-runtime instance needs to see (SandboxSpec.python_base)."""

@@ -184,6 +184,8 @@ class Instance:
         self.data_dir = data_dir
         self.wheelhouse = wheelhouse
         self.packages_dir: Path | None = None  # its own packages' environment, once built
+        # of omnid's site-packages, what a third-party handler sees (envs.shared_base_entries)
+        self.python_base: tuple[Path, ...] | None = None
         # one standing per GPU (rank): each GPU's memory is accounted and swapped apart, and
         # a swap-out of one rank takes the others out with it (they serve only together)
         self.tenants = [
@@ -411,7 +413,6 @@ class Instance:
             runtime=entry.runtime,
             device="cuda:0" if gpus else "cpu",
             handler=handler.handler if handler else None,
-            packages_dir=str(self.packages_dir) if self.packages_dir else None,
             max_batch_size=handler.max_batch_size if handler else None,
             max_queue_delay_ms=handler.max_queue_delay_ms if handler else None,
             infer_timeout_s=handler.infer_timeout_s if handler else 60.0,
@@ -430,11 +431,18 @@ class Instance:
         )
 
     async def _build_packages(self) -> None:
-        """The environment of the model's own packages (built once, then reused)."""
+        """The environment of the model's own packages (built once, then reused), and, for
+        third-party code, the shared base it may see of omnid's packages. The runtimes
+        OMNI ships (omni.runtimes) use omnid's environment, whose packages are theirs."""
         handler = self.entry.handler
-        if handler is None or not handler.requirements or self.packages_dir is not None:
+        if handler is None:
             return
-        from .envs import environment
+        from .envs import environment, shared_base_entries
+
+        if self.python_base is None and not handler.handler.startswith("omni.runtimes."):
+            self.python_base = await asyncio.to_thread(shared_base_entries)
+        if not handler.requirements or self.packages_dir is not None:
+            return
 
         data_dir = self.data_dir or self.dir.parent
         self.packages_dir = await asyncio.to_thread(
@@ -454,8 +462,6 @@ class Instance:
             extra_ro = (self.gpu.shim_library.parent, *(p for p in libs if p.is_dir()))
         if self.entry.placement.draft_path is not None:  # a draft model's, an EAGLE head's
             extra_ro = (*extra_ro, self.entry.placement.draft_path)
-        if self.packages_dir is not None:  # its own packages, read-only
-            extra_ro = (*extra_ro, self.packages_dir)
         return SandboxSpec(
             self.name,
             argv,
@@ -468,6 +474,8 @@ class Instance:
             extra_rw=extra_rw,
             shared_dir=self.dir,
             fingerprint=self.fingerprint,
+            python_env=self.packages_dir,
+            python_base=self.python_base,
             pass_fds=tuple(t.block.fd for t in self.tenants if t.block and t.block.fd is not None),
         )
 
