@@ -32,6 +32,7 @@ from omni.runtimes.model_config import CONFIG_NAME, weights_from_package
 from .conftest import DEFAULT_MODELS, Server, free_port, running_server
 from .conftest import PACKAGED_MODELS as NEW_MODELS
 from .runtimes.conftest import silence, spoken, wav_bytes
+from .runtimes.test_silero_vad import bare_segments
 
 SENTENCE = "hello world this is a test of speech recognition"
 PAD_S = 1.5  # silence each side of the speech the VAD is given
@@ -154,6 +155,8 @@ def test_vad_finds_the_speech_in_silence_and_none_in_pure_silence(served, way, t
     end_of_speech = PAD_S + speech.size / SAMPLE_RATE
     assert PAD_S - 0.3 <= segments[0, 0] <= PAD_S + 0.5, segments
     assert end_of_speech - 0.5 <= segments[-1, 1] <= end_of_speech + 0.3, segments
+    # what the silero-vad package gives bare, on the same file: through the sandbox alike
+    np.testing.assert_allclose(segments, bare_segments(wav_bytes(padded)), rtol=0, atol=1e-6)
 
     quiet = infer(served, way, VAD_MODEL, "audio", wav_bytes(silence(3.0)))
     assert quiet.as_numpy("segments").shape == (0, 2)

@@ -192,3 +192,26 @@ def test_a_plain_process_imports_from_its_environment(wheelhouse, data_dir, tmp_
     status = asyncio.run(go())
     assert status.returncode == 0, log.read_text()
     assert log.read_text().strip() == "2.0.0"
+
+
+def test_a_no_deps_entry_is_installed_without_its_declared_dependencies(tmp_path):
+    """For a package whose metadata pins more than it needs (facenet-pytorch pins an old
+    torch): `--no-deps` installs it alone, its other entries resolve as usual."""
+    house = tmp_path / "wheelhouse"
+    house.mkdir()
+    write_wheel(house, "omni_greedy", "1.0.0", ("omni_absent==9.9",))  # in no wheelhouse
+    write_wheel(house, "omni_testpkg", "2.0.0", ("omni_testdep==1.0",))
+    write_wheel(house, "omni_testdep", "1.0")
+    with pytest.raises(EnvBuildError, match=r"omni[-_]absent"):
+        environment(["omni_greedy==1.0.0"], tmp_path / "data", house)
+    env = environment(
+        ["omni_greedy==1.0.0 --no-deps", "omni_testpkg==2.0.0"], tmp_path / "data", house
+    )
+    assert imported(env, "omni_greedy") == f"1.0.0 {env}/omni_greedy/__init__.py"
+    manifest = json.loads((env / MANIFEST).read_text())
+    assert [w[0] for w in manifest["wheels"]] == [
+        "omni-greedy==1.0.0",
+        "omni-testdep==1.0",
+        "omni-testpkg==2.0.0",
+    ]
+    assert [p.deps for p in validate(["a==1 --no-deps", "b==2"])] == [False, True]

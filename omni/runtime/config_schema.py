@@ -271,7 +271,8 @@ KEYS = (
         "models",
         "requirements",
         "list of string",
-        "The handler's own Python packages, pinned (`name==version`, wheels only). omnid "
+        "The handler's own Python packages, pinned (`name==version`, wheels only; "
+        "`name==version --no-deps` installs one without its declared dependencies). omnid "
         "builds their environment once and binds it read-only into this model's sandbox.",
         example=["numpy==2.1.3"],
         default_text="none",

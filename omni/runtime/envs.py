@@ -1,7 +1,9 @@
 """A model's own Python packages: one read-only environment per resolved set, built once.
 
 A `runtime = "python"` model lists `requirements`, each exactly pinned (`name==1.2.3`,
-optionally followed by pip's `--hash=sha256:...`). `environment()` resolves them with
+optionally followed by pip's `--hash=sha256:...`, and by `--no-deps` for a package whose
+metadata pins more than it needs: it is installed without its declared dependencies,
+and the model lists those it does need). `environment()` resolves them with
 pip, wheels only (`--only-binary :all:`: no setup.py or build backend ever runs), and
 installs what they need into `<data_dir>/envs/<id>`, where `<id>` is the sha256 of the
 resolved wheels (name, version, file hash), the interpreter's version and its platform.
@@ -117,6 +119,7 @@ class Pin:
     name: str  # canonical
     line: str  # as pip reads it, without hashes
     hashes: tuple[str, ...] = ()  # "sha256:<hex>"
+    deps: bool = True  # False: `--no-deps`, installed without its declared dependencies
 
 
 @dataclass(frozen=True)
@@ -172,7 +175,8 @@ def validate(requirements: list[str]) -> list[Pin]:
         where = f"requirements[{i}] {entry!r}"
         if not isinstance(entry, str):
             raise EnvBuildError(f"{where}: not a string")
-        head, *hashes = re.split(r"\s+--hash[=\s]\s*", entry.strip())
+        entry, no_deps = re.subn(r"\s+--no-deps\b", "", entry.strip())
+        head, *hashes = re.split(r"\s+--hash[=\s]\s*", entry)
         try:
             req = Requirement(head)
         except InvalidRequirement as exc:
@@ -185,7 +189,7 @@ def validate(requirements: list[str]) -> list[Pin]:
         name = canonicalize_name(req.name)
         if any(p.name == name for p in pins):
             raise EnvBuildError(f"{where}: {req.name} is listed twice")
-        pins.append(Pin(name, str(req), tuple(hashes)))
+        pins.append(Pin(name, str(req), tuple(hashes), deps=not no_deps))
     return pins
 
 
@@ -225,7 +229,7 @@ def request_key(pins: list[Pin], interp: Interpreter, wheelhouse: Path | None) -
     """What decides a resolution: the pins, the base, the interpreter and the source."""
     return _digest(
         {
-            "pins": sorted([p.line, *p.hashes] for p in pins),
+            "pins": sorted([p.line, *p.hashes, *([] if p.deps else ["--no-deps"])] for p in pins),
             "base": sorted((n, v) for n, (v, _) in interp.base.items()),
             "python": interp.tag,
             "platform": interp.platform,
@@ -249,19 +253,14 @@ def resolve(
     for name, (_, dist_info) in interp.base.items():
         if name not in overridden:  # a pinned base package is resolved afresh
             os.symlink(dist_info, view / Path(dist_info).name)
-    reqs = scratch / "requirements.txt"
-    reqs.write_text("".join(f"{p.line}\n" for p in pins))
-    report = scratch / "report.json"
-    argv = [str(interp.python), "-I", "-S", "-c", _PIP_OVER_BASE, str(view), "install"]
-    argv += ["--dry-run", "--report", str(report), "-r", str(reqs)]
-    cache = scratch.parent / "pip-cache"
-    try:
-        _run(argv + _pip_options(wheelhouse, cache), "resolving", deadline, pins)
-    except EnvBuildError as exc:
-        raise EnvBuildError(f"{exc}{_unfound_hint(str(exc), interp)}") from None
+    items = []
+    for deps in (True, False):  # with their dependencies, then the --no-deps ones alone
+        group = [p for p in pins if p.deps == deps]
+        if group:
+            items += _dry_run(group, deps, interp, view, wheelhouse, scratch, deadline)
     wanted = {p.name: p for p in pins}
-    wheels = []
-    for item in json.loads(report.read_text())["install"]:
+    wheels: dict[str, Pin] = {}
+    for item in items:
         name = canonicalize_name(item["metadata"]["name"])
         hashes = item.get("download_info", {}).get("archive_info", {}).get("hashes", {})
         if "sha256" not in hashes:
@@ -270,8 +269,34 @@ def resolve(
         pin = wanted.get(name)
         if pin is not None and pin.hashes and digest not in pin.hashes:
             raise EnvBuildError(f"{pin.line}: the wheel found has {digest}, not a listed hash")
-        wheels.append(Pin(name, f"{name}=={item['metadata']['version']}", (digest,)))
-    return sorted(wheels, key=lambda w: w.name)
+        wheel = Pin(name, f"{name}=={item['metadata']['version']}", (digest,))
+        if wheels.setdefault(name, wheel) != wheel:
+            raise EnvBuildError(f"resolving: {wheels[name].line} and {wheel.line} both needed")
+    return sorted(wheels.values(), key=lambda w: w.name)
+
+
+def _dry_run(
+    pins: list[Pin],
+    deps: bool,
+    interp: Interpreter,
+    view: Path,
+    wheelhouse: Path | None,
+    scratch: Path,
+    deadline: float,
+) -> list[dict]:
+    """pip's report of what it would install for `pins` over the shared base."""
+    suffix = "" if deps else "-no-deps"
+    reqs, report = scratch / f"requirements{suffix}.txt", scratch / f"report{suffix}.json"
+    reqs.write_text("".join(f"{p.line}\n" for p in pins))
+    argv = [str(interp.python), "-I", "-S", "-c", _PIP_OVER_BASE, str(view), "install"]
+    argv += ["--dry-run", "--report", str(report), "-r", str(reqs)]
+    argv += [] if deps else ["--no-deps"]
+    cache = scratch.parent / "pip-cache"
+    try:
+        _run(argv + _pip_options(wheelhouse, cache), "resolving", deadline, pins)
+    except EnvBuildError as exc:
+        raise EnvBuildError(f"{exc}{_unfound_hint(str(exc), interp)}") from None
+    return json.loads(report.read_text())["install"]
 
 
 def environment_id(wheels: list[Pin], interp: Interpreter) -> str:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import subprocess
 import sys
 from functools import partial
@@ -129,3 +130,45 @@ def test_a_file_that_is_not_an_image_fails_alone_in_its_batch(faces):
         np.testing.assert_array_equal(result["probs"], alone["probs"])
     assert isinstance(bad, InferError) and bad.status == 400 and "image" in bad.message, bad
     assert stats["batch_sizes"] == {"3": 1} and stats["batch_failed"] == 1  # one call
+
+
+def test_served_by_omnid_with_its_own_packages_as_run_bare(faces, tmp_path):
+    """The handler in its sandbox under a real omnid, facenet-pytorch and torchvision its
+    own packages (`--no-deps`: facenet-pytorch's metadata pins a torch of 2024), called
+    with Triton's HTTP client: the same boxes as MTCNN run bare."""
+    import tritonclient.http as httpclient
+    from facenet_pytorch import MTCNN
+
+    from ..nodes import Omnid
+
+    model = tmp_path / "faces"
+    model.mkdir()
+    (model / "omni-model.toml").write_text('weights = "package"\n')
+    for p in (tmp_path, model, *model.iterdir()):
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    torchvision = matching_torchvision().replace(".*", ".0")
+    config = (
+        f'[[models]]\nname = "faces"\npath = "{model}"\nruntime = "python"\n'
+        'handler = "omni.runtimes.mtcnn_faces:MTCNNFaces"\n'
+        f'requirements = ["{FACENET} --no-deps", "{torchvision} --no-deps"]\n'
+    )
+    sandbox = "isolated" if os.geteuid() == 0 else "process"
+    (tmp_path / "node").mkdir()
+    node = Omnid(tmp_path / "node", config, "--sandbox", sandbox)
+    try:
+        node.wait_ready(["faces"], timeout_s=300)
+        png = encoded(data.astronaut(), "PNG")
+        image = httpclient.InferInput("image", [1], "BYTES")
+        image.set_data_from_numpy(np.array([png], dtype=object), binary_data=True)
+        client = httpclient.InferenceServerClient(f"127.0.0.1:{node.port}")
+        result = client.infer("faces", [image])
+        boxes, probs = MTCNN(keep_all=True).detect(Image.open(io.BytesIO(png)).convert("RGB"))
+        np.testing.assert_allclose(
+            result.as_numpy("boxes"), np.asarray(boxes, np.float32), atol=1e-3
+        )
+        np.testing.assert_allclose(
+            result.as_numpy("probs"), np.asarray(probs, np.float32), atol=1e-6
+        )
+        assert result.as_numpy("boxes").shape == (1, 4)
+    finally:
+        assert node.stop() == 0, node.log()
