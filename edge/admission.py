@@ -181,11 +181,14 @@ class Admission:
                 queue.shed_all()
                 del self.queues[model]  # its permits in use still return to it
             elif queue is None:
-                self.queues[model] = FairQueue(
+                queue = self.queues[model] = FairQueue(
                     permits[model], max_queued=self.max_queued, weights=self._weights
                 )
             else:
                 queue.set_permits(permits[model])
+            if model in self.queues:  # a handler's ETA: its GPU turn is what a permit holds
+                eta = self.nodes.eta(model)
+                self.queues[model].service_s = eta[0] if eta is not None else None
 
     async def _refresh_forever(self, session: aiohttp.ClientSession) -> None:
         while True:

@@ -114,6 +114,7 @@ class FairQueue:
         self._default_weight = default_weight
         self._clock = clock
         self._in_use = 0
+        self.service_s: float | None = None  # a handler model's predicted GPU s a request
         self._queues: dict[str, deque[Ticket]] = {}  # only tenants with something queued
         self._n_queued = 0
         self._seq = 0
@@ -350,12 +351,20 @@ class FairQueue:
             self._recent.popleft()
 
     def _retry_after(self) -> float:
-        """Seconds until the queue ahead has likely drained: queued cost / recent rate."""
+        """Seconds until the queue ahead has likely drained: queued cost / recent rate;
+        with nothing served lately, the requests queued times the model's predicted
+        GPU time a request (`service_s`, a handler's ETA) over its permits, if known."""
         now = self._clock()
         self._trim(now)
         queued = sum(k.cost for q in self._queues.values() for k in q)
         served = sum(cost for _, cost in self._recent)
-        if served <= 0:  # nothing served lately: no rate to go by
-            return 1.0 if queued == 0 else RATE_WINDOW_S
+        if served <= 0:  # nothing served lately: no rate to go by, but perhaps an ETA
+            if queued == 0:
+                return 1.0
+            if self.service_s is not None:
+                waiting = sum(len(q) for q in self._queues.values())
+                eta = waiting * self.service_s / max(1, self._permits)
+                return min(max(eta, 1.0), MAX_RETRY_AFTER_S)
+            return RATE_WINDOW_S
         rate = served / max(now - self._recent[0][0], 1.0)
         return min(max(queued / rate, 1.0), MAX_RETRY_AFTER_S)

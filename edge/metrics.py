@@ -32,9 +32,17 @@ class EdgeCollector(Collector):
         permits = GaugeMetricFamily(
             "omni_edge_permits", "Permits of the model's healthy nodes", labels=["model"]
         )
+        eta = GaugeMetricFamily(
+            "omni_edge_model_eta_seconds",
+            "A handler model's predicted time a call, on the GPU and after (its nodes' mean)",
+            labels=["model", "phase"],
+        )
         for model, queue in self.admission.queues.items():
             in_use.add_metric([model], queue.in_use)
             permits.add_metric([model], queue.permits)
+            if (predicted := self.nodes.eta(model)) is not None:
+                eta.add_metric([model, "gpu"], predicted[0])
+                eta.add_metric([model, "cpu"], predicted[1])
             for tenant, n in queue.queued_by_tenant().items():
                 depth.add_metric([model, tenant], n)
         healthy = GaugeMetricFamily("omni_edge_node_healthy", "1 unless ejected", labels=["node"])
@@ -54,7 +62,7 @@ class EdgeCollector(Collector):
         )
         for how, n in self.nodes.decisions.items():
             decisions.add_metric([how], n)
-        yield from (depth, in_use, permits, healthy, latency, busy, decisions)
+        yield from (depth, in_use, permits, eta, healthy, latency, busy, decisions)
 
 
 class EdgeMetrics:

@@ -49,6 +49,8 @@ class Node:
     models: dict[str, int] = field(default_factory=dict)  # model -> permits
     # model -> (queued prompt tokens, KV occupancy 0..1), as the node last reported
     load: dict[str, tuple[int, float]] = field(default_factory=dict)
+    # model -> (GPU seconds, CPU seconds) of a handler's infer() call, as last reported
+    eta: dict[str, tuple[float, float]] = field(default_factory=dict)
     in_flight: dict[str, int] = field(default_factory=dict)
     in_flight_tokens: dict[str, int] = field(default_factory=dict)  # their prompt tokens
     latency_s: float = 0.001
@@ -92,6 +94,7 @@ class Node:
                 m: {"queued_prompt_tokens": q, "kv_occupancy": kv}
                 for m, (q, kv) in self.load.items()
             },
+            "eta_ms": {m: {"gpu": g * 1e3, "cpu": c * 1e3} for m, (g, c) in self.eta.items()},
             "latency_ms": round(self.latency_s * 1e3, 3),
             "ejections": self.ejections,
         }
@@ -112,6 +115,20 @@ def _reported_load(entry: dict) -> tuple[int, float]:
     queued = int(queued) if type(queued) in real and 0 < queued < math.inf else 0
     kv = min(1.0, float(kv)) if type(kv) in real and kv > 0 else 0.0  # NaN > 0 is False
     return queued, kv
+
+
+def _reported_eta(entry: dict) -> tuple[float, float] | None:
+    """A handler model's (GPU, CPU) seconds a call, from its /v1/models entry's load;
+    None where it reports none or nothing sane."""
+    load = entry.get("load")
+    eta = load.get("eta_ms") if isinstance(load, dict) else None
+    if not isinstance(eta, dict):
+        return None
+    phases = (eta.get("gpu"), eta.get("cpu"))
+    # by type: a bool is no number here; under an hour a call (NaN fails the range too)
+    if not all(type(ms) in (int, float) and 0 <= ms < 3.6e6 for ms in phases):
+        return None
+    return phases[0] / 1e3, phases[1] / 1e3
 
 
 class NodeSet:
@@ -151,6 +168,17 @@ class NodeSet:
                 for model, permits in node.models.items():
                     out[model] = out.get(model, 0) + permits
         return out
+
+    def eta(self, model: str) -> tuple[float, float] | None:
+        """A handler model's predicted (GPU, CPU) seconds a call: the mean over the
+        healthy nodes that report it; None where none does."""
+        reported = [n.eta[model] for n in self.nodes if n.healthy and model in n.eta]
+        if not reported:
+            return None
+        return (
+            sum(g for g, _ in reported) / len(reported),
+            sum(c for _, c in reported) / len(reported),
+        )
 
     def hosts(self, model: str) -> list[Node]:
         return [n for n in self.nodes if n.healthy and model in n.models]
@@ -228,11 +256,12 @@ class NodeSet:
                 data = (await resp.json())["data"]
             models = {m["id"]: int(m.get("permits") or DEFAULT_PERMITS) for m in data}
             load = {m["id"]: _reported_load(m) for m in data}
+            eta = {m["id"]: e for m in data if (e := _reported_eta(m)) is not None}
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError, KeyError, TypeError) as exc:
             log.debug("node %s: model list unavailable: %s", node.url, exc)
             self.failed(node)
             return
-        node.models, node.load = models, load
+        node.models, node.load, node.eta = models, load, eta
         node.failures = 0
         if not node.healthy:
             node.ejected_until = 0.0

@@ -15,7 +15,8 @@ W3C traceparent naming the edge's span. Errors from omnid pass through unchanged
 With `x-omni-async: true` a request is answered 202 at once and runs when the
 queue allows; its answer is fetched from /v1/async/{id} (edge/async_jobs.py).
 An upload to /v1/audio/transcriptions is read within its own limit (an audio file's,
-omni/api/transcriptions.py) for the model it names, and then goes the same way.
+omni/api/transcriptions.py) for the model it names, and then goes the same way; so does
+a request to /v1/images/generations (omni/api/images.py).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from omni.api import oip_grpc, transcriptions
+from omni.api import images, oip_grpc, phased, run_json, transcriptions
 from omni.api.errors import ApiError, error_middleware, json_response, unavailable
 from omni.api.multipart_form import read_bounded
 from omni.api.oip_http import add_model_routes, live, oip_error, oip_errors, server_metadata
@@ -393,6 +394,25 @@ def edge_app(
         body, upload = await transcriptions.read_upload(request)
         return await admit_and_relay(request, tenant, upload.model, body, OIP_COST, 0, arrived)
 
+    async def generate_images(request: web.Request) -> web.StreamResponse:
+        """OpenAI's image generations: the body is checked here for the model it names;
+        its n images, n handler requests, cost OIP_COST each."""
+        arrived = time.monotonic()
+        tenant = admission.tenant(request.headers.get("Authorization"))
+        body = await read_bounded(request, images.MAX_BODY_BYTES)
+        generation = images.parse_request(body)
+        cost = OIP_COST * generation.n
+        return await admit_and_relay(request, tenant, generation.model, body, cost, 0, arrived)
+
+    async def run_model(request: web.Request) -> web.StreamResponse:
+        """Plain JSON for a handler model (omni/api/run_json.py): the model is in the path,
+        the body (checked by the node) costs OIP_COST, as its tensors would."""
+        arrived = time.monotonic()
+        tenant = admission.tenant(request.headers.get("Authorization"))
+        body = await read_bounded(request, max_body)
+        model = request.match_info["model"]
+        return await admit_and_relay(request, tenant, model, body, OIP_COST, 0, arrived)
+
     async def admit_and_relay(
         request: web.Request,
         tenant: Tenant,
@@ -434,8 +454,11 @@ def edge_app(
                 node.url + call.path,
                 body,
                 upstream_name="omnid",
-                drop_headers=FORWARDED,
-                extra_headers={k: v for k, v in call.headers.items() if k in FORWARDED},
+                drop_headers=FORWARDED | {phased.HEADER},
+                extra_headers={
+                    **{k: v for k, v in call.headers.items() if k in FORWARDED},
+                    phased.HEADER: "1",  # a handler's GPU work's end: the permit goes on
+                },
                 on_usage=on_usage,
                 on_upstream_done=on_done,
             )
@@ -510,6 +533,8 @@ def edge_app(
     for path in INFERENCE_PATHS:
         app.router.add_post(path, infer)
     app.router.add_post(transcriptions.PATH, transcribe)
+    app.router.add_post(images.PATH, generate_images)
+    app.router.add_post(run_json.PATH, run_model)
     app.router.add_get("/v2", server_metadata)  # the Open Inference Protocol
     app.router.add_get("/v2/health/live", live)
     app.router.add_get("/v2/health/ready", oip_ready)

@@ -18,6 +18,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from . import phased
 from .errors import ApiError, error_body, unavailable
 
 log = logging.getLogger(__name__)
@@ -110,11 +111,14 @@ async def relay(
     extra_headers: dict[str, str] | None = None,
     on_usage: Callable[[dict], None] | None = None,
     on_upstream_done: Callable[[], None] | None = None,
+    pass_phases: bool = False,
 ) -> web.StreamResponse:
     """`drop_headers`: request headers (lower case) not to pass on; `extra_headers`: headers
     to add; `on_usage`: called with the response's `usage` object when it reports one;
     `on_upstream_done`: called once the upstream has sent everything (its GPU work is
-    over), before a slow client has read it all: the answer is then buffered here."""
+    over), before a slow client has read it all: the answer is then buffered here; for
+    an answer in phases (phased.py), at its GPU work's end. `pass_phases`: pass such an
+    answer on as it is (our caller asked for phases), not unwrapped."""
     headers = {**relay_headers(request.headers, drop_headers), **(extra_headers or {})}
     try:
         upstream = await session.request(request.method, url, data=body, headers=headers)
@@ -124,6 +128,10 @@ async def relay(
         raise upstream_failed(message, retry_after_s) from None
     async with upstream:
         headers = relay_headers(upstream.headers)
+        if upstream.content_type == phased.CONTENT_TYPE:
+            return await relay_phased(
+                request, upstream, upstream_name, retry_after_s, on_upstream_done, pass_phases
+            )
         if upstream.content_type != "text/event-stream":
             try:
                 data = await upstream.read()
@@ -158,6 +166,48 @@ async def relay(
                 with contextlib.suppress(ConnectionResetError):
                     await resp.write(b"data: " + orjson.dumps(err) + b"\n\n")
         return resp
+
+
+async def relay_phased(
+    request: web.Request,
+    upstream: aiohttp.ClientResponse,
+    upstream_name: str,
+    retry_after_s: float,
+    on_upstream_done: Callable[[], None] | None,
+    passing: bool,
+) -> web.StreamResponse:
+    """An answer in phases (phased.py): `on_upstream_done` (the permit handed on) at the
+    GPU work's end; then the answer, passed on framed to a caller that asked for phases
+    (at once marked, so it hands its permit on too), or unwrapped for one that did not."""
+    try:
+        await phased.read_mark(upstream)
+    except phased.PhasedError as exc:
+        log.warning("%s: %s", upstream_name, exc)
+        message = f"{upstream_name} failed while answering; retry shortly."
+        raise upstream_failed(message, retry_after_s) from None
+    if on_upstream_done is not None:
+        on_upstream_done()
+    if passing:
+        resp = web.StreamResponse(status=200, headers={"Content-Type": phased.CONTENT_TYPE})
+        request[OUTCOME] = BROKEN_OFF  # until the answer follows its mark
+        await resp.prepare(request)
+        await resp.write(phased.MARK)
+    try:
+        line, status, headers, body = await phased.read_answer(upstream)
+    except phased.PhasedError as exc:
+        log.warning("%s failed after its GPU work: %s", upstream_name, exc)
+        if passing:  # the caller reads the broken framing and fails it itself
+            return resp
+        raise upstream_failed(
+            f"{upstream_name} failed while answering; retry shortly.", retry_after_s
+        ) from None
+    request[OUTCOME] = status
+    if passing:
+        with contextlib.suppress(ConnectionResetError):
+            await resp.write(line + body)
+            await resp.write_eof()
+        return resp
+    return web.Response(body=body, status=status, headers=headers)
 
 
 def stream_ended(request: web.Request, status: int, tail: bytes, on_usage) -> None:

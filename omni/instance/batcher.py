@@ -15,6 +15,11 @@ of its own under its own timeout, and gets that call's outcome: the bad request 
 the others are answered. This costs a bad batch one call per request; a handler spares
 that by returning its refusals in place rather than raising them.
 
+One batch at a time does GPU work. A handler that marks its GPU work's end
+(handler.gpu_done) lets the next batch start then, in a second thread, while its own
+CPU work (encoding, resizing) finishes: the seeds' CPU-GPU split, inside the instance as
+at omnid and the edge. Without the mark, batches run one after another.
+
 A batch that runs past `infer_timeout_s` cannot be taken back from its thread: its
 requests get 504, the batcher is marked hung (the instance's health then fails, and omnid
 restarts it), and what comes after gets 503 at once instead of waiting behind it.
@@ -33,7 +38,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .handler import HandlerError
+from .handler import HandlerError, set_gpu_done_callback
 
 log = logging.getLogger("omni.batcher")
 
@@ -67,6 +72,50 @@ class _Pending:
     inputs: Tensors
     future: asyncio.Future
     queued_at: float
+    on_gpu_done: Callable[[], None] | None = None  # its batch's GPU work is over (handler.py)
+
+
+class _GpuTurn:
+    """A batch's turn on the GPU, given back once: at its GPU work's end or its own."""
+
+    def __init__(self, lock: asyncio.Lock):
+        self._lock = lock
+        self.held = True
+
+    def give_back(self) -> None:
+        if self.held:
+            self.held = False
+            self._lock.release()
+
+
+PHASE_WEIGHT = 0.2  # of the latest infer() call in the phases' moving averages
+
+
+@dataclass
+class Phases:
+    """How long infer() calls take on the GPU and after it (moving averages, seconds):
+    the model's predicted ETA, for omnid and the edge's queue estimates."""
+
+    gpu_s: float | None = None
+    cpu_s: float | None = None
+    released_early: int = 0  # requests whose GPU phase ended before their answer
+
+    def record(self, gpu_s: float, cpu_s: float) -> None:
+        if self.gpu_s is None or self.cpu_s is None:
+            self.gpu_s, self.cpu_s = gpu_s, cpu_s
+            return
+        self.gpu_s += PHASE_WEIGHT * (gpu_s - self.gpu_s)
+        self.cpu_s += PHASE_WEIGHT * (cpu_s - self.cpu_s)
+
+    def to_json(self) -> dict:
+        def ms(seconds: float | None) -> float | None:
+            return None if seconds is None else round(seconds * 1000, 3)
+
+        return {
+            "batch_gpu_phase_ms": ms(self.gpu_s),
+            "batch_cpu_phase_ms": ms(self.cpu_s),
+            "batch_gpu_released_early": self.released_early,
+        }
 
 
 class Batcher:
@@ -84,30 +133,38 @@ class Batcher:
         self.max_queue_delay_s = max(0.0, max_queue_delay_s)
         self.infer_timeout_s = infer_timeout_s
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
-        # one thread: a handler need not be re-entrant
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-infer")
+        # two threads: one batch's GPU work, the last one's CPU work after its gpu_done()
+        self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="omni-infer")
+        self._gpu = asyncio.Lock()  # one batch in its GPU phase at a time
+        self._batches: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
         self.hung: str | None = None  # why the instance must be restarted, once it must
         self.sizes: Counter[int] = Counter()  # requests per infer() call -> calls made
         self.failed = 0  # requests that got an error from the handler or its outputs
         self.rerun = 0  # requests run again alone, their batch's call having failed
         self.cancelled = 0  # requests dropped, their clients gone, before they ran
+        self.phases = Phases()
 
-    async def submit(self, inputs: Tensors) -> Tensors:
-        """One request's outputs; raises InferError. Cancelling the caller drops it."""
+    async def submit(
+        self, inputs: Tensors, on_gpu_done: Callable[[], None] | None = None
+    ) -> Tensors:
+        """One request's outputs; raises InferError. Cancelling the caller drops it.
+        `on_gpu_done` runs (on the loop) when the handler says its batch's GPU work is
+        over, if it says so before the answer."""
         if self.hung:
             raise InferError(503, f"the model is being restarted: {self.hung}")
         if self._loop_task is None:
             self._loop_task = asyncio.create_task(self._run(), name="omni-batcher")
         future = asyncio.get_running_loop().create_future()
-        self._queue.put_nowait(_Pending(inputs, future, time.monotonic()))
+        self._queue.put_nowait(_Pending(inputs, future, time.monotonic(), on_gpu_done))
         return await future  # a cancelled caller cancels the future: the loop skips it
 
     async def close(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop_task
+        for task in [self._loop_task, *self._batches]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> dict:
@@ -123,13 +180,25 @@ class Batcher:
             "batch_cancelled": self.cancelled,
             "batch_rerun": self.rerun,
             "batch_queued": self._queue.qsize(),
+            **self.phases.to_json(),
         }
 
     async def _run(self) -> None:
         while True:
-            batch = await self._next_batch()
-            if batch:
-                await self._run_batch(batch)
+            await self._gpu.acquire()  # the batch forms once the GPU is free: it grows
+            turn = _GpuTurn(self._gpu)
+            try:
+                batch = await self._next_batch()
+            except BaseException:
+                turn.give_back()
+                raise
+            if not batch:
+                turn.give_back()
+                continue
+            task = asyncio.create_task(self._run_batch(batch, turn))
+            self._batches.add(task)
+            task.add_done_callback(self._batches.discard)
+            task.add_done_callback(lambda _task, turn=turn: turn.give_back())
 
     async def _next_batch(self) -> list[_Pending]:
         """The next requests to run: up to max_batch_size, those still wanted."""
@@ -150,13 +219,14 @@ class Batcher:
         self.cancelled += len(batch) - len(wanted)
         return wanted
 
-    async def _run_batch(self, batch: list[_Pending]) -> None:
-        """One infer() call for `batch`; if it fails as a whole, each request alone."""
+    async def _run_batch(self, batch: list[_Pending], turn: _GpuTurn | None = None) -> None:
+        """One infer() call for `batch`; if it fails as a whole, each request alone.
+        `turn` (the GPU's) is given back at the call's GPU work's end, if it marks it."""
         if self.hung:  # (a call of the requests run again alone hung)
             self._fail(batch, InferError(503, f"the model is being restarted: {self.hung}"))
             return
         try:
-            results = await self._call(batch)
+            results = await self._call(batch, turn)
         except InferError as error:
             if len(batch) == 1 or self.hung:
                 self._fail(batch, error)
@@ -176,13 +246,19 @@ class Batcher:
             else:
                 pending.future.set_result(result)
 
-    async def _call(self, batch: list[_Pending]) -> list[Tensors | InferError]:
+    async def _call(
+        self, batch: list[_Pending], turn: _GpuTurn | None = None
+    ) -> list[Tensors | InferError]:
         """`batch`'s infer() call in the worker thread, under the timeout: each request's
         checked outputs or error; raises InferError where the call fails as a whole."""
         self.sizes[len(batch)] += 1
         loop = asyncio.get_running_loop()
         inputs = [p.inputs for p in batch]
-        running = loop.run_in_executor(self._pool, self._infer_checked, inputs)
+
+        def gpu_done() -> None:  # in the worker thread, from handler.gpu_done()
+            loop.call_soon_threadsafe(self._release_early, batch, turn)
+
+        running = loop.run_in_executor(self._pool, self._infer_checked, inputs, gpu_done)
         try:
             return await asyncio.wait_for(asyncio.shield(running), self.infer_timeout_s)
         except TimeoutError:
@@ -199,10 +275,34 @@ class Batcher:
             message = f"the model's infer() failed: {type(exc).__name__}: {exc}"
             raise InferError(500, message[:1000]) from None
 
-    def _infer_checked(self, inputs: list[Tensors]) -> list[Tensors | InferError]:
+    def _release_early(self, batch: list[_Pending], turn: _GpuTurn | None) -> None:
+        if turn is not None:
+            turn.give_back()
+        for pending in batch:
+            if pending.on_gpu_done is not None and not pending.future.done():
+                self.phases.released_early += 1
+                pending.on_gpu_done()
+
+    def _infer_checked(
+        self, inputs: list[Tensors], gpu_done: Callable[[], None]
+    ) -> list[Tensors | InferError]:
         """In the worker thread, under the batch's timeout (checking a hostile result may
         take as long as it likes too): each request's checked outputs, or its error."""
-        results = self._infer(inputs)
+        started, gpu_ended = time.monotonic(), None
+
+        def mark() -> None:
+            nonlocal gpu_ended
+            gpu_ended = time.monotonic()
+            gpu_done()
+
+        set_gpu_done_callback(mark)
+        try:
+            results = self._infer(inputs)
+        finally:
+            set_gpu_done_callback(None)
+        ended = time.monotonic()
+        split = gpu_ended if gpu_ended is not None else ended  # no mark: all GPU time
+        self.phases.record(split - started, ended - split)
         if not isinstance(results, list) or len(results) != len(inputs):
             count = len(results) if isinstance(results, list) else type(results).__name__
             message = f"the model returned {count} results for {len(inputs)} requests"

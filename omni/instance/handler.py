@@ -5,6 +5,12 @@ per `infer()` call. The worker around it (python_backend.py) batches concurrent 
 checks every output against `outputs` before it reaches a client (handler code is treated
 as hostile), and turns failures into errors for the requests concerned.
 
+A handler whose answer ends with CPU work (encoding an image, resampling audio) calls
+`gpu_done()` (or leaves a `with gpu_phase():` block) where its GPU work for the batch is
+over: the worker tells omnid and the edge at once, and they give the GPU's permit to the
+next request while the CPU work finishes (the seeds' CPU-GPU split). The worker also
+times both phases, for the model's predicted ETA.
+
 A request's answer never depends on its batch-mates: a handler refuses one request by
 returning a HandlerError in that request's place (`each` and `together` do this), and a
 failure of a whole `infer()` call of several requests makes the worker run each of them
@@ -13,7 +19,9 @@ again alone (batcher.py), so only the bad ones fail.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -93,6 +101,31 @@ def together(
     kept = [item for item in items if not isinstance(item, HandlerError)]
     results = iter(run(kept) if kept else ())
     return [item if isinstance(item, HandlerError) else next(results) for item in items]
+
+
+_phase = threading.local()  # the batch infer() runs in this thread: its GPU-done callback
+
+
+def gpu_done() -> None:
+    """From infer(): this batch's GPU work is over; what remains is CPU work. Once per
+    call (later calls do nothing); outside a worker (a handler run bare), nothing."""
+    callback = getattr(_phase, "callback", None)
+    if callback is not None:
+        _phase.callback = None
+        callback()
+
+
+@contextlib.contextmanager
+def gpu_phase() -> Iterator[None]:
+    """`with gpu_phase(): ...` around a batch's GPU work: gpu_done() as the block ends
+    (not where it raises: a failed batch has no CPU phase to overlap)."""
+    yield
+    gpu_done()
+
+
+def set_gpu_done_callback(callback: Callable[[], None] | None) -> None:
+    """The worker's side (batcher.py): what gpu_done() calls in this thread."""
+    _phase.callback = callback
 
 
 class Handler:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from omni.api import oip
+from omni.api import oip, phased
 
 from .batcher import Batcher, InferError
 from .handler import Handler, TensorSpec
@@ -142,13 +142,19 @@ class PythonBackend:
             return error(503, f"the model is being restarted: {self.batcher.hung}")
         return web.Response(status=200)
 
-    async def infer(self, request: web.Request) -> web.Response:
+    async def infer(self, request: web.Request) -> web.StreamResponse:
+        """Answered in phases (omni/api/phased.py) where the caller asks and the handler
+        marks its GPU work's end before its answer: its permit goes on meanwhile."""
         if (missing := self._model(request)) is not None:
             return missing
+        gpu_done = asyncio.Event()
+        return await phased.answer(request, self._infer(request, gpu_done.set), gpu_done)
+
+    async def _infer(self, request: web.Request, on_gpu_done) -> web.Response:
         try:
             req = oip.decode_request(await request.read(), request.headers)
             check_inputs(req.inputs, self.inputs)
-            outputs = await self.batcher.submit(req.inputs)
+            outputs = await self.batcher.submit(req.inputs, on_gpu_done)
         except oip.OipError as exc:
             return error(exc.status, exc.message)
         except TensorError as exc:

@@ -371,14 +371,21 @@ class Instance:
 
     def load(self) -> dict:
         """What a token-aware router weighs, as of the last health check: prompt tokens
-        waiting to be computed (prefill) and the share of KV blocks in use (decode)."""
+        waiting to be computed (prefill) and the share of KV blocks in use (decode); for
+        a handler's model, how long its calls take on the GPU and after (its ETA)."""
         stats = self.engine_stats
         total = stats.get("kv_blocks_total") or 0
         used = total - stats.get("kv_blocks_free", total)
-        return {
+        load = {
             "queued_prompt_tokens": int(stats.get("queued_prompt_tokens", 0)),
             "kv_occupancy": round(used / total, 4) if total else 0.0,
         }
+        if stats.get("batch_gpu_phase_ms") is not None:  # a handler's: its predicted ETA
+            load["eta_ms"] = {
+                "gpu": stats["batch_gpu_phase_ms"],
+                "cpu": stats.get("batch_cpu_phase_ms") or 0.0,
+            }
+        return load
 
     def _engine_json(self) -> dict:
         """The engine's counters in /v1/instances, by what they are about."""

@@ -43,6 +43,9 @@ BATCH_GAUGES = {  # a handler's dynamic batching (omni/instance/batcher.py), cum
     "batch_failed": "Requests that got an error from the handler or its outputs",
     "batch_cancelled": "Requests dropped before they ran, their clients gone",
     "batch_rerun": "Requests run again alone after their whole batch failed",
+    "batch_gpu_released_early": "Requests whose GPU work ended before their answer",
+    "batch_gpu_phase_ms": "An infer() call's GPU work (moving average, ms)",
+    "batch_cpu_phase_ms": "An infer() call's work after its GPU work (moving average, ms)",
 }
 SWAP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -106,7 +109,7 @@ class NodeCollector(Collector):
                 if key in tier:
                     tier[key].add_metric([name], value)
             for key, value in (info.get("batching") or {}).items():
-                if key in batching:
+                if key in batching and value is not None:
                     batching[key].add_metric([name], value)
             for size, count in (info.get("batching") or {}).get("batch_sizes", {}).items():
                 batch_sizes.add_metric([name, size], count)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from omni.api import phased
 from omni.api.errors import ApiError, unavailable
 from omni.api.oip_http import (
     OIP_RUNTIMES,
@@ -88,7 +89,8 @@ async def infer(node: Node, request: web.Request) -> web.StreamResponse:
     body = await request.read()
     inst = await ready_instance(node, request)
     t_admit = time.monotonic()
-    async with node.admission(inst, t_admit + node.request_timeout_s, request["omni_ticket"]):
+    deadline = t_admit + node.request_timeout_s
+    async with node.admission(inst, deadline, request["omni_ticket"]) as release:
         node.metrics.observe_admission(inst.name, time.monotonic() - t_admit)
         return await relay(
             request,
@@ -98,6 +100,9 @@ async def infer(node: Node, request: web.Request) -> web.StreamResponse:
             upstream_name=f"instance of '{inst.name}'",
             retry_after_s=inst.retry_after_s(),
             drop_headers=kv_transfer.HEADERS,
+            extra_headers={phased.HEADER: "1"},  # its GPU work's end, to release early
+            on_upstream_done=release,
+            pass_phases=phased.asked(request.headers),  # the edge's: it releases too
         )
 
 

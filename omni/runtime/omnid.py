@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from omni import paths, sdnotify
-from omni.api import oip_grpc, transcriptions
+from omni.api import images, oip_grpc, run_json, transcriptions
 from omni.api.errors import ApiError, error_middleware, json_response, model_not_found, unavailable
 from omni.api.oip_http import oip_errors
 from omni.api.proxy import CLIENT_CLOSED, OUTCOME, relay
@@ -53,7 +53,14 @@ from omni.isolation.uids import UidAllocator
 from omni.isolation.view import ViewConfig
 from omni.logs import setup_logging
 
-from . import dashboard, disaggregated, oip_routes, transcription_routes
+from . import (
+    dashboard,
+    disaggregated,
+    image_routes,
+    oip_routes,
+    run_routes,
+    transcription_routes,
+)
 from .catalog import (
     DEFAULT_GPU_YIELD_S,
     HANDLER_KEYS,
@@ -329,7 +336,9 @@ class Node:
     @contextlib.asynccontextmanager
     async def admission(self, inst: Instance, deadline: float, ticket: Ticket | None = None):
         """One of the instance's permits, and (on a GPU) its memory resident, for a request;
-        `ticket` gets how long it waited for the permit and how long it held it."""
+        `ticket` gets how long it waited for the permit and how long it held it. Yields
+        the permit's early release: a request whose GPU work is over (phased.py) hands
+        it to the next one while it finishes."""
         ticket = ticket if ticket is not None else Ticket()
         if self.draining:
             raise unavailable("This node is draining; retry on another node.", 5)
@@ -354,17 +363,25 @@ class Node:
         acquired = time.monotonic()
         inst.in_flight += 1
         inst.last_used = time.time()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                inst.permits.release()
+                ticket.held_s = time.monotonic() - acquired
+
         try:
             if inst.gpu is not None:
                 async with inst.resident(deadline):
-                    yield
+                    yield release
             else:
-                yield
+                yield release
         finally:
             inst.in_flight -= 1
             inst.last_used = time.time()
-            inst.permits.release()
-            ticket.held_s = time.monotonic() - acquired
+            release()
 
     def start_drain(self) -> None:
         """Drain in the background (`drain`), unless it is draining already."""
@@ -691,6 +708,10 @@ def inference_app(node: Node) -> web.Application:
                 resp = await oip_routes.infer(node, request)
             elif request.path == transcriptions.PATH:
                 resp = await transcription_routes.transcribe(node, request)
+            elif request.path == images.PATH:
+                resp = await image_routes.generate(node, request)
+            elif request.match_info.route.resource.canonical == run_json.PATH:
+                resp = await run_routes.run(node, request)
             else:
                 resp = await route(request)
             status = request.get(OUTCOME, resp.status)  # a stream cut short is not a 200
@@ -771,7 +792,7 @@ def inference_app(node: Node) -> web.Application:
     app.router.add_get("/v1/models", models)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
-    for path in (*ENDPOINTS, transcriptions.PATH):
+    for path in (*ENDPOINTS, transcriptions.PATH, images.PATH, run_json.PATH):
         app.router.add_post(path, infer)
     oip_routes.add_routes(app, node, infer)  # /v2: the Open Inference Protocol
     return app

@@ -10,13 +10,14 @@ The permit goes back as soon as the instance has answered.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import aiohttp
 import orjson
 from aiohttp import web
 
-from omni.api import oip, transcriptions
+from omni.api import oip, phased, transcriptions
 from omni.api.errors import ApiError, unavailable
 from omni.api.oip_http import OIP_RUNTIMES
 from omni.api.proxy import upstream_failed
@@ -74,19 +75,33 @@ async def call(
     body: bytes | None = None,
     headers: dict[str, str] | None = None,
     limit: int = MAX_ANSWER_BYTES,
+    refused_param: str | None = "file",
+    on_gpu_done: Callable[[], None] | None = None,
 ) -> Answer:
     """The instance's answer to one request; its error (the protocol's) as an ApiError
-    of the same status, and an instance that fails to answer as a 503."""
+    of the same status (a 400, the model's refusal, naming `refused_param`), and an
+    instance that fails to answer as a 503. `on_gpu_done`: asks for the answer in phases
+    (omni/api/phased.py) and runs at its GPU work's end, to hand the permit on."""
+    if on_gpu_done is not None:
+        headers = {**(headers or {}), phased.HEADER: "1"}
     try:
         async with inst.session.request(method, inst.url(path), data=body, headers=headers) as r:
-            data = await read_limited(r, limit)
-            status, answer_headers = r.status, dict(r.headers)
-    except (aiohttp.ClientError, OSError, TimeoutError):
+            if r.content_type == phased.CONTENT_TYPE:
+                await phased.read_mark(r)
+                if on_gpu_done is not None:
+                    on_gpu_done()
+                _line, status, answer_headers, data = await phased.read_answer(r)
+                if len(data) > limit:
+                    raise transcriptions.malformed(f"answer (past {limit} bytes)")
+            else:
+                data = await read_limited(r, limit)
+                status, answer_headers = r.status, dict(r.headers)
+    except (aiohttp.ClientError, OSError, TimeoutError, phased.PhasedError):
         message = f"The instance of '{inst.name}' is unavailable; retry shortly."
         raise upstream_failed(message, inst.retry_after_s()) from None
     if status != 200:
         retry = inst.retry_after_s() if status == 503 else None
-        param = "file" if status == 400 else None  # (the model could not read the file)
+        param = refused_param if status == 400 else None  # (e.g. it could not read the file)
         raise ApiError(status, error_message(data, status), param=param, retry_after=retry)
     return Answer(data, answer_headers)
 

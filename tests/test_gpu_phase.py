@@ -1,0 +1,237 @@
+"""The CPU-GPU split: a handler marks where its GPU work ends (handler.gpu_done); the next
+batch then starts in the instance, and omnid and the edge hand the request's permit on,
+while its CPU work finishes. The phases' durations are the model's predicted ETA."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from edge.tenants import hash_key
+from omni.instance.batcher import Batcher
+from omni.instance.handler import Handler, TensorSpec, gpu_done, gpu_phase
+from omni.instance.validate import check_outputs
+from tests.conftest import REPO, free_port, wait_until
+from tests.nodes import Omnid
+
+SANDBOX = "isolated" if os.geteuid() == 0 else "process"
+KEY = "sk-gpu-phase"
+
+
+class Overlapping(Handler):
+    """Each call's CPU work waits (a while at most) for the next call to start: it sees
+    one only if that call may start before this one ends."""
+
+    inputs = (TensorSpec("x", "FP32", (1,)),)
+    outputs = (TensorSpec("y", "FP32", (1,)),)
+
+    def __init__(self, mark: bool):
+        self.mark, self.overlapped = mark, []
+        self.started = [threading.Event() for _ in range(4)]  # call i has begun
+        self.calls = 0
+
+    def infer(self, batch):
+        i, self.calls = self.calls, self.calls + 1
+        self.started[i].set()
+        if self.mark:
+            with gpu_phase():
+                y = [r["x"] + 1 for r in batch]
+        else:
+            y = [r["x"] + 1 for r in batch]
+        # the CPU work: does the next call begin meanwhile?
+        self.overlapped.append(self.started[i + 1].wait(timeout=10 if self.mark else 0.3))
+        return [{"y": v} for v in y]
+
+
+def run_three(handler: Overlapping) -> tuple[list, dict]:
+    async def main():
+        check = partial(check_outputs, specs=handler.outputs, max_bytes=1 << 20)
+        batcher = Batcher(handler.infer, check, max_batch_size=1)
+        released = []
+        answers = await asyncio.gather(
+            *(
+                batcher.submit({"x": np.array([i], np.float32)}, partial(released.append, i))
+                for i in range(3)
+            )
+        )
+        await batcher.close()
+        return answers, {**batcher.stats(), "released": sorted(released)}
+
+    return asyncio.run(main())
+
+
+def test_a_marked_gpu_phase_lets_the_next_batch_start_during_the_cpu_work():
+    handler = Overlapping(mark=True)
+    answers, stats = run_three(handler)
+    assert [float(a["y"][0]) for a in answers] == [1.0, 2.0, 3.0]
+    assert handler.overlapped == [True, True, False]  # 2 and 3 began in 1's and 2's CPU work
+    assert stats["released"] == [0, 1, 2] and stats["batch_gpu_released_early"] == 3
+    assert stats["batch_gpu_phase_ms"] is not None and stats["batch_cpu_phase_ms"] > 0
+
+
+def test_without_the_mark_calls_run_one_after_another():
+    handler = Overlapping(mark=False)
+    answers, stats = run_three(handler)
+    assert [float(a["y"][0]) for a in answers] == [1.0, 2.0, 3.0]
+    assert handler.overlapped == [False, False, False]
+    assert stats["released"] == [] and stats["batch_gpu_released_early"] == 0
+    assert stats["batch_cpu_phase_ms"] == 0.0  # all of a call counts as GPU work
+
+
+def test_gpu_done_outside_a_worker_does_nothing():
+    gpu_done()  # a handler run bare: no worker to tell
+
+
+# ---------------------------------------------------------------- through omnid and the edge
+
+SPLIT = """
+import os
+import time
+
+import numpy as np
+
+from omni.instance.handler import Handler, TensorSpec, gpu_done
+
+
+class Split(Handler):
+    \"\"\"GPU work, then CPU work that (for x > 0) waits for the file `go` beside it.\"\"\"
+
+    inputs = (TensorSpec("x", "FP32", (1,)),)
+    outputs = (TensorSpec("y", "FP32", (1,)),)
+
+    def load(self, model_dir, device):
+        self.go = model_dir / "go"
+
+    def infer(self, batch):
+        y = [r["x"] * 2 for r in batch]
+        gpu_done()
+        if any(float(r["x"][0]) > 0 for r in batch):
+            deadline = time.monotonic() + 60
+            while not self.go.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return [{"y": v} for v in y]
+"""
+
+
+@dataclass
+class Stack:
+    omnid: Omnid
+    edge_url: str
+    model_dir: Path
+
+    def infer(self, x: float) -> httpx.Response:
+        body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [x]}]}
+        return httpx.post(
+            f"{self.edge_url}/v2/models/split/infer",
+            json=body,
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=120,
+        )
+
+    def permits_in_use(self) -> float:
+        text = httpx.get(f"{self.edge_url}/metrics", timeout=10).text
+        found = re.search(r'omni_edge_permits_in_use\{model="split"\} (\S+)', text)
+        return float(found.group(1)) if found else -1.0
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("gpu-phase")
+    model = tmp / "split"
+    model.mkdir(mode=0o777)  # the test writes `go` into it; the instance only reads
+    (model / "handler.py").write_text(SPLIT)
+    (model / "handler.py").chmod(0o644)
+    tmp.chmod(0o755)
+    config = (
+        f'[[models]]\nname = "split"\npath = "{model}"\nruntime = "python"\n'
+        'handler = "handler.py:Split"\npermits = 1\nmemory = "2GiB"\n'
+    )
+    omnid = Omnid(tmp, config, "--sandbox", SANDBOX)
+    edge = None
+    try:
+        omnid.wait_ready(["split"], timeout_s=180)
+        (tmp / "tenants.toml").write_text(
+            f'[[tenants]]\nname = "t"\nweight = 1\nkeys = ["{hash_key(KEY)}"]\n'
+        )
+        port = free_port()
+        argv = [sys.executable, "-m", "edge.server", "--port", str(port), "--grpc-port", "off"]
+        argv += ["--dashboard", "off", "--upstream", omnid.base_url]
+        argv += ["--tenants", str(tmp / "tenants.toml")]
+        log = tmp / "edge.log"
+        edge = subprocess.Popen(argv, cwd=REPO, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+
+        def ready() -> bool:
+            if edge.poll() is not None:
+                raise AssertionError(log.read_text())
+            try:
+                return httpx.get(url + "/v2/health/ready", timeout=2).status_code == 200
+            except httpx.TransportError:
+                return False
+
+        wait_until(ready, 60, "the edge ready", interval_s=0.2)
+        yield Stack(omnid, url, model)
+    finally:
+        if edge is not None:
+            edge.terminate()
+            edge.wait(timeout=30)
+        assert omnid.stop() == 0, omnid.log()
+
+
+def test_the_permit_goes_on_while_the_cpu_work_finishes(stack):
+    """One permit at the edge and at omnid. A waits in its CPU work until the test lets it
+    go; B, sent meanwhile, is served in full; the edge's metrics show A's permit free."""
+    (stack.model_dir / "go").unlink(missing_ok=True)
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(stack.infer, 1.0)
+        wait_until(
+            lambda: (stack.omnid.instances()["split"].get("batching") or {}).get(
+                "batch_gpu_released_early"
+            ),
+            60,
+            "A's GPU work to end",
+        )
+        assert not first.done()
+        second = stack.infer(0.0)  # no CPU wait: served while A still works
+        assert second.status_code == 200, second.text
+        assert second.json()["outputs"][0]["data"] == [0.0]
+        assert not first.done() and stack.permits_in_use() == 0  # A's permit went on
+        (stack.model_dir / "go").write_text("")
+        answer = first.result(timeout=60)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["outputs"][0]["data"] == [2.0]
+    assert answer.headers["content-type"].startswith("application/json")
+
+
+def test_the_phases_are_reported_as_the_model_s_eta(stack):
+    (stack.model_dir / "go").write_text("")
+    assert stack.infer(0.0).status_code == 200
+
+    def timed() -> dict | None:  # as of omnid's next health check of the instance
+        batching = stack.omnid.instances()["split"].get("batching") or {}
+        return batching if batching.get("batch_gpu_phase_ms") is not None else None
+
+    batching = wait_until(timed, 30, "the phases in the instance's stats")
+    assert batching["batch_gpu_phase_ms"] >= 0 and batching["batch_cpu_phase_ms"] >= 0
+    models = httpx.get(f"{stack.omnid.base_url}/v1/models", timeout=10).json()["data"]
+    (entry,) = [m for m in models if m["id"] == "split"]
+    assert set(entry["load"]["eta_ms"]) == {"gpu", "cpu"}
+
+    def at_the_edge() -> bool:
+        text = httpx.get(f"{stack.edge_url}/metrics", timeout=10).text
+        return 'omni_edge_model_eta_seconds{model="split",phase="gpu"}' in text
+
+    wait_until(at_the_edge, 30, "the ETA in the edge's metrics")
