@@ -4,6 +4,7 @@ held (restart) or refused for another node to take (unload), none is cut."""
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -95,15 +96,14 @@ def test_an_unload_lets_streams_finish_and_refuses_new_requests(node):
     )
     unloading.start()
     refused = None
-    for _ in range(100):  # until the unload has begun
-        state = node.instances().get("a", {}).get("state")
-        if state == "draining":
+    while refused is None and unloading.is_alive():  # once the unload has begun
+        if node.instances().get("a", {}).get("state") == "draining":
             refused = httpx.post(
                 f"{node.base_url}/v1/completions",
                 json={"model": "a", "prompt": "t4", "max_tokens": 3},
                 timeout=30,
             )
-            break
+        time.sleep(0.01)
     unloading.join(timeout=120)
     streams.join()
     assert streams.errors == []
