@@ -89,3 +89,7 @@ def test_its_examples_run_as_written(server, kind, body):
     assert '"error"' not in done.stdout, f"{body}\n--- answered\n{done.stdout}"
     if "What is the capital of France?" in body:  # the README says what it answers
         assert "Paris" in done.stdout, done.stdout
+    if "transcriptions.create" in body:  # the sentence it speaks is heard
+        assert "the weather is nice today" in done.stdout, done.stdout
+    if "/v1/run/langid" in body:
+        assert '"label":"fr"' in done.stdout, done.stdout
