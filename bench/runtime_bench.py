@@ -50,6 +50,14 @@ from omni.instance.validate import check_inputs, check_outputs  # noqa: E402
 from omni.runtime.defaults import MINILM_DIR, MINILM_PACKAGE, package_dir  # noqa: E402
 
 MAX_OUTPUT_BYTES = 64 << 20
+TIMEOUT_S = 600  # one infer() call: a batch of 32 clips decodes one after another
+
+
+def requests_of(runtime: str, args) -> int:
+    """Requests per concurrency level: speech takes seconds a clip on a CPU."""
+    return args.asr_requests if runtime == "asr" else args.requests
+
+
 SENTENCES = (
     "the quick brown fox jumps over the lazy dog",
     "please send the report to the office before noon",
@@ -187,9 +195,11 @@ def run_bare(rt: Runtime, model: Path, requests: list, args) -> dict[int, dict]:
         check = partial(check_outputs, specs=handler.outputs, max_bytes=MAX_OUTPUT_BYTES)
         out = {}
         for c in args.concurrency:
-            batcher = Batcher(handler.infer, check, args.max_batch_size, args.delay_ms / 1000)
+            batcher = Batcher(
+                handler.infer, check, args.max_batch_size, args.delay_ms / 1000, TIMEOUT_S
+            )
             await drive_bare(batcher, requests, c, max(args.warmup, c))
-            out[c] = await drive_bare(batcher, requests, c, args.requests)
+            out[c] = await drive_bare(batcher, requests, c, requests_of(rt.name, args))
             await batcher.close()
         return out
 
@@ -253,7 +263,7 @@ def omnid_config(models: dict[str, Path], args) -> str:
             f"max_batch_size = {args.max_batch_size}",
             f"max_queue_delay_ms = {args.delay_ms}",
         ]
-        lines += [f"permits = {max(args.concurrency)}"]
+        lines += [f"permits = {max(args.concurrency)}", f"infer_timeout = {TIMEOUT_S}"]
         if on_gpu and rt.gpu:
             lines += ["gpu = 0", f'quota = "{args.quota_gib}GiB"']
         lines.append("")
@@ -286,7 +296,7 @@ def run_omni(models: dict[str, Path], requests: dict, args, workdir: Path) -> di
             levels = {}
             for c in args.concurrency:
                 drive_omni(url, bodies, c, max(args.warmup, c))
-                levels[c] = drive_omni(url, bodies, c, args.requests)
+                levels[c] = drive_omni(url, bodies, c, requests_of(name, args))
             batching = node.instances()[name].get("batching", {})
             swaps = timed_swaps(node, name) if args.device.startswith("cuda") else None
             results[name] = {"levels": levels, "batching": batching, "swap": swaps}
@@ -305,6 +315,7 @@ def main() -> None:
     ap.add_argument("--runtimes", default="asr,classifier")
     ap.add_argument("--concurrency", default="1,8,32")
     ap.add_argument("--requests", type=int, default=256, help="per concurrency level")
+    ap.add_argument("--asr-requests", type=int, default=256, help="the same, for speech")
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--max-batch-size", type=int, default=32)
     ap.add_argument("--delay-ms", type=float, default=2.0, help="max queue delay")
