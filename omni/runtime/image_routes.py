@@ -15,16 +15,14 @@ import asyncio
 import time
 from typing import TYPE_CHECKING
 
-import orjson
 from aiohttp import web
 
 from omni.api import images, oip, phased
-from omni.api.errors import ApiError, unavailable
+from omni.api.errors import ApiError
 from omni.api.multipart_form import read_bounded
-from omni.api.oip_http import OIP_RUNTIMES
 from omni.api.transcriptions import malformed
 
-from .transcription_routes import MAX_METADATA_BYTES, Answer, call
+from .transcription_routes import Answer, call, handler_metadata, other_kind
 
 if TYPE_CHECKING:
     from .instance import Instance
@@ -34,20 +32,11 @@ if TYPE_CHECKING:
 async def generate(node: Node, request: web.Request) -> web.Response:
     """One request's images, through the model's admission, answered in OpenAI's form."""
     generation = images.parse_request(await read_bounded(request, images.MAX_BODY_BYTES))
-    inst = node.get(generation.model)
-    request["omni_model"] = inst.name
-    request["omni_version"] = inst.entry.version
-    if inst.entry.runtime not in OIP_RUNTIMES:
-        kind = {"generate": "a text-generation", "embed": "an embedding"}.get(inst.entry.kind)
-        raise images.not_image_model(inst.name, f"it is {kind or 'another'} model")
-    if node.draining:
-        raise unavailable("This node is draining; retry on another node.", 5)
-    await node.wait_ready(inst)
-    metadata = await call(inst, "GET", f"/v2/models/{inst.name}", limit=MAX_METADATA_BYTES)
-    try:
-        declared = orjson.loads(metadata.body)
-    except orjson.JSONDecodeError:
-        raise malformed("metadata (not JSON)") from None
+
+    def refuse(inst: Instance) -> ApiError:
+        return images.not_image_model(inst.name, f"it is {other_kind(inst)} model")
+
+    inst, declared = await handler_metadata(node, request, generation.model, refuse)
     requests = images.infer_requests(generation, images.signature(inst.name, declared))
     gpu_done = asyncio.Event()  # every image's GPU work over: the permit goes on
 

@@ -12,15 +12,13 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
-import orjson
 from aiohttp import web
 
 from omni.api import oip, run_json
-from omni.api.errors import json_response, unavailable
-from omni.api.oip_http import OIP_RUNTIMES
+from omni.api.errors import json_response
 from omni.api.transcriptions import malformed
 
-from .transcription_routes import MAX_METADATA_BYTES, call
+from .transcription_routes import call, handler_metadata
 
 if TYPE_CHECKING:
     from .omnid import Node
@@ -28,20 +26,14 @@ if TYPE_CHECKING:
 
 async def run(node: Node, request: web.Request) -> web.Response:
     """One JSON body, through the model's admission, answered as `{"result": ...}`."""
-    inst = node.get(request.match_info["model"])
-    request["omni_model"] = inst.name
-    request["omni_version"] = inst.entry.version
-    if inst.entry.runtime not in OIP_RUNTIMES:
-        raise run_json.not_a_handler(inst.name, inst.entry.kind)
+    inst, declared = await handler_metadata(
+        node,
+        request,
+        request.match_info["model"],
+        lambda inst: run_json.not_a_handler(inst.name, inst.entry.kind),
+    )
     body = await request.read()  # (within the app's client_max_size: a 413 past it)
-    if node.draining:
-        raise unavailable("This node is draining; retry on another node.", 5)
-    await node.wait_ready(inst)
-    metadata = await call(inst, "GET", f"/v2/models/{inst.name}", limit=MAX_METADATA_BYTES)
-    try:
-        signature = run_json.signature(orjson.loads(metadata.body))
-    except orjson.JSONDecodeError:
-        raise malformed("metadata (not JSON)") from None
+    signature = run_json.signature(declared)
     infer_body, headers = run_json.infer_request(body, signature)
     sole = next(iter(signature.inputs)) if len(signature.inputs) == 1 else None
     t_admit = time.monotonic()

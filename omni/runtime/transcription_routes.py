@@ -34,20 +34,11 @@ MAX_ANSWER_BYTES = DEFAULT_MAX_OUTPUT_BYTES + (1 << 20)  # outputs, and the JSON
 async def transcribe(node: Node, request: web.Request) -> web.Response:
     """One upload, through the model's admission, answered in OpenAI's form."""
     _body, upload = await transcriptions.read_upload(request)
-    inst = node.get(upload.model)
-    request["omni_model"] = inst.name
-    request["omni_version"] = inst.entry.version
-    if inst.entry.runtime not in OIP_RUNTIMES:
-        kind = {"generate": "a text-generation", "embed": "an embedding"}.get(inst.entry.kind)
-        raise transcriptions.not_transcription(inst.name, f"it is {kind or 'another'} model")
-    if node.draining:
-        raise unavailable("This node is draining; retry on another node.", 5)
-    await node.wait_ready(inst)
-    metadata = await call(inst, "GET", f"/v2/models/{inst.name}", limit=MAX_METADATA_BYTES)
-    try:
-        declared = orjson.loads(metadata.body)
-    except orjson.JSONDecodeError:
-        raise transcriptions.malformed("metadata (not JSON)") from None
+
+    def refuse(inst: Instance) -> ApiError:
+        return transcriptions.not_transcription(inst.name, f"it is {other_kind(inst)} model")
+
+    inst, declared = await handler_metadata(node, request, upload.model, refuse)
     signature = transcriptions.signature(inst.name, declared)
     body, headers = transcriptions.infer_request(upload, signature)
     t_admit = time.monotonic()
@@ -59,6 +50,34 @@ async def transcribe(node: Node, request: web.Request) -> web.Response:
     except oip.OipError as exc:
         raise transcriptions.malformed(f"answer ({exc.message})") from None
     return transcriptions.response(upload, transcriptions.transcript(decoded))
+
+
+def other_kind(inst: Instance) -> str:
+    """What a model that is not a handler's is, for the error that refuses it."""
+    return {"generate": "a text-generation", "embed": "an embedding"}.get(
+        inst.entry.kind, "another"
+    )
+
+
+async def handler_metadata(
+    node: Node, request: web.Request, name: str, refuse: Callable[[Instance], ApiError]
+) -> tuple[Instance, object]:
+    """The handler model `name` names, ready, and its declared tensors (its protocol
+    metadata, read from the instance without a permit); `refuse` makes the error for a
+    model that is not a handler's. What the routes for handler models share."""
+    inst = node.get(name)
+    request["omni_model"] = inst.name
+    request["omni_version"] = inst.entry.version
+    if inst.entry.runtime not in OIP_RUNTIMES:
+        raise refuse(inst)
+    if node.draining:
+        raise unavailable("This node is draining; retry on another node.", 5)
+    await node.wait_ready(inst)
+    metadata = await call(inst, "GET", f"/v2/models/{inst.name}", limit=MAX_METADATA_BYTES)
+    try:
+        return inst, orjson.loads(metadata.body)
+    except orjson.JSONDecodeError:
+        raise transcriptions.malformed("metadata (not JSON)") from None
 
 
 class Answer:
