@@ -38,8 +38,9 @@ class Overlapping(Handler):
     inputs = (TensorSpec("x", "FP32", (1,)),)
     outputs = (TensorSpec("y", "FP32", (1,)),)
 
-    def __init__(self, mark: bool):
+    def __init__(self, mark: bool, wait_s: float | None = None):
         self.mark, self.overlapped = mark, []
+        self.wait_s = wait_s if wait_s is not None else 10 if mark else 0.3
         self.started = [threading.Event() for _ in range(4)]  # call i has begun
         self.calls = 0
 
@@ -52,14 +53,14 @@ class Overlapping(Handler):
         else:
             y = [r["x"] + 1 for r in batch]
         # the CPU work: does the next call begin meanwhile?
-        self.overlapped.append(self.started[i + 1].wait(timeout=10 if self.mark else 0.3))
+        self.overlapped.append(self.started[i + 1].wait(timeout=self.wait_s))
         return [{"y": v} for v in y]
 
 
-def run_three(handler: Overlapping) -> tuple[list, dict]:
+def run_three(handler: Overlapping, split: bool = True) -> tuple[list, dict]:
     async def main():
         check = partial(check_outputs, specs=handler.outputs, max_bytes=1 << 20)
-        batcher = Batcher(handler.infer, check, max_batch_size=1)
+        batcher = Batcher(handler.infer, check, max_batch_size=1, split=split)
         released = []
         answers = await asyncio.gather(
             *(
@@ -89,6 +90,15 @@ def test_without_the_mark_calls_run_one_after_another():
     assert handler.overlapped == [False, False, False]
     assert stats["released"] == [] and stats["batch_gpu_released_early"] == 0
     assert stats["batch_cpu_phase_ms"] == 0.0  # all of a call counts as GPU work
+
+
+def test_with_the_split_off_a_marked_handler_runs_one_call_after_another():
+    handler = Overlapping(mark=True, wait_s=0.3)  # `gpu_split = false` in its catalog entry
+    answers, stats = run_three(handler, split=False)
+    assert [float(a["y"][0]) for a in answers] == [1.0, 2.0, 3.0]
+    assert handler.overlapped == [False, False, False]
+    assert stats["released"] == [] and stats["batch_gpu_released_early"] == 0
+    assert stats["batch_cpu_phase_ms"] > 0  # the phases are still timed, for the ETA
 
 
 def test_gpu_done_outside_a_worker_does_nothing():

@@ -405,6 +405,8 @@ def test_a_python_model_needs_a_handler_and_only_it_takes_handler_keys(tmp_path)
     good += 'max_queue_delay_ms = 5\nrequirements = ["numpy==2.1.3"]\ninfer_timeout = 10'
     handler = catalog.load_config(config(tmp_path, good)).models[0].handler
     assert handler == catalog.HandlerConfig("handler.py:Model", ("numpy==2.1.3",), 8, 5.0, 10.0)
+    off = catalog.load_config(config(tmp_path, good + "\ngpu_split = false")).models[0].handler
+    assert off is not None and not off.gpu_split and handler.gpu_split
     for model, says in (
         ('runtime = "python"', "handler: required"),
         ('runtime = "python"\nhandler = "no-class"', "handler: required"),
@@ -412,6 +414,8 @@ def test_a_python_model_needs_a_handler_and_only_it_takes_handler_keys(tmp_path)
         ('handler = "handler.py:Model"', 'handler: only for runtime = "python"'),
         ('runtime = "python"\nhandler = "h.py:M"\nrequirements = ["numpy>=2"]', "exact version"),
         ('runtime = "python"\nhandler = "h.py:M"\nmax_batch_size = 0', "max_batch_size"),
+        ('runtime = "python"\nhandler = "h.py:M"\ngpu_split = "no"', "gpu_split: must be"),
+        ("gpu_split = false", 'gpu_split: only for runtime = "python"'),
         ('runtime = "triton"', "not one of"),
         (
             'runtime = "python"\nhandler = "h.py:M"\ntensor_parallel = 2',

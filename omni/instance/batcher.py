@@ -126,12 +126,14 @@ class Batcher:
         max_batch_size: int = 1,
         max_queue_delay_s: float = 0.0,
         infer_timeout_s: float = 60.0,
+        split: bool = True,
     ):
         self._infer = infer
         self._check = check_outputs
         self.max_batch_size = max(1, max_batch_size)
         self.max_queue_delay_s = max(0.0, max_queue_delay_s)
         self.infer_timeout_s = infer_timeout_s
+        self.split = split  # False: a batch keeps the GPU turn, its requests their permits
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
         # two threads: one batch's GPU work, the last one's CPU work after its gpu_done()
         self._pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="omni-infer")
@@ -256,7 +258,8 @@ class Batcher:
         inputs = [p.inputs for p in batch]
 
         def gpu_done() -> None:  # in the worker thread, from handler.gpu_done()
-            loop.call_soon_threadsafe(self._release_early, batch, turn)
+            if self.split:
+                loop.call_soon_threadsafe(self._release_early, batch, turn)
 
         running = loop.run_in_executor(self._pool, self._infer_checked, inputs, gpu_done)
         try:

@@ -98,6 +98,7 @@ class PythonBackend:
             settings.max_batch_size or self.handler.max_batch_size,
             (self.handler.max_queue_delay_ms if delay_ms is None else delay_ms) / 1000,
             settings.infer_timeout_s,
+            split=settings.gpu_split,
         )
 
     def add_routes(self, app: web.Application) -> None:

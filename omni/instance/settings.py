@@ -35,6 +35,7 @@ class InstanceSettings:
     max_batch_size: int | None = None  # None: the handler's own
     max_queue_delay_ms: float | None = None  # None: the handler's own
     infer_timeout_s: float = 60.0  # one batch's infer(): past it, 504 and the instance ends
+    gpu_split: bool = True  # False: the handler's gpu_done() frees nothing early
     max_output_bytes: int = DEFAULT_MAX_OUTPUT_BYTES
     # runtime "omni": the engine's settings from the catalog
     tool_parser: str | None = None

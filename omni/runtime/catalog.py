@@ -52,6 +52,7 @@ PARALLEL_MODES = ("tp", "ep")  # each expert's width over the ranks, or whole ex
 SPECULATIVE_KEYS = config_schema.keys("models.speculative")
 RUNTIMES = {"omni", "python"}  # OMNI's engine; a handler (omni/instance/handler.py)
 HANDLER_KEYS = ("handler", "requirements", "max_batch_size", "max_queue_delay_ms", "infer_timeout")
+HANDLER_KEYS += ("gpu_split",)
 # what OMNI's engine alone reads: refused for a handler's model rather than ignored
 ENGINE_KEYS = ("tool_parser", "tensor_parallel", "parallel", "quantization", "kv_cache_dtype")
 ENGINE_KEYS += ("speculative", "kv_host_cache", "kv_disk_cache", "role", "serves")
@@ -67,6 +68,7 @@ class HandlerConfig:
     max_batch_size: int | None = None  # None: the handler's own
     max_queue_delay_ms: float | None = None  # None: the handler's own
     infer_timeout_s: float = 60.0
+    gpu_split: bool = True  # the handler's gpu_done() lets the next batch start
 
     def to_json(self) -> dict:
         return {
@@ -75,6 +77,7 @@ class HandlerConfig:
             "max_batch_size": self.max_batch_size,
             "max_queue_delay_ms": self.max_queue_delay_ms,
             "infer_timeout_s": self.infer_timeout_s,
+            "gpu_split": self.gpu_split,
         }
 
 
@@ -347,12 +350,16 @@ def handler_from(item: dict, where: str) -> HandlerConfig | None:
         raise CatalogError(f"{where}.max_queue_delay_ms: must be a number of milliseconds")
     if delay is not None and not 0 <= delay <= 60_000:
         raise CatalogError(f"{where}.max_queue_delay_ms: must be from 0 to 60000")
+    split = item.get("gpu_split", True)
+    if not isinstance(split, bool):
+        raise CatalogError(f"{where}.gpu_split: must be true or false")
     return HandlerConfig(
         handler,
         tuple(requirements),
         _positive_int(item, "max_batch_size", where) if "max_batch_size" in item else None,
         None if delay is None else float(delay),
         _seconds(item, "infer_timeout", where, 60.0),
+        split,
     )
 
 

@@ -308,6 +308,17 @@ KEYS = (
     ),
     Key(
         "models",
+        "gpu_split",
+        "bool",
+        "Whether the handler's `gpu_done()` hands the GPU and the request's permit to the "
+        "next batch while its CPU work (encoding, resizing) finishes. `false` holds both "
+        "until the answer is complete, as a handler without the mark does.",
+        example=False,
+        default=True,
+        context={"runtime": "python", "handler": "handler.py:Model"},
+    ),
+    Key(
+        "models",
         "gpu",
         "int or list of int",
         "The GPU it runs on, or a list of GPUs to split it over (one rank each, rank 0 on "

@@ -423,6 +423,7 @@ class Instance:
             max_batch_size=handler.max_batch_size if handler else None,
             max_queue_delay_ms=handler.max_queue_delay_ms if handler else None,
             infer_timeout_s=handler.infer_timeout_s if handler else 60.0,
+            gpu_split=handler.gpu_split if handler else True,
             tool_parser=entry.tool_parser,
             tensor_parallel=placement.tensor_parallel,
             parallel=placement.parallel,
