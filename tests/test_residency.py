@@ -120,8 +120,8 @@ def test_a_request_gives_up_with_503_when_every_resident_instance_stays_busy():
 
 
 def test_a_resident_instance_answers_while_another_swaps():
-    """A swap holds the GPU's lock for its whole length; requests of resident instances
-    must not wait for it, not even to say they are done."""
+    """Requests of resident instances must not wait for another's swap, not even to say
+    they are done."""
 
     async def main():
         slow = {"a": Block(delay_s=0.4), "cold": Block(delay_s=0.4)}
@@ -140,6 +140,101 @@ def test_a_resident_instance_answers_while_another_swaps():
     took, t = asyncio.run(main())
     assert took < 0.3, f"the hot request waited {took:.2f}s for another instance's swap"
     assert t["cold"].state is Residency.RESIDENT and t["a"].state is Residency.SWAPPED
+
+
+class Timed(Block):
+    """A Block that notes when each of its moves began and ended, and which way."""
+
+    def __init__(self, name: str, log: list, delay_s: float):
+        super().__init__(delay_s=delay_s)
+        self.name, self.log = name, log
+
+    def move(self, target, timeout_s):
+        start = time.monotonic()
+        result = super().move(target, timeout_s)
+        self.log.append((self.name, target, start, time.monotonic()))
+        return result
+
+
+def test_a_cold_request_waits_for_its_own_swap_in_not_an_unrelated_swap_out():
+    """Budget 2: "a" goes out (slowly) while "b", whose room is free, is asked for; b's
+    swap-in overlaps a's swap-out (the link is full duplex) instead of queueing behind it."""
+    log: list = []
+
+    async def main():
+        blocks = {"a": Timed("a", log, 0.5), "b": Timed("b", log, 0.05)}
+        pool, t, _ = await pool_with(["a", "b"], 2, **blocks)
+        await request(pool, t["a"])
+        log.clear()
+        going = asyncio.create_task(pool.force(t["a"], "out"))
+        await asyncio.sleep(0.05)
+        t0 = time.monotonic()
+        await request(pool, t["b"])
+        took = time.monotonic() - t0
+        await going
+        return took, t
+
+    took, t = asyncio.run(main())
+    assert took < 0.3, f"b waited {took:.2f}s: behind a's swap-out"
+    assert t["a"].state is Residency.SWAPPED and t["b"].state is Residency.RESIDENT
+    (a_out,) = [e for e in log if e[0] == "a"]
+    (b_in,) = [e for e in log if e[0] == "b"]
+    assert b_in[2] < a_out[3], "the two moves did not overlap"
+
+
+def test_swap_ins_of_one_gpu_take_turns():
+    """Two cold instances asked for at once, room for both: their swap-ins do not share
+    the host-to-GPU link (each would take twice as long), one goes after the other."""
+    log: list = []
+
+    async def main():
+        blocks = {n: Timed(n, log, 0.1) for n in ("a", "b")}
+        pool, t, _ = await pool_with(["a", "b"], 2, **blocks)
+        log.clear()
+        await asyncio.gather(request(pool, t["a"]), request(pool, t["b"]))
+
+    asyncio.run(main())
+    ins = sorted((start, end) for _, where, start, end in log if where is Where.GPU)
+    assert len(ins) == 2 and ins[1][0] >= ins[0][1], ins
+
+
+def test_of_two_idle_instances_as_wanted_the_cheaper_to_bring_back_goes():
+    """Equal demand, equal quotas: the one whose swap-in was measured slower stays (it
+    would cost more to bring back), whichever was used last."""
+
+    async def main():
+        pool, t, _ = await pool_with(["slow", "quick", "new"], 2)
+        await request(pool, t["slow"])
+        await request(pool, t["quick"])  # the more recent: LRU would evict slow
+        t["slow"].swap_in_s, t["quick"].swap_in_s = 0.5, 0.05
+        t["slow"].demand = t["quick"].demand = 1.0
+        t["slow"].demand_at = t["quick"].demand_at = time.monotonic()
+        await request(pool, t["new"])
+        return t
+
+    t = asyncio.run(main())
+    assert t["quick"].state is Residency.SWAPPED
+    assert t["slow"].state is Residency.RESIDENT and t["new"].state is Residency.RESIDENT
+
+
+def test_an_instance_stopped_mid_swap_is_let_go_once_its_move_ends():
+    """The process dies while its memory moves: the pool waits for the move to end (it
+    still reads the control block) before closing it, and charges it nothing after; its
+    waiting request gets 503 at its deadline (its restart did not come in time)."""
+
+    async def main():
+        pool, t, _ = await pool_with(["a"], 1, a=Block(delay_s=0.3))
+        bringing = asyncio.create_task(request(pool, t["a"], deadline_s=0.6))
+        await asyncio.sleep(0.05)
+        assert t["a"].state is Residency.MOVING
+        await pool.stopped(t["a"])
+        with pytest.raises(ApiError) as err:
+            await bringing
+        return pool, t, err.value
+
+    pool, t, err = asyncio.run(main())
+    assert t["a"].state is Residency.STOPPED and pool.charged_bytes == 0
+    assert t["a"].block is None and err.status == 503
 
 
 def test_a_quota_larger_than_the_budget_is_refused():

@@ -1,21 +1,29 @@
 """Which instances hold GPU memory: a budget per GPU, demand-aware swap-out, one shared swap-in.
 
 Every GPU instance has a quota (the shim enforces it) and is charged its whole
-quota while its memory is on the GPU, so the instances resident on a GPU can
-never use more than its budget, though their quotas together may exceed it
+quota while its memory is on the GPU or moving, so the instances resident on a GPU
+can never use more than its budget, though their quotas together may exceed it
 many times. A request for a swapped-out instance waits (boundedly) while the
-pool swaps out idle instances and swaps the wanted one in. Swaps of one GPU run
-one at a time: the hot set's swap-ins first (the hotter the sooner), the others in the
-order they were asked for; concurrent requests for the same cold instance share one
-swap-in. The victim is the idle instance with the
-least recent demand (requests decayed with a half-life, ties to the least
-recently used): plain LRU would evict the busiest model between two of its
-requests whenever a cold one arrives. The hottest instances that fit the budget
-with one quota to spare are never evicted for a colder one: cold models take
-turns in the room left, and the hot ones never wait for a swap. While an
-instance serves, the colder instances of its GPU hold back their steps
-(gpuyield.py), so the hot models do not share the GPU's time slices either. A swap that
-fails or times out marks the instance unhealthy (its supervisor restarts it);
+pool swaps out idle instances and swaps the wanted one in; concurrent requests for
+the same cold instance share one swap-in.
+
+Swaps overlap where the link allows: one swap-in and one swap-out of a GPU at a time
+(PCIe is full duplex: a swap-out no longer holds up an unrelated swap-in), each
+moving with the pool's lock let go, so requests and the other direction's swaps go
+on. Swap-ins go in by priority: the hot set's first (the hotter the sooner), the
+others in the order they were asked for.
+
+The victim is the idle instance whose absence costs least: its recent demand
+(requests decayed with a half-life) times the seconds its swap-in takes (measured,
+or its quota at the GPU's measured rate), per byte of quota it frees; ties to the
+least recently used. Plain LRU would evict the busiest model between two of its
+requests whenever a cold one arrives; demand alone would evict a large model as
+readily as a small one of equal demand, for more swap time. The hottest instances
+that fit the budget with one quota to spare are never evicted for a colder one:
+cold models take turns in the room left, and the hot ones never wait for a swap.
+While an instance serves, the colder instances of its GPU hold back their steps
+(gpuyield.py), so the hot models do not share the GPU's time slices either. A swap
+that fails or times out marks the instance unhealthy (its supervisor restarts it);
 the waiting requests get 503.
 """
 
@@ -50,6 +58,10 @@ DEMAND_HALF_LIFE_S = 30.0  # how fast a model's past requests stop protecting it
 # H100 a 2.5 GiB quota went out in 140-270 ms and came in in 70 ms while its KV pool was
 # copied; released instead, p50 39 and 36 ms: overcommit-h100-s0.json).
 EVICT_IDLE_S = 0.2
+# What a swap-in costs before one is measured on this GPU: the H100 moved 30-45 ms a GiB
+# (overcommit-h100-s1.json); each measured swap-in then moves the GPU's own rate.
+DEFAULT_SWAP_S_PER_BYTE = 0.04 / (1 << 30)
+RATE_WEIGHT = 0.2  # how much each swap-in moves a measured rate (a moving average)
 
 
 class Residency(enum.StrEnum):
@@ -151,6 +163,7 @@ class Tenant:
     yield_flag: YieldFlag | None = None  # raised while a hotter instance of its GPU serves
     state: Residency = Residency.STOPPED
     in_flight: int = 0
+    waiting: int = 0  # requests waiting for its swap-in: once in, it is theirs, not a victim
     last_used: float = 0.0  # monotonic
     last_used_unix: float | None = None
     swaps_in: int = 0
@@ -159,7 +172,9 @@ class Tenant:
     demand: float = 0.0  # requests, decayed to `demand_at`
     demand_at: float = 0.0
     after_swap_out: Callable[[], None] | None = None  # a multi-GPU instance's other ranks
+    swap_in_s: float | None = None  # its swap-ins' moving average, once one is measured
     _swap_in: asyncio.Task | None = None
+    _moving: asyncio.Task | None = None  # its memory's move under way
 
     def demand_now(self, now: float) -> float:
         return self.demand * 0.5 ** ((now - self.demand_at) / DEMAND_HALF_LIFE_S)
@@ -205,8 +220,13 @@ class GpuPool:
         self.observer = observer
         self.tenants: dict[str, Tenant] = {}
         self.waiting = 0
-        self._cond = asyncio.Condition(PriorityLock())  # serializes this GPU's swaps
+        self._cond = asyncio.Condition(PriorityLock())  # guards states and the charge
+        self._lanes = {"in": PriorityLock(), "out": PriorityLock()}  # one move each way
         self._notifies: set[asyncio.Task] = set()
+        self.swap_s_per_byte = DEFAULT_SWAP_S_PER_BYTE  # this GPU's swap-in rate, measured
+        # room an instance's swap-outs freed for it, held until it is charged: with the lock
+        # let go during moves, another waiter would take it (and a hot one wait again)
+        self._claims: dict[Tenant, int] = {}
 
     # ------------------------------------------------------------- accounting
 
@@ -269,7 +289,11 @@ class GpuPool:
                 await self._swap(tenant, "out")
 
     async def stopped(self, tenant: Tenant) -> None:
-        """The process is gone, and its memory with it."""
+        """The process is gone, and its memory with it (its control block is closed once
+        a move under way, which still uses it, has ended)."""
+        if tenant._moving is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(tenant._moving)
         async with self._cond:
             tenant.state = Residency.STOPPED
             if tenant.block is not None:
@@ -346,7 +370,7 @@ class GpuPool:
             await asyncio.sleep(self.evict_idle_s)
             SWAP_PRIORITY.set(-math.inf)  # this task's own context
             async with self._cond:
-                if tenant.state is not Residency.RESIDENT or tenant.in_flight:
+                if tenant.state is not Residency.RESIDENT or tenant.in_flight + tenant.waiting:
                     return
                 if tenant.last_used != used_at or tenant in self._hot_set(time.monotonic()):
                     return
@@ -362,12 +386,19 @@ class GpuPool:
     def _room_for_any(self) -> bool:
         """Whether any instance that is out fits the budget without a swap-out."""
         out = [t.quota_bytes for t in self.tenants.values() if t.state is Residency.SWAPPED]
-        return self.charged_bytes + max(out, default=0) <= self.budget_bytes
+        taken = self.charged_bytes + sum(self._claims.values())
+        return taken + max(out, default=0) <= self.budget_bytes
+
+    def _fits(self, tenant: Tenant) -> bool:
+        """Whether `tenant` fits the budget beside what is charged and claimed by others."""
+        claimed = sum(self._claims.values()) - self._claims.get(tenant, 0)
+        return self.charged_bytes + claimed + tenant.quota_bytes <= self.budget_bytes
 
     async def _bring_in(self, tenant: Tenant, deadline: float) -> None:
         if self.waiting >= self.max_waiting:
             raise unavailable(f"GPU {self.index} has too many requests waiting for a swap.", 1.0)
         self.waiting += 1
+        tenant.waiting += 1
         try:
             while tenant.state is not Residency.RESIDENT:
                 left = deadline - time.monotonic()
@@ -390,6 +421,7 @@ class GpuPool:
             raise unavailable(message, 2) from None
         finally:
             self.waiting -= 1
+            tenant.waiting -= 1
 
     async def _swap_in_task(self, tenant: Tenant) -> None:
         # (this task's own context) a hot-set instance's swap-in goes first, the hotter
@@ -451,7 +483,7 @@ class GpuPool:
         """The idle resident instance in least demand that `tenant` may evict; None to wait
         for one (a colder instance is busy, starting or moving, and will free room)."""
         others = [t for t in self.tenants.values() if t is not tenant]
-        idle = [t for t in others if t.state is Residency.RESIDENT and t.in_flight == 0]
+        idle = [t for t in others if t.state is Residency.RESIDENT and not t.in_flight + t.waiting]
         if not idle:
             return None
         hot, wanted = self._hot_set(now), tenant.demand_now(now)
@@ -459,43 +491,104 @@ class GpuPool:
         allowed = [t for t in idle if t not in spared]
         if not allowed and not any(t.state in CHARGED and t not in spared for t in others):
             allowed = idle  # nothing else will ever free room: the hot one has to go
-        return min(allowed, key=lambda t: (t.demand_now(now), t.last_used), default=None)
+        return min(allowed, key=lambda t: (self._keep_value(t, now), t.last_used), default=None)
+
+    def _swap_cost_s(self, tenant: Tenant) -> float:
+        """How long its swap-in takes: measured, or its quota at the GPU's measured rate."""
+        if tenant.swap_in_s is not None:
+            return tenant.swap_in_s
+        return tenant.quota_bytes * self.swap_s_per_byte
+
+    def _keep_value(self, tenant: Tenant, now: float) -> float:
+        """The swap time its residency saves, per second and per byte of quota it holds."""
+        return tenant.demand_now(now) * self._swap_cost_s(tenant) / tenant.quota_bytes
 
     async def _make_room(self, tenant: Tenant, deadline: float | None) -> None:
         """With the lock held: swap out idle instances until `tenant` fits the budget,
-        waiting (lock released) while none may go."""
-        while self.charged_bytes + tenant.quota_bytes > self.budget_bytes:
-            victim = self._pick_victim(tenant, time.monotonic())
-            if victim is not None:
-                with contextlib.suppress(ApiError):  # a failed victim restarts: charged 0
-                    await self._swap(victim, "out")
-                continue
-            timeout = None if deadline is None else deadline - time.monotonic()
-            if timeout is not None and timeout <= 0:
-                raise unavailable(f"GPU {self.index} has no idle instance to swap out.", 2)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._cond.wait(), 1.0 if timeout is None else timeout)
+        waiting (lock released) while none may go. The caller charges `tenant` at once
+        (no await between): the room claimed for it is then its own."""
+        try:
+            while not self._fits(tenant):
+                victim = self._pick_victim(tenant, time.monotonic())
+                if victim is not None:
+                    with contextlib.suppress(ApiError):  # a failed victim restarts: charged 0
+                        await self._swap(victim, "out", claimant=tenant)
+                    continue
+                timeout = None if deadline is None else deadline - time.monotonic()
+                if timeout is not None and timeout <= 0:
+                    raise unavailable(f"GPU {self.index} has no idle instance to swap out.", 2)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._cond.wait(), 1.0 if timeout is None else timeout)
+        finally:
+            self._claims.pop(tenant, None)
 
-    async def _swap(self, tenant: Tenant, direction: str) -> None:
-        """With the lock held: move `tenant`'s memory; a failure restarts the instance."""
+    async def _swap(self, tenant: Tenant, direction: str, claimant: Tenant | None = None) -> None:
+        """With the lock held: move `tenant`'s memory; a failure restarts the instance.
+        The lock is let go while the memory moves (the instance stays charged, MOVING),
+        and held again on return, as Condition.wait does. A swap-out made for `claimant`
+        leaves it the room freed."""
         block = tenant.block
         if block is None:
             raise unavailable(f"Model '{tenant.name}' is restarting.", 2)
         tenant.state = Residency.MOVING
+        move = asyncio.create_task(self._move(tenant, block, direction, claimant))
+        move.add_done_callback(lambda task: task.cancelled() or task.exception())
+        tenant._moving = move
+        self._cond.release()
+        try:
+            await asyncio.shield(move)  # a caller that gives up leaves the move to finish
+        finally:
+            await self._hold_again()
+
+    async def _hold_again(self) -> None:
+        """Take the lock back, even through a cancellation (raised once it is held)."""
+        cancelled = None
+        while True:
+            try:
+                await self._cond.acquire()
+                break
+            except asyncio.CancelledError as exc:
+                cancelled = exc
+        if cancelled is not None:
+            raise cancelled
+
+    async def _move(
+        self, tenant: Tenant, block: ControlBlock, direction: str, claimant: Tenant | None
+    ) -> None:
+        """(Its own task, in the caller's priority.) Wait for the direction's lane, move,
+        and record the new state under the lock, ahead of every waiter: it frees room."""
         move = swap_in if direction == "in" else swap_out
         try:
-            result = await asyncio.to_thread(move, block, self.swap_timeout_s)
+            async with self._lanes[direction]:
+                result = await asyncio.to_thread(move, block, self.swap_timeout_s)
         except (SwapError, OSError) as exc:
-            log.error("swap %s of %s failed: %s; restarting it", direction, tenant.name, exc)
-            tenant.state = Residency.STOPPED  # charged nothing once the process is killed
-            tenant.on_failure(f"swap-{direction} failed: {exc}")
-            self._cond.notify_all()
+            SWAP_PRIORITY.set(math.inf)
+            async with self._cond:
+                log.error("swap %s of %s failed: %s; restarting it", direction, tenant.name, exc)
+                tenant._moving = None
+                tenant.state = Residency.STOPPED  # charged nothing once the process is killed
+                tenant.on_failure(f"swap-{direction} failed: {exc}")
+                self._cond.notify_all()
             message = f"Model '{tenant.name}' failed to swap and is restarting."
             raise unavailable(message, 5) from None
+        SWAP_PRIORITY.set(math.inf)
+        async with self._cond:
+            tenant._moving = None
+            self._moved(tenant, direction, result)
+            if claimant is not None and direction == "out":
+                self._claims[claimant] = self._claims.get(claimant, 0) + tenant.quota_bytes
+            self._cond.notify_all()
+
+    def _moved(self, tenant: Tenant, direction: str, result: SwapResult) -> None:
+        """With the lock held: a move is done; its state, counters and measured cost."""
         tenant.state = Residency.RESIDENT if direction == "in" else Residency.SWAPPED
         if direction == "in":
             tenant.swaps_in += 1
             tenant.last_used = time.monotonic()  # its waiters are about to use it: not a victim
+            tenant.swap_in_s = moving_average(tenant.swap_in_s, result.seconds)
+            if result.bytes > 0:
+                rate = result.seconds / result.bytes
+                self.swap_s_per_byte = moving_average(self.swap_s_per_byte, rate)
         else:
             tenant.swaps_out += 1
             if tenant.after_swap_out is not None:
@@ -510,4 +603,7 @@ class GpuPool:
             result.bytes / (1 << 20),
             result.seconds * 1e3,
         )
-        self._cond.notify_all()
+
+
+def moving_average(mean: float | None, sample: float) -> float:
+    return sample if mean is None else mean + RATE_WEIGHT * (sample - mean)
