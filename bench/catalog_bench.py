@@ -7,9 +7,8 @@ recognition (2), a ViT-base classifier (2), a DETR-ResNet-50 detector, a Stable-
 1.5-like text-to-image pipeline at 256x256 (4 steps) and MiniLM embeddings (2), each
 called the way its clients call it (completions, the Open Inference Protocol with binary
 tensors, /v1/images/generations, /v1/embeddings). Random weights at the published shapes
-(bench/catalog_models.py). The 11 GPU instances' quotas sum to `--overcommit` (4) times
-the budget, and all start cold; the embeddings run on the CPU (OMNI's embedding backend
-has no GPU path yet). Model popularity is Zipf: the hottest is an LLM, the rest in
+(bench/catalog_models.py). The 13 instances' quotas sum to `--overcommit` (4) times
+the budget, and all start cold. Model popularity is Zipf: the hottest is an LLM, the rest in
 an order the seed shuffles, so each seed has other cold models.
 
 Per seed, one omnid serves two loads back to back (warm-up, then a measured window):

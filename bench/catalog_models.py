@@ -321,8 +321,8 @@ KINDS = (
         "omni.runtimes.text_to_image:TextToImage",
         "steps = 4\nguidance = 7.5\n",
     ),
-    # OMNI's embedding backend runs on the CPU whatever the placement: no quota
-    Kind("embed", 2, "embeddings", write_minilm, None),
+    # fp32 MiniLM (90 MB) and a batch's activations
+    Kind("embed", 2, "embeddings", write_minilm, 0.5),
 )
 
 

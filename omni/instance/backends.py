@@ -75,7 +75,7 @@ class EmbeddingBackend:
     def __init__(self, settings: InstanceSettings, ckpt: Checkpoint):
         from omni.engine.bert import EmbeddingModel
 
-        self.model = EmbeddingModel(ckpt)
+        self.model = EmbeddingModel(ckpt, settings.device)  # "cpu" or its GPU
         self.name = settings.name
 
     def add_routes(self, app: web.Application) -> None:
