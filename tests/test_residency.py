@@ -8,6 +8,7 @@ tested in tests/cudashim/test_node_overcommit.py, and on the GPU by the bench.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 
 import pytest
@@ -215,6 +216,44 @@ def test_of_two_idle_instances_as_wanted_the_cheaper_to_bring_back_goes():
     t = asyncio.run(main())
     assert t["quick"].state is Residency.SWAPPED
     assert t["slow"].state is Residency.RESIDENT and t["new"].state is Residency.RESIDENT
+
+
+def test_sixteen_clients_over_a_mixed_catalog_are_all_answered():
+    """13 instances of quotas from half a GiB to 4 (the catalog bench's, budget 6.4 GiB),
+    16 closed-loop clients, Zipf demand: every request gets in. While a swap-out freed
+    room that its requester held on to as it waited for more, such rooms added up until
+    nothing was resident and every request waited for ever (an H100 run's closed loop
+    got only 503s)."""
+    rng = random.Random(3)
+    quotas = (2, 2, 4, 2.5, 1, 0.5, 4, 4, 1, 1, 2, 0.5, 1)
+
+    async def main():
+        pool = GpuPool(0, int(6.4 * Q), swap_timeout_s=5)
+        pool.evict_idle_s = 0.2
+        failures: list = []
+        tenants = []
+        for i, quota in enumerate(quotas):
+            t = Tenant(f"m{i}", int(quota * Q), failures.append)
+            pool.add(t)
+            await pool.starting(t, Block(delay_s=rng.uniform(0.005, 0.03)))
+            await pool.ready(t, cold=True)
+            tenants.append(t)
+        weights = [1 / (k + 1) ** 1.1 for k in range(len(tenants))]
+        answered = []
+
+        async def client() -> None:
+            end = time.monotonic() + 2.5
+            while time.monotonic() < end:
+                t = rng.choices(tenants, weights)[0]
+                await request(pool, t, hold_s=rng.uniform(0.001, 0.03), deadline_s=3)
+                answered.append(t.name)
+
+        await asyncio.gather(*(client() for _ in range(16)))
+        return answered, failures, pool
+
+    answered, failures, pool = asyncio.run(main())
+    assert not failures and len(set(answered)) == len(quotas)
+    assert not pool._claims
 
 
 def test_an_instance_stopped_mid_swap_is_let_go_once_its_move_ends():

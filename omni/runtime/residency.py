@@ -514,6 +514,9 @@ class GpuPool:
                     with contextlib.suppress(ApiError):  # a failed victim restarts: charged 0
                         await self._swap(victim, "out", claimant=tenant)
                     continue
+                # none may go: waiting, it claims nothing (two waiters each holding room
+                # the other needs would wait for ever)
+                self._claims.pop(tenant, None)
                 timeout = None if deadline is None else deadline - time.monotonic()
                 if timeout is not None and timeout <= 0:
                     raise unavailable(f"GPU {self.index} has no idle instance to swap out.", 2)
