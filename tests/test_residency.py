@@ -220,10 +220,11 @@ def test_of_two_idle_instances_as_wanted_the_cheaper_to_bring_back_goes():
 
 def test_sixteen_clients_over_a_mixed_catalog_are_all_answered():
     """13 instances of quotas from half a GiB to 4 (the catalog bench's, budget 6.4 GiB),
-    16 closed-loop clients, Zipf demand: every request gets in. While a swap-out freed
-    room that its requester held on to as it waited for more, such rooms added up until
-    nothing was resident and every request waited for ever (an H100 run's closed loop
-    got only 503s)."""
+    16 closed-loop clients, Zipf demand: every request gets in, and once its demand
+    shows, the hottest stays on the GPU. While a swap-out freed room that its requester
+    held on to as it waited for more, such rooms added up until nothing was resident and
+    every request waited for ever (an H100 run's closed loop got only 503s); while room
+    so claimed did not count, a request that saw no other room evicted the hottest."""
     rng = random.Random(3)
     quotas = (2, 2, 4, 2.5, 1, 0.5, 4, 4, 1, 1, 2, 0.5, 1)
 
@@ -240,20 +241,25 @@ def test_sixteen_clients_over_a_mixed_catalog_are_all_answered():
             tenants.append(t)
         weights = [1 / (k + 1) ** 1.1 for k in range(len(tenants))]
         answered = []
+        start = time.monotonic()
+        hot_out: list[int] = []  # the hottest's swap-outs once its demand has shown
 
         async def client() -> None:
-            end = time.monotonic() + 2.5
+            end = start + 3
             while time.monotonic() < end:
+                if not hot_out and time.monotonic() > start + 1:
+                    hot_out.append(tenants[0].swaps_out)
                 t = rng.choices(tenants, weights)[0]
                 await request(pool, t, hold_s=rng.uniform(0.001, 0.03), deadline_s=3)
                 answered.append(t.name)
 
         await asyncio.gather(*(client() for _ in range(16)))
-        return answered, failures, pool
+        return answered, failures, pool, tenants[0].swaps_out - hot_out[0]
 
-    answered, failures, pool = asyncio.run(main())
+    answered, failures, pool, hot_evicted = asyncio.run(main())
     assert not failures and len(set(answered)) == len(quotas)
     assert not pool._claims
+    assert hot_evicted == 0, f"the hottest instance was swapped out {hot_evicted} times"
 
 
 def test_an_instance_stopped_mid_swap_is_let_go_once_its_move_ends():

@@ -489,7 +489,10 @@ class GpuPool:
         hot, wanted = self._hot_set(now), tenant.demand_now(now)
         spared = {t for t in hot if t.demand_now(now) > wanted}
         allowed = [t for t in idle if t not in spared]
-        if not allowed and not any(t.state in CHARGED and t not in spared for t in others):
+        # room another request claimed will be charged, then freed, like any cold one's
+        claimed = any(n for t, n in self._claims.items() if t is not tenant)
+        charged = any(t.state in CHARGED and t not in spared for t in others)
+        if not allowed and not claimed and not charged:
             allowed = idle  # nothing else will ever free room: the hot one has to go
         return min(allowed, key=lambda t: (self._keep_value(t, now), t.last_used), default=None)
 
