@@ -1,4 +1,9 @@
-"""The KV cache's element type: the model's dtype, or FP8 (e4m3) with a scale per KV head.
+"""The KV cache's layout a token and its element type: the model's dtype, or FP8 (e4m3)
+with a scale per KV head.
+
+A model says what a token's cache holds in each layer (`KVLayout`): the Llama family K and
+V of its KV heads; multi-head latent attention (deepseek_v3.py) one row, the compressed
+latent and the rope key side by side, and no separate V.
 
 FP8 halves the cache's bytes, so the same memory holds twice the tokens. A value is stored
 divided by its head's scale, and that scale comes from a bound on what the head can ever
@@ -17,6 +22,7 @@ the 2^15 below its largest value.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -28,6 +34,29 @@ KV_CACHE_DTYPES = ("fp8",)  # what `kv_cache_dtype` may name (None: the model's 
 # per-token e4m3 rounding (2^-4 at most) can each nudge a value past it
 MARGIN = 1.125
 ROWS_AT_ONCE = 1024  # weight rows widened to fp32 at a time: scratch the pool is not short of
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """A token's cache in one layer: `heads` rows of `dim`, for K and, with `values`, V."""
+
+    heads: int
+    dim: int
+    values: bool = True  # False: no V cache (its tensor is zero-width)
+
+    @property
+    def elements(self) -> int:
+        """Cache elements a token takes in one layer, K and V together."""
+        return (2 if self.values else 1) * self.heads * self.dim
+
+
+def kv_layout(model) -> KVLayout:
+    """`model`'s own layout where it declares one (`model.kv_layout`), else the Llama
+    family's: K and V of `num_kv_heads` heads of `head_dim`."""
+    declared = getattr(model, "kv_layout", None)
+    if declared is not None:
+        return declared
+    return KVLayout(model.cfg.num_kv_heads, model.cfg.head_dim)
 
 
 def check_kv_cache_dtype(kv_cache_dtype: str | None) -> None:

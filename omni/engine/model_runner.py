@@ -22,7 +22,7 @@ from .block_manager import BlockManager
 from .cuda_graphs import BUCKETS, DecodeGraphs
 from .kernels.attention import prefill_work
 from .kernels.rows import empty_rows
-from .kv_cache import assign_scales, cache_dtype
+from .kv_cache import assign_scales, cache_dtype, kv_layout
 from .kv_tiers import PinnedBlocks
 from .llama import LlamaForCausalLM
 from .mixed_graphs import BUCKETS as MIXED_BUCKETS
@@ -118,7 +118,7 @@ def kv_bytes_per_block(model, block_size: int) -> int:
     cfg = model.cfg
     # an FP8 cache: half the bytes a token, twice the tokens (kv_cache.py)
     dtype = cache_dtype(cfg.kv_cache_dtype, model.lm_head.weight.dtype)
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+    return cfg.num_layers * block_size * kv_layout(model).elements * dtype.itemsize
 
 
 class ModelRunner:
@@ -148,9 +148,10 @@ class ModelRunner:
             n = torch.tensor([self.num_blocks], device=self.device)
             torch.distributed.all_reduce(n, op=torch.distributed.ReduceOp.MIN)
             self.num_blocks = int(n)
-        shape = (cfg.num_layers, self.num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        layout = kv_layout(model)
+        shape = (cfg.num_layers, self.num_blocks, block_size, layout.heads, layout.dim)
         self.kv_pool = kv_pool
-        self.k_cache, self.v_cache = self._allocate_cache(shape, dtype)
+        self.k_cache, self.v_cache = self._allocate_cache(shape, dtype, layout.values)
         # decode steps replay one CUDA graph, other steps of up to 1,024 tokens another
         # (OMNI_CUDA_GRAPHS=0: neither)
         self.graphs: DecodeGraphs | None = None
@@ -165,15 +166,19 @@ class ModelRunner:
             self.mixed = MixedGraphs(model, self.k_cache, self.v_cache, max_blocks)
 
     def _allocate_cache(
-        self, shape: tuple[int, ...], dtype: torch.dtype
+        self, shape: tuple[int, ...], dtype: torch.dtype, values: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Zeroed K and V caches: from the shim's pool where it gives one, else tensors."""
-        nbytes = math.prod(shape) * dtype.itemsize
-        raw = self.kv_pool.allocate(2 * nbytes, self.device) if self.kv_pool else None
+        """Zeroed K and V caches: from the shim's pool where it gives one, else tensors.
+        Without `values` (kv_cache.KVLayout) V is zero-width: what copies a block's K and
+        V then moves K alone."""
+        shapes = (shape, shape if values else (*shape[:-1], 0))
+        sizes = [math.prod(s) * dtype.itemsize for s in shapes]
+        raw = self.kv_pool.allocate(sum(sizes), self.device) if self.kv_pool else None
         if raw is None:
             self.kv_pool = None
-            return tuple(torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(2))
-        k, v = (half.view(dtype).view(shape) for half in raw.split(nbytes))
+            return tuple(torch.zeros(s, dtype=dtype, device=self.device) for s in shapes)
+        parts = raw.split(sizes)
+        k, v = (p.view(dtype).view(s) for p, s in zip(parts, shapes, strict=True))
         return k, v
 
     def _cache_bytes(self) -> int:
@@ -189,7 +194,7 @@ class ModelRunner:
         """What this runner holds: its model's weights (its shard) and the KV-cache pool."""
         tensors = {t.data_ptr(): t for t in self.model.state_dict().values()}  # tied once
         weights = sum(t.numel() * t.element_size() for t in tensors.values())
-        return weights + self.k_cache.numel() * self.k_cache.element_size() * 2
+        return weights + self.k_cache.nbytes + self.v_cache.nbytes
 
     def read_block(self, block: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A block's K and V (every layer) in host memory, for the host tier (kv_tiers.py):
@@ -207,7 +212,7 @@ class ModelRunner:
         one slab a task; none on the CPU."""
         if self._pinned is None or budget_bytes <= 0:
             return []
-        per_block = 2 * self.k_cache[:, 0].numel() * self.k_cache.element_size()
+        per_block = self.k_cache[:, 0].nbytes + self.v_cache[:, 0].nbytes
         slabs = -(-budget_bytes // per_block) // PinnedBlocks.SLAB_BLOCKS + 1
         return [self._pinned.add_slab] * slabs
 

@@ -51,6 +51,7 @@ CHECKPOINT_NAMES = {
         "mlp.experts.{e}.down_proj",
     ),
 }
+CHECKPOINT_NAMES["deepseek_v3"] = CHECKPOINT_NAMES["qwen3_moe"]  # (deepseek_v3.py)
 
 
 def moe_config(model_type: str, c: dict) -> MoEConfig | None:

@@ -32,7 +32,7 @@ def load_engine(settings: InstanceSettings, ckpt: Checkpoint):
     import torch
 
     from omni.engine.engine import Engine
-    from omni.engine.llama import LlamaForCausalLM
+    from omni.engine.models import load_model
     from omni.engine.proposers import load_draft
     from omni.engine.spec_config import SpecConfig
     from omni.engine.tokenizer import TextTokenizer
@@ -43,7 +43,7 @@ def load_engine(settings: InstanceSettings, ckpt: Checkpoint):
     if tp > 1:
         start_ranks(ckpt, tp, on_gpu, experts, settings.rank_controls, settings.kv_cache_dtype)
     gate = YieldGate(Path(settings.yield_path)) if settings.yield_path else None
-    model = LlamaForCausalLM.load(
+    model = load_model(
         ckpt,
         device,
         dtype,
@@ -162,8 +162,8 @@ def follow_rank(
     """A rank > 0: load its shard and do what rank 0's runner does (tp_runner.follow)."""
     import torch
 
-    from omni.engine.llama import LlamaForCausalLM
     from omni.engine.model_runner import ModelRunner
+    from omni.engine.models import load_model
     from omni.engine.tensor_parallel import join
     from omni.engine.tp_runner import follow
 
@@ -171,9 +171,7 @@ def follow_rank(
     join(rank, tp, init, on_gpu)
     device, dtype = (f"cuda:{rank}", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
     ckpt = Checkpoint.open(Path(model_dir))
-    model = LlamaForCausalLM.load(
-        ckpt, device, dtype, tp, rank, experts, kv_cache_dtype=kv_cache_dtype
-    )
+    model = load_model(ckpt, device, dtype, tp, rank, experts, kv_cache_dtype=kv_cache_dtype)
     runner = ModelRunner(model)
     if not on_gpu and os.environ.get(CONTROL_ENV):
         account_on_shim(runner.memory_bytes())

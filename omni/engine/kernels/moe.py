@@ -172,6 +172,28 @@ def router_ref(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool)
     return route_ref(torch.nn.functional.linear(x, weight), k, renormalize)
 
 
+def grouped_router_ref(
+    x, weight, bias, k: int, groups: int, top_groups: int, renormalize: bool, scale: float
+):
+    """DeepSeek-V3's router, in fp32 as HF runs it: (weights [tokens, k] fp32, expert ids
+    [tokens, k]). Sigmoid scores; `bias` (e_score_correction_bias) shifts them for the
+    choice only: the `top_groups` of `groups` expert groups whose two best shifted scores
+    sum highest, then the k best shifted scores within those. The weights are the chosen
+    experts' unshifted scores, rescaled to sum to 1 on request, times `scale`."""
+    scores = F.linear(x.float(), weight.float()).sigmoid()
+    tokens, experts = scores.shape
+    shifted = (scores + bias.float()).view(tokens, groups, experts // groups)
+    group_scores = shifted.topk(2, dim=-1).values.sum(dim=-1)
+    chosen = group_scores.topk(top_groups, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+    shifted = shifted.masked_fill(~keep[..., None], float("-inf")).view(tokens, experts)
+    ids = shifted.topk(k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scale, ids
+
+
 def fused_moe_ref(
     x, gate_up, down, weights, ids, partial: bool = False, summed: bool = True
 ) -> torch.Tensor:

@@ -1,0 +1,435 @@
+"""DeepSeek-V3 (and Kimi K2, Moonlight: the same architecture) in one readable file.
+
+Two parts differ from the Llama family (llama.py), whose norms, dense MLP and linear
+layers it uses as they are:
+- Multi-head latent attention: each token's K and V come from one compressed latent
+  (kv_lora_rank wide) plus one rope key shared by the heads, and that row is all the
+  paged cache holds (kv_cache.KVLayout: one head, no V). Prefill expands the latents
+  through kv_b_proj, decode absorbs kv_b_proj into the query and the output instead
+  (kernels/mla.py says why).
+- DeepSeekMoE: sigmoid routing limited to the best groups of experts, a score bias that
+  steers the choice but not the weights (kernels/moe.py grouped_router_ref), shared
+  experts every token takes, and dense MLPs in the first `first_k_dense_replace` layers.
+  The routed experts' sums are moe.py's.
+
+Module names follow the HF checkpoints, so a state dict loads as it is, but for the
+stacked experts and fused gate/up projections. Multi-token-prediction layers (index >=
+num_hidden_layers) are dropped at load. One device, the CPU (torch) path; no FP8 yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .checkpoint import Checkpoint, CheckpointError
+from .kernels import ops
+from .kv_cache import KVLayout
+from .llama import MLP, Linear, RMSNorm, assign_state
+from .moe import Experts, MoEConfig, stack_experts
+
+SUPPORTED_MODEL_TYPES = {"deepseek_v3", "kimi_k2"}
+
+
+@dataclass(frozen=True)
+class DeepseekV3Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # the dense layers' MLP
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int | None  # None: q_proj straight from the hidden state
+    kv_lora_rank: int  # the latent's width
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    moe: MoEConfig  # its dense_layers: the first first_k_dense_replace
+    shared_intermediate: int  # the shared experts' MLP (moe_intermediate x n_shared)
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    rope_interleave: bool = True  # the checkpoint's rope dims in pairs (permuted at load)
+    max_position: int = 4096
+    tie_embeddings: bool = False
+    attention_bias: bool = False
+    model_type: str = "deepseek_v3"
+    tp: int = 1
+    quantization: str | None = None  # (read by llama.projection; none supported yet)
+    kv_cache_dtype: str | None = None
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Checkpoint) -> DeepseekV3Config:
+        c, path = ckpt.config, ckpt.path / "config.json"
+        model_type = c.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise CheckpointError(f"{path}: model_type {model_type!r} is not DeepSeek-V3's")
+        rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
+        try:
+            layers = int(c["num_hidden_layers"])
+            dense = int(c.get("first_k_dense_replace") or 0)
+            moe_inter = int(c["moe_intermediate_size"])
+            return cls(
+                vocab_size=int(c["vocab_size"]),
+                hidden_size=int(c["hidden_size"]),
+                intermediate_size=int(c["intermediate_size"]),
+                num_layers=layers,
+                num_heads=int(c["num_attention_heads"]),
+                q_lora_rank=c.get("q_lora_rank"),
+                kv_lora_rank=int(c["kv_lora_rank"]),
+                qk_nope_head_dim=int(c["qk_nope_head_dim"]),
+                qk_rope_head_dim=int(c["qk_rope_head_dim"]),
+                v_head_dim=int(c["v_head_dim"]),
+                moe=MoEConfig(
+                    experts=int(c["n_routed_experts"]),
+                    per_token=int(c["num_experts_per_tok"]),
+                    intermediate=moe_inter,
+                    renormalize=bool(c.get("norm_topk_prob", True)),
+                    dense_layers=frozenset(range(min(dense, layers))),
+                ),
+                shared_intermediate=moe_inter * int(c.get("n_shared_experts") or 0),
+                n_group=int(c.get("n_group") or 1),
+                topk_group=int(c.get("topk_group") or 1),
+                routed_scaling_factor=float(c.get("routed_scaling_factor", 1.0)),
+                rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(c.get("rope_theta") or rope.get("rope_theta", 10000.0)),
+                rope_scaling=rope if rope_kind(rope) != "default" else None,
+                rope_interleave=bool(c.get("rope_interleave", True)),
+                max_position=int(c.get("max_position_embeddings", 4096)),
+                tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+                attention_bias=bool(c.get("attention_bias", False)),
+                model_type=model_type,
+            )
+        except KeyError as exc:
+            raise CheckpointError(f"{path}: missing key {exc}") from None
+
+
+def rope_kind(scaling: dict | None) -> str:
+    scaling = scaling or {}
+    return scaling.get("rope_type", scaling.get("type")) or "default"
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_parameters(cfg: DeepseekV3Config) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies of the rope dims, the factor the rotated q and k are scaled
+    by): plain rope, or YaRN's blend of interpolated and original frequencies."""
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    kind = rope_kind(cfg.rope_scaling)
+    if kind == "default":
+        return inv_freq, 1.0
+    if kind != "yarn":
+        raise CheckpointError(f"rope_scaling type {kind!r} not supported for DeepSeek-V3")
+    s = cfg.rope_scaling
+    factor, old_ctx = float(s["factor"]), s["original_max_position_embeddings"]
+
+    def dim_of(rotations: float) -> float:  # the rope dim that turns `rotations` in old_ctx
+        return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(s.get("beta_fast") or 32), dim_of(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+    attention = s.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = s.get("mscale"), s.get("mscale_all_dim")
+        if mscale and mscale_all:
+            attention = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+        else:
+            attention = yarn_mscale(factor)
+    return inv_freq, float(attention)
+
+
+def softmax_scale(cfg: DeepseekV3Config) -> float:
+    """1/sqrt(q.k width), times YaRN's mscale_all_dim correction squared where set."""
+    scale = (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim) ** -0.5
+    s = cfg.rope_scaling or {}
+    if s.get("mscale_all_dim"):
+        scale *= yarn_mscale(float(s["factor"]), s["mscale_all_dim"]) ** 2
+    return scale
+
+
+class LatentAttention(nn.Module):
+    """Multi-head latent attention over the paged latent cache."""
+
+    def __init__(self, cfg: DeepseekV3Config, layer: int, device=None):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        heads, qk_dim = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        hidden, bias = cfg.hidden_size, cfg.attention_bias
+        if cfg.q_lora_rank is None:
+            self.q_proj = Linear(hidden, heads * qk_dim, bias=False, device=device)
+        else:
+            self.q_a_proj = Linear(hidden, cfg.q_lora_rank, bias=bias, device=device)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps, device)
+            self.q_b_proj = Linear(cfg.q_lora_rank, heads * qk_dim, bias=False, device=device)
+        latent_and_rope = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+        self.kv_a_proj_with_mqa = Linear(hidden, latent_and_rope, bias=bias, device=device)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps, device)
+        kv_b_width = heads * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, kv_b_width, bias=False, device=device)
+        self.o_proj = Linear(heads * cfg.v_head_dim, hidden, bias=bias, device=device)
+        self.scale = softmax_scale(cfg)
+        self.rope_factor = rope_parameters(cfg)[1]  # YaRN's scale of the rotated parts
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.q_lora_rank is None:
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def forward(self, x: torch.Tensor, step, cache: torch.Tensor, inv_freq) -> torch.Tensor:
+        """x [tokens, hidden] -> [tokens, hidden]; the tokens' latent rows go to this
+        layer's `cache` [blocks, block_size, 1, latent + rope] on the way."""
+        cfg, n, kernels = self.cfg, x.shape[0], ops(x.device)
+        nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        q = self.query(x).view(n, cfg.num_heads, nope + rope)
+        q_nope, q_rope = q.split([nope, rope], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, rope], dim=-1)
+        latent = self.kv_a_layernorm(latent.contiguous())
+        if self.rope_factor != 1.0:  # rotation is linear: scaling before it is the same
+            q_rope, k_rope = q_rope * self.rope_factor, k_rope * self.rope_factor
+        q_rope = kernels.mla_rope_and_cache(
+            q_rope, latent, k_rope, step.positions, inv_freq, cache, step.slot_mapping
+        )
+        out = x.new_empty(n, cfg.num_heads, cfg.v_head_dim)
+        d = step.num_decodes  # the first d rows: one a decoding sequence
+        if d:
+            out[:d] = self.absorbed(q_nope[:d], q_rope[:d], step, cache)
+        if d < step.seq_lens.shape[0]:
+            out[d:] = self.expanded(torch.cat([q_nope[d:], q_rope[d:]], dim=-1), step, cache)
+        return self.o_proj(out.view(n, -1))
+
+    def expanded(self, q: torch.Tensor, step, cache: torch.Tensor) -> torch.Tensor:
+        """The prefilling sequences (those after the decoding ones) in the expanded form."""
+        d, cfg = step.num_decodes, self.cfg
+        return ops(q.device).mla_prefill(
+            q,
+            cache,
+            self.kv_b_proj.weight,
+            step.block_tables[d:],
+            step.seq_lens[d:],
+            step.cu_seqlens_q[d:] - d,
+            self.scale,
+            cfg.qk_nope_head_dim,
+            cfg.v_head_dim,
+        )
+
+    def absorbed(self, q_nope, q_rope, step, cache: torch.Tensor) -> torch.Tensor:
+        """The decoding sequences' rows: q_nope into the latent space through kv_b_proj's
+        K part, attention over the cache rows, out through its V part."""
+        cfg, d = self.cfg, q_nope.shape[0]
+        w = self.kv_b_proj.weight.view(cfg.num_heads, -1, cfg.kv_lora_rank)
+        w_uk, w_uv = w.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)  # [heads, *, latent]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [d, heads, latent]
+        attended = ops(q_nope.device).mla_decode(
+            torch.cat([q_latent, q_rope], dim=-1),
+            cache,
+            step.block_tables[:d],
+            step.seq_lens[:d],
+            self.scale,
+            cfg.kv_lora_rank,
+        )
+        return torch.bmm(attended.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+
+class Router(nn.Module):
+    """The router's weights and its choice-only score bias, kept in fp32 as HF keeps them."""
+
+    def __init__(self, cfg: DeepseekV3Config, device=None):
+        super().__init__()
+        self.cfg, experts = cfg, cfg.moe.experts
+        self.weight = nn.Parameter(torch.empty(experts, cfg.hidden_size, device=device))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(experts, device=device))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [tokens, k] fp32, expert ids [tokens, k])."""
+        cfg = self.cfg
+        return ops(x.device).grouped_router(
+            x,
+            self.weight,
+            self.e_score_correction_bias,
+            cfg.moe.per_token,
+            cfg.n_group,
+            cfg.topk_group,
+            cfg.moe.renormalize,
+            cfg.routed_scaling_factor,
+        )
+
+
+class DeepseekMoE(nn.Module):
+    """Routed experts plus the shared experts every token takes."""
+
+    def __init__(self, cfg: DeepseekV3Config, device=None):
+        super().__init__()
+        self.gate = Router(cfg, device)
+        self.experts = Experts(cfg.moe, cfg.hidden_size, device)
+        self.shared_experts = None
+        if cfg.shared_intermediate:
+            shared = dataclasses.replace(cfg, intermediate_size=cfg.shared_intermediate)
+            self.shared_experts = MLP(shared, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        experts = self.experts
+        out = ops(x.device).fused_moe(x, experts.gate_up, experts.down, weights, ids)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, layer: int, device=None):
+        super().__init__()
+        self.layer = layer
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.self_attn = LatentAttention(cfg, layer, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        dense = layer in cfg.moe.dense_layers
+        self.mlp: nn.Module = MLP(cfg, device) if dense else DeepseekMoE(cfg, device)
+
+    def forward(self, x, residual, step, k_cache, inv_freq):
+        """(x, residual) in and out: each norm also adds the residual, in one kernel."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, step, k_cache[self.layer], inv_freq)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, device=None):
+        super().__init__()
+        weight = torch.empty(cfg.vocab_size, cfg.hidden_size, device=device)
+        if weight.device.type != "meta":  # (llama.Backbone says why it is made so)
+            nn.init.normal_(weight)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, device) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+
+
+class DeepseekV3ForCausalLM(nn.Module):
+    def __init__(self, cfg: DeepseekV3Config, device=None):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg, device)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
+        self.register_buffer("inv_freq", rope_parameters(cfg)[0], persistent=False)
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        """A token's cache row a layer: its latent and rope key, one head, no V."""
+        return KVLayout(1, self.cfg.kv_lora_rank + self.cfg.qk_rope_head_dim, values=False)
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids, step, k_cache, v_cache) -> torch.Tensor:
+        """Final hidden states of `input_ids` (flat, several sequences), per the step.
+        `v_cache` is the runner's zero-width one: MLA keeps no V."""
+        x, residual = self.model.embed_tokens(input_ids), None
+        for layer in self.model.layers:
+            x, residual = layer(x, residual, step, k_cache, self.inv_freq)
+        x, _ = self.model.norm(x, residual)
+        return x
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @classmethod
+    def load(
+        cls,
+        ckpt: Checkpoint,
+        device="cpu",
+        dtype=torch.float32,
+        tp: int = 1,
+        tp_rank: int = 0,
+        experts: bool = False,
+        quantization: str | None = None,
+        reference: bool = False,
+        kv_cache_dtype: str | None = None,
+    ) -> DeepseekV3ForCausalLM:
+        """The checkpoint's model on `device` (LlamaForCausalLM.load's arguments; what
+        DeepSeek-V3 has no support for yet is refused by name)."""
+        refused = {
+            "tensor parallelism": tp > 1,
+            "expert parallelism": experts,
+            # asked for, or a Hub FP8 checkpoint's (DeepSeek-V3's, Kimi K2's block scales)
+            "FP8 weights": quantization is not None or "quantization_config" in ckpt.config,
+            "an FP8 KV cache": kv_cache_dtype is not None,
+            # its kernels are torch references, unchecked under CUDA graphs so far
+            "GPU path": str(device).startswith("cuda"),
+        }
+        if unsupported := [name for name, asked in refused.items() if asked]:
+            raise CheckpointError(f"{ckpt.path}: no {', '.join(unsupported)} for DeepSeek-V3 yet")
+        cfg = DeepseekV3Config.from_checkpoint(ckpt)
+        return cls.from_state(cfg, ckpt.load_tensors(device, dtype), ckpt.path)
+
+    @classmethod
+    def from_state(cls, cfg: DeepseekV3Config, state: dict, source="state"):
+        """The model on a checkpoint's tensors (HF names); CheckpointError names what is
+        missing or misshapen."""
+        model = cls(cfg, device="meta")
+        drop_prediction_layers(state, cfg.num_layers)
+        fuse_gate_up(state, cfg)
+        stack_experts(state, "deepseek_v3", cfg.moe, cfg.num_layers, source)
+        if cfg.rope_interleave:
+            permute_rope_rows(state, cfg)
+        for i in range(cfg.num_layers):  # the router in fp32, as HF keeps it
+            for name in ("weight", "e_score_correction_bias"):
+                key = f"model.layers.{i}.mlp.gate.{name}"
+                if key in state:
+                    state[key] = state[key].float()
+        if cfg.tie_embeddings:
+            state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
+        assign_state(model, state, source, skipped=("rotary_emb",))
+        model.inv_freq = rope_parameters(cfg)[0].to(state["lm_head.weight"].device)
+        return model.eval()
+
+
+def drop_prediction_layers(state: dict, num_layers: int) -> None:
+    """Remove the multi-token-prediction layers' tensors (layer index >= num_layers)."""
+    for name in list(state):
+        parts = name.split(".")
+        if parts[:2] == ["model", "layers"] and int(parts[2]) >= num_layers:
+            del state[name]
+
+
+def fuse_gate_up(state: dict, cfg: DeepseekV3Config) -> None:
+    """Stack each dense MLP's and shared experts' gate and up into the fused projection
+    llama.MLP runs (its q/k/v counterpart, llama.fuse_projections, is not for MLA)."""
+    for i in range(cfg.num_layers):
+        for mlp in ("mlp.", "mlp.shared_experts."):
+            prefix = f"model.layers.{i}.{mlp}"
+            names = [f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight"]
+            if all(n in state for n in names):
+                state[f"{prefix}gate_up_proj.weight"] = torch.cat([state.pop(n) for n in names])
+
+
+def permute_rope_rows(state: dict, cfg: DeepseekV3Config) -> None:
+    """Reorder the rows that make q's and k's rope dims from the checkpoint's interleaved
+    pairs (x0, x1), (x2, x3)... to the halves (x0, x2, ...; x1, x3, ...) the rotate-half
+    rope pairs: the same rotation, and the same dot products, as HF's interleaved one."""
+    rope, nope = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
+    order = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+    q_name = "q_proj" if cfg.q_lora_rank is None else "q_b_proj"
+    for i in range(cfg.num_layers):
+        prefix = f"model.layers.{i}.self_attn."
+        if (name := f"{prefix}{q_name}.weight") in state:
+            w = state[name].view(cfg.num_heads, nope + rope, -1)
+            w = torch.cat([w[:, :nope], w[:, nope:][:, order]], dim=1)
+            state[name] = w.reshape(-1, w.shape[-1])
+        for kind in ("weight", "bias"):
+            if (name := f"{prefix}kv_a_proj_with_mqa.{kind}") in state:
+                t = state[name]
+                state[name] = torch.cat([t[: cfg.kv_lora_rank], t[cfg.kv_lora_rank :][order]])
