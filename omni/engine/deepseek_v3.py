@@ -14,7 +14,9 @@ layers it uses as they are:
 
 Module names follow the HF checkpoints, so a state dict loads as it is, but for the
 stacked experts and fused gate/up projections. Multi-token-prediction layers (index >=
-num_hidden_layers) are dropped at load. One device, the CPU (torch) path; no FP8 yet.
+num_hidden_layers) are dropped at load. The Hub's block-FP8 and INT4 checkpoints load as
+they ship (quant_weights.py): their projections run quantized, but the routed experts and
+kv_b_proj, which are dequantized at load. One device, the CPU (torch) path.
 """
 
 from __future__ import annotations
@@ -31,6 +33,16 @@ from .kernels import ops
 from .kv_cache import KVLayout
 from .llama import MLP, Linear, RMSNorm, assign_state
 from .moe import Experts, MoEConfig, stack_experts
+from .quant_weights import (
+    WeightScheme,
+    cast_state,
+    dequantize_where,
+    is_quantized,
+    permute_rows,
+    quantize_modules,
+    stack_linears,
+    weight_scheme,
+)
 
 SUPPORTED_MODEL_TYPES = {"deepseek_v3", "kimi_k2"}
 
@@ -61,7 +73,7 @@ class DeepseekV3Config:
     attention_bias: bool = False
     model_type: str = "deepseek_v3"
     tp: int = 1
-    quantization: str | None = None  # (read by llama.projection; none supported yet)
+    quantization: str | None = None  # (read by llama.projection; the checkpoint's is in load)
     kv_cache_dtype: str | None = None
 
     @classmethod
@@ -361,11 +373,12 @@ class DeepseekV3ForCausalLM(nn.Module):
     ) -> DeepseekV3ForCausalLM:
         """The checkpoint's model on `device` (LlamaForCausalLM.load's arguments; what
         DeepSeek-V3 has no support for yet is refused by name)."""
+        scheme = weight_scheme(ckpt.config, ckpt.path / "config.json")  # (or its refusal)
         refused = {
             "tensor parallelism": tp > 1,
             "expert parallelism": experts,
-            # asked for, or a Hub FP8 checkpoint's (DeepSeek-V3's, Kimi K2's block scales)
-            "FP8 weights": quantization is not None or "quantization_config" in ckpt.config,
+            # quantizing a bf16 checkpoint at load; a quantized checkpoint's own scheme loads
+            "quantization at load": quantization is not None,
             "an FP8 KV cache": kv_cache_dtype is not None,
             # its kernels are torch references, unchecked under CUDA graphs so far
             "GPU path": str(device).startswith("cuda"),
@@ -373,18 +386,27 @@ class DeepseekV3ForCausalLM(nn.Module):
         if unsupported := [name for name, asked in refused.items() if asked]:
             raise CheckpointError(f"{ckpt.path}: no {', '.join(unsupported)} for DeepSeek-V3 yet")
         cfg = DeepseekV3Config.from_checkpoint(ckpt)
-        return cls.from_state(cfg, ckpt.load_tensors(device, dtype), ckpt.path)
+        if scheme is None:
+            return cls.from_state(cfg, ckpt.load_tensors(device, dtype), ckpt.path)
+        state = ckpt.load_tensors(device, None)  # (the reader would cast fp32 scales to dtype)
+        cast_state(state, dtype)
+        cfg = dataclasses.replace(cfg, quantization=scheme.kind)
+        return cls.from_state(cfg, state, ckpt.path, scheme)
 
     @classmethod
-    def from_state(cls, cfg: DeepseekV3Config, state: dict, source="state"):
-        """The model on a checkpoint's tensors (HF names); CheckpointError names what is
-        missing or misshapen."""
+    def from_state(
+        cls, cfg: DeepseekV3Config, state: dict, source="state", scheme: WeightScheme | None = None
+    ):
+        """The model on a checkpoint's tensors (HF names), quantized ones by `scheme`;
+        CheckpointError names what is missing or misshapen."""
         model = cls(cfg, device="meta")
         drop_prediction_layers(state, cfg.num_layers)
-        fuse_gate_up(state, cfg)
+        dtype = _model_dtype(state)
+        dequantize_where(state, scheme, dtype, keep=runs_quantized)
+        fuse_gate_up(state, cfg, scheme, dtype)
         stack_experts(state, "deepseek_v3", cfg.moe, cfg.num_layers, source)
         if cfg.rope_interleave:
-            permute_rope_rows(state, cfg)
+            permute_rope_rows(state, cfg, scheme, dtype)
         for i in range(cfg.num_layers):  # the router in fp32, as HF keeps it
             for name in ("weight", "e_score_correction_bias"):
                 key = f"model.layers.{i}.mlp.gate.{name}"
@@ -392,6 +414,7 @@ class DeepseekV3ForCausalLM(nn.Module):
                     state[key] = state[key].float()
         if cfg.tie_embeddings:
             state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
+        quantize_modules(model, state, scheme)
         assign_state(model, state, source, skipped=("rotary_emb",))
         model.inv_freq = rope_parameters(cfg)[0].to(state["lm_head.weight"].device)
         return model.eval()
@@ -405,31 +428,46 @@ def drop_prediction_layers(state: dict, num_layers: int) -> None:
             del state[name]
 
 
-def fuse_gate_up(state: dict, cfg: DeepseekV3Config) -> None:
+def runs_quantized(linear: str) -> bool:
+    """Whether a quantized Linear (HF name) stays so: not the routed experts (moe.py
+    stacks dense tensors) nor kv_b_proj (MLA reads it as a matrix)."""
+    return ".mlp.experts." not in linear and not linear.endswith("kv_b_proj")
+
+
+def _model_dtype(state: dict) -> torch.dtype:
+    embed = state.get("model.embed_tokens.weight")
+    return embed.dtype if embed is not None else torch.float32
+
+
+def fuse_gate_up(
+    state: dict, cfg: DeepseekV3Config, scheme: WeightScheme | None = None, dtype=torch.float32
+) -> None:
     """Stack each dense MLP's and shared experts' gate and up into the fused projection
-    llama.MLP runs (its q/k/v counterpart, llama.fuse_projections, is not for MLA)."""
+    llama.MLP runs (its q/k/v counterpart, llama.fuse_projections, is not for MLA);
+    quantized ones stay so where their blocks line up (quant_weights.stack_linears)."""
     for i in range(cfg.num_layers):
         for mlp in ("mlp.", "mlp.shared_experts."):
             prefix = f"model.layers.{i}.{mlp}"
-            names = [f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight"]
-            if all(n in state for n in names):
-                state[f"{prefix}gate_up_proj.weight"] = torch.cat([state.pop(n) for n in names])
+            parts = [f"{prefix}gate_proj", f"{prefix}up_proj"]
+            if all(f"{p}.weight" in state or is_quantized(state, p, scheme) for p in parts):
+                stack_linears(state, parts, f"{prefix}gate_up_proj", scheme, dtype)
 
 
-def permute_rope_rows(state: dict, cfg: DeepseekV3Config) -> None:
+def permute_rope_rows(
+    state: dict, cfg: DeepseekV3Config, scheme: WeightScheme | None = None, dtype=torch.float32
+) -> None:
     """Reorder the rows that make q's and k's rope dims from the checkpoint's interleaved
     pairs (x0, x1), (x2, x3)... to the halves (x0, x2, ...; x1, x3, ...) the rotate-half
     rope pairs: the same rotation, and the same dot products, as HF's interleaved one."""
-    rope, nope = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim
+    rope, nope, latent = cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.kv_lora_rank
     order = torch.cat([torch.arange(0, rope, 2), torch.arange(1, rope, 2)])
+    head = torch.cat([torch.arange(nope), nope + order])
+    q_rows = (torch.arange(cfg.num_heads)[:, None] * (nope + rope) + head).flatten()
+    kv_rows = torch.cat([torch.arange(latent), latent + order])
     q_name = "q_proj" if cfg.q_lora_rank is None else "q_b_proj"
     for i in range(cfg.num_layers):
         prefix = f"model.layers.{i}.self_attn."
-        if (name := f"{prefix}{q_name}.weight") in state:
-            w = state[name].view(cfg.num_heads, nope + rope, -1)
-            w = torch.cat([w[:, :nope], w[:, nope:][:, order]], dim=1)
-            state[name] = w.reshape(-1, w.shape[-1])
-        for kind in ("weight", "bias"):
-            if (name := f"{prefix}kv_a_proj_with_mqa.{kind}") in state:
-                t = state[name]
-                state[name] = torch.cat([t[: cfg.kv_lora_rank], t[cfg.kv_lora_rank :][order]])
+        for name, rows in ((q_name, q_rows), ("kv_a_proj_with_mqa", kv_rows)):
+            linear = prefix + name
+            if f"{linear}.weight" in state or is_quantized(state, linear, scheme):
+                permute_rows(state, linear, rows, scheme, dtype)

@@ -29,10 +29,15 @@ from .moe import (
 from .norm import rms_norm, rms_norm_ref
 from .rope import rope_and_cache, rope_and_cache_ref
 from .w8a8 import fp8_linear
+from .wq import block_fp8_linear, block_fp8_linear_ref, int4_linear, int4_linear_ref
 
 __all__ = [
+    "block_fp8_linear",
+    "block_fp8_linear_ref",
     "fused_moe",
     "fused_moe_ref",
+    "int4_linear",
+    "int4_linear_ref",
     "linear",
     "linear_ref",
     "ops",
@@ -54,6 +59,8 @@ BATCH_INVARIANT = os.environ.get("OMNI_BATCH_INVARIANT", "1") != "0"
 
 _KERNELS = SimpleNamespace(
     fp8_linear=fp8_linear,
+    block_fp8_linear=block_fp8_linear,
+    int4_linear=int4_linear,
     rms_norm=rms_norm,
     silu_and_mul=silu_and_mul,
     rope_and_cache=rope_and_cache,
@@ -69,6 +76,8 @@ _KERNELS = SimpleNamespace(
 )
 _REFERENCES = SimpleNamespace(
     fp8_linear=fp8_linear_ref,
+    block_fp8_linear=block_fp8_linear_ref,
+    int4_linear=int4_linear_ref,
     rms_norm=rms_norm_ref,
     silu_and_mul=silu_and_mul_ref,
     rope_and_cache=rope_and_cache_ref,

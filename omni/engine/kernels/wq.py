@@ -1,0 +1,220 @@
+"""Weight-only quantized linear layers as the Hub's big checkpoints ship them.
+
+Two formats (quant_weights.py reads them from a checkpoint's `quantization_config`):
+- block FP8 (DeepSeek-V3, Kimi K2): e4m3 weights [N, K], one fp32 `scale_inv` per
+  block of rows x columns (128 x 128), the real weight = e4m3 value * its block's scale;
+- INT4 by groups (compressed-tensors "pack-quantized", Kimi K2.5): signed 4-bit values
+  stored as nibbles q + 8, eight to an int32 from the lowest bits up along K, one scale
+  per row per group of K (32), the real weight = q * scale.
+
+The kernels read the weights as stored and dequantize each tile in registers before an
+fp32-accumulated `tl.dot` with the activations (W8A16, W4A16): a decode step reads a
+quarter (INT4) or half (FP8) of bf16's bytes. The e4m3 bytes are decoded with integer
+ops rather than an fp8 cast, so the FP8 kernel runs where the GPU has no FP8 type (from
+compute capability 8.0). The references dequantize the whole weight and multiply; the
+dequantizers here are the formats' definitions. Tiles are a first cut, not tuned.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .matmul import linear_ref
+
+FP8 = torch.float8_e4m3fn
+INT4_PER_WORD = 8  # nibbles in an int32
+INT4_OFFSET = 8  # stored nibble = q + 8, q in [-8, 7]
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int4 values (any integer dtype, [..., K] in [-8, 7]) as int32 words [..., ceil(K/8)]:
+    value i of a row in bits 4*(i % 8) of word i // 8, as q + 8; K padded with zeros."""
+    k = q.shape[-1]
+    pad = -k % INT4_PER_WORD
+    nibbles = torch.nn.functional.pad(q.to(torch.int64) + INT4_OFFSET, (0, pad))
+    nibbles = nibbles.view(*q.shape[:-1], -1, INT4_PER_WORD)
+    shifts = torch.arange(INT4_PER_WORD, device=q.device) * 4
+    words = (nibbles << shifts).sum(dim=-1)  # < 2^32: the top nibble may set the sign bit
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor, k: int) -> torch.Tensor:
+    """pack_int4's inverse: int8 values [..., k] in [-8, 7]."""
+    shifts = torch.arange(INT4_PER_WORD, device=packed.device, dtype=torch.int32) * 4
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # (arithmetic shift, then the nibble)
+    q = nibbles.flatten(-2)[..., :k] - INT4_OFFSET
+    return q.to(torch.int8)
+
+
+def dequantize_int4(
+    packed: torch.Tensor, scale: torch.Tensor, in_features: int, group_size: int
+) -> torch.Tensor:
+    """The real weight [N, in_features] in fp32: q * its group's scale."""
+    q = unpack_int4(packed, in_features).float()
+    return q * scale.float().repeat_interleave(group_size, dim=-1)[..., :in_features]
+
+
+def dequantize_block_fp8(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """The real weight [N, K] in fp32: each e4m3 value times its block's scale."""
+    n, k = weight.shape[-2:]
+    s = scale_inv.float().repeat_interleave(block[0], dim=-2)[..., :n, :]
+    return weight.float() * s.repeat_interleave(block[1], dim=-1)[..., :k]
+
+
+def block_fp8_linear_ref(x, weight, scale_inv, bias=None, block=(128, 128)) -> torch.Tensor:
+    """x [..., K] @ the dequantized weight.T (+ bias), as the dense linear computes it."""
+    return linear_ref(x, dequantize_block_fp8(weight, scale_inv, block).to(x.dtype), bias)
+
+
+def int4_linear_ref(x, packed, scale, bias=None, group_size=32) -> torch.Tensor:
+    """x [..., K] @ the dequantized weight.T (+ bias), as the dense linear computes it."""
+    w = dequantize_int4(packed, scale, x.shape[-1], group_size)
+    return linear_ref(x, w.to(x.dtype), bias)
+
+
+@triton.jit
+def e4m3_to_f32(bits):
+    """e4m3fn bytes (uint8) as fp32 by integer ops, exact: (8 + mantissa) * 2^(exp - 10),
+    or mantissa * 2^-9 where the exponent is 0 (subnormal). NaN bytes are not expected."""
+    b = bits.to(tl.int32)
+    exp = (b >> 3) & 0xF
+    mant = (b & 7).to(tl.float32)
+    pow2 = ((exp + 117) << 23).to(tl.float32, bitcast=True)  # 2^(exp - 10), biased by 127
+    mag = tl.where(exp == 0, mant * 0.001953125, (mant + 8.0) * pow2)
+    return tl.where((b & 0x80) != 0, -mag, mag)
+
+
+@triton.jit(do_not_specialize=["M"])  # M follows the step's size
+def _block_fp8_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    s_stride,
+    HAS_BIAS: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # the scale block's columns: one scale per weight row a step
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        ks = k * BLOCK_K + offs_k
+        x = tl.load(
+            x_ptr + offs_m[:, None] * K + ks[None, :],
+            mask=(offs_m[:, None] < M) & (ks[None, :] < K),
+            other=0.0,
+        )
+        bits = tl.load(
+            w_ptr + offs_n[None, :] * K + ks[:, None],
+            mask=(offs_n[None, :] < N) & (ks[:, None] < K),
+            other=0,
+        )
+        s = tl.load(s_ptr + (offs_n // SCALE_ROWS) * s_stride + k, mask=offs_n < N, other=0.0)
+        w = e4m3_to_f32(bits) * s.to(tl.float32)[None, :]
+        acc = tl.dot(x, w.to(x.dtype), acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        out_ptr + offs_m[:, None] * N + offs_n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
+    )
+
+
+@triton.jit(do_not_specialize=["M"])  # M follows the step's size
+def _int4_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    bias_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    w_stride,
+    s_stride,
+    HAS_BIAS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        ks = k * BLOCK_K + offs_k
+        x = tl.load(
+            x_ptr + offs_m[:, None] * K + ks[None, :],
+            mask=(offs_m[:, None] < M) & (ks[None, :] < K),
+            other=0.0,
+        )
+        w_mask = (offs_n[None, :] < N) & (ks[:, None] < K)
+        words = tl.load(w_ptr + offs_n[None, :] * w_stride + ks[:, None] // 8, mask=w_mask, other=0)
+        q = ((words >> ((ks[:, None] % 8) * 4)) & 0xF) - 8
+        s = tl.load(
+            s_ptr + offs_n[None, :] * s_stride + ks[:, None] // GROUP, mask=w_mask, other=0.0
+        )
+        w = q.to(tl.float32) * s.to(tl.float32)
+        acc = tl.dot(x, w.to(x.dtype), acc)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        out_ptr + offs_m[:, None] * N + offs_n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
+    )
+
+
+def _tiles(m: int) -> dict:
+    """Tiles by rows: narrow for decode steps, wider for prefill (untuned)."""
+    return dict(BLOCK_M=16 if m <= 16 else 64, BLOCK_N=64, num_warps=4)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def block_fp8_linear(x, weight, scale_inv, bias=None, block=(128, 128)) -> torch.Tensor:
+    """block_fp8_linear_ref's product on the GPU: x [..., K] (bf16/fp32), weight [N, K]
+    e4m3, scale_inv [ceil(N/block[0]), ceil(K/block[1])]; block[1] a power of two >= 16."""
+    x2, n = _rows(x), weight.shape[0]
+    (m, k), cfg = x2.shape, _tiles(x2.shape[0])
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+        _block_fp8_kernel[grid](
+            x2, weight.view(torch.uint8), scale_inv, bias if bias is not None else scale_inv,
+            out, m, n, k, scale_inv.stride(0), HAS_BIAS=bias is not None,
+            SCALE_ROWS=block[0], BLOCK_K=block[1], **cfg,
+        )  # fmt: skip
+    return out.view(*x.shape[:-1], n)
+
+
+def int4_linear(x, packed, scale, bias=None, group_size=32) -> torch.Tensor:
+    """int4_linear_ref's product on the GPU: x [..., K] (bf16/fp32), packed [N, ceil(K/8)]
+    int32, scale [N, ceil(K/group_size)]."""
+    x2, n = _rows(x), packed.shape[0]
+    (m, k), cfg = x2.shape, _tiles(x2.shape[0])
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m:
+        grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+        _int4_kernel[grid](
+            x2, packed, scale, bias if bias is not None else scale, out, m, n, k,
+            packed.stride(0), scale.stride(0), HAS_BIAS=bias is not None, GROUP=group_size,
+            BLOCK_K=64, **cfg,
+        )  # fmt: skip
+    return out.view(*x.shape[:-1], n)
