@@ -480,8 +480,9 @@ class GpuPool:
         return hot
 
     def _pick_victim(self, tenant: Tenant, now: float) -> Tenant | None:
-        """The idle resident instance in least demand that `tenant` may evict; None to wait
-        for one (a colder instance is busy, starting or moving, and will free room)."""
+        """The idle resident instance least costly to lose (_keep_value) that `tenant` may
+        evict; None to wait for one (a colder instance is busy, starting or moving, or room
+        is claimed, and room will come free)."""
         others = [t for t in self.tenants.values() if t is not tenant]
         idle = [t for t in others if t.state is Residency.RESIDENT and not t.in_flight + t.waiting]
         if not idle:
