@@ -143,20 +143,6 @@ def test_a_resident_instance_answers_while_another_swaps():
     assert t["cold"].state is Residency.RESIDENT and t["a"].state is Residency.SWAPPED
 
 
-class Timed(Block):
-    """A Block that notes when each of its moves began and ended, and which way."""
-
-    def __init__(self, name: str, log: list, delay_s: float):
-        super().__init__(delay_s=delay_s)
-        self.name, self.log = name, log
-
-    def move(self, target, timeout_s):
-        start = time.monotonic()
-        result = super().move(target, timeout_s)
-        self.log.append((self.name, target, start, time.monotonic()))
-        return result
-
-
 def test_a_cold_request_waits_for_its_own_swap_in_not_an_unrelated_swap_out():
     """Budget 2: "a" goes out (slowly) while "b", whose room is free, is asked for; b's
     swap-in overlaps a's swap-out (the link is full duplex) instead of queueing behind it."""
@@ -309,27 +295,31 @@ def test_a_hotter_idle_instance_is_spared_while_a_colder_one_finishes():
     assert t["warm"].state is Residency.SWAPPED
 
 
+class Timed(Block):
+    """A Block that notes when each of its moves began and ended, and which way."""
+
+    def __init__(self, name: str, log: list, delay_s: float):
+        super().__init__(delay_s=delay_s)
+        self.name, self.log = name, log
+
+    def move(self, target, timeout_s):
+        start = time.monotonic()
+        result = super().move(target, timeout_s)
+        self.log.append((self.name, target, start, time.monotonic()))
+        return result
+
+
 def swap_in_order(budget_quotas: int, demands: dict[str, int], holders: int = 1) -> list[str]:
     """The order swap-ins happen in while "holder" (and "other") hold the GPU and the
     others queue, each 50 ms after the one before, in the order of `demands` (requests
     made before)."""
-    order: list[str] = []
-
-    class Named(Block):
-        def __init__(self, name):
-            super().__init__()
-            self.name = name
-
-        def move(self, target, timeout_s):
-            if target is Where.GPU:
-                order.append(self.name)
-            return super().move(target, timeout_s)
+    log: list = []
 
     async def main():
         held = ["holder", "other"][:holders]
         names = [*held, *demands]
-        pool, t, _ = await pool_with(names, budget_quotas, **{n: Named(n) for n in names})
-        order.clear()
+        pool, t, _ = await pool_with(names, budget_quotas, **{n: Timed(n, log, 0.0) for n in names})
+        log.clear()
         for name, n in demands.items():
             for _ in range(n):
                 t[name].requested()  # wanted before; swapped out meanwhile
@@ -343,7 +333,7 @@ def swap_in_order(budget_quotas: int, demands: dict[str, int], holders: int = 1)
         await asyncio.gather(*tasks)
 
     asyncio.run(main())
-    return order
+    return [name for name, where, *_ in sorted(log, key=lambda e: e[2]) if where is Where.GPU]
 
 
 def test_a_hot_instances_swap_in_goes_before_queued_cold_ones():
