@@ -88,6 +88,18 @@ def e4m3_to_f32(bits):
     return tl.where((b & 0x80) != 0, -mag, mag)
 
 
+@triton.jit
+def _store_tile(acc, bias_ptr, out_ptr, offs_m, offs_n, M, N, HAS_BIAS: tl.constexpr):
+    """Both kernels' epilogue: the bias added in fp32, the tile stored in out's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
+    tl.store(
+        out_ptr + offs_m[:, None] * N + offs_n[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
+    )
+
+
 @triton.jit(do_not_specialize=["M"])  # M follows the step's size
 def _block_fp8_kernel(
     x_ptr,
@@ -124,13 +136,7 @@ def _block_fp8_kernel(
         s = tl.load(s_ptr + (offs_n // SCALE_ROWS) * s_stride + k, mask=offs_n < N, other=0.0)
         w = e4m3_to_f32(bits) * s.to(tl.float32)[None, :]
         acc = tl.dot(x, w.to(x.dtype), acc)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        out_ptr + offs_m[:, None] * N + offs_n[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
-    )
+    _store_tile(acc, bias_ptr, out_ptr, offs_m, offs_n, M, N, HAS_BIAS)
 
 
 @triton.jit(do_not_specialize=["M"])  # M follows the step's size
@@ -170,13 +176,7 @@ def _int4_kernel(
         )
         w = q.to(tl.float32) * s.to(tl.float32)
         acc = tl.dot(x, w.to(x.dtype), acc)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    tl.store(
-        out_ptr + offs_m[:, None] * N + offs_n[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=(offs_m[:, None] < M) & (offs_n[None, :] < N),
-    )
+    _store_tile(acc, bias_ptr, out_ptr, offs_m, offs_n, M, N, HAS_BIAS)
 
 
 def _tiles(m: int) -> dict:
@@ -184,18 +184,21 @@ def _tiles(m: int) -> dict:
     return dict(BLOCK_M=16 if m <= 16 else 64, BLOCK_N=64, num_warps=4)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    return x.reshape(-1, x.shape[-1]).contiguous()
+def _launch(x: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, tuple, dict]:
+    """What both products start from: x as contiguous rows, the output, grid and tiles."""
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    m, cfg = x2.shape[0], _tiles(x2.shape[0])
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
+    return x2, out, grid, cfg
 
 
 def block_fp8_linear(x, weight, scale_inv, bias=None, block=(128, 128)) -> torch.Tensor:
     """block_fp8_linear_ref's product on the GPU: x [..., K] (bf16/fp32), weight [N, K]
     e4m3, scale_inv [ceil(N/block[0]), ceil(K/block[1])]; block[1] a power of two >= 16."""
-    x2, n = _rows(x), weight.shape[0]
-    (m, k), cfg = x2.shape, _tiles(x2.shape[0])
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    x2, out, grid, cfg = _launch(x, weight.shape[0])
+    (m, k), n = x2.shape, out.shape[1]
     if m:
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
         _block_fp8_kernel[grid](
             x2, weight.view(torch.uint8), scale_inv, bias if bias is not None else scale_inv,
             out, m, n, k, scale_inv.stride(0), HAS_BIAS=bias is not None,
@@ -207,11 +210,9 @@ def block_fp8_linear(x, weight, scale_inv, bias=None, block=(128, 128)) -> torch
 def int4_linear(x, packed, scale, bias=None, group_size=32) -> torch.Tensor:
     """int4_linear_ref's product on the GPU: x [..., K] (bf16/fp32), packed [N, ceil(K/8)]
     int32, scale [N, ceil(K/group_size)]."""
-    x2, n = _rows(x), packed.shape[0]
-    (m, k), cfg = x2.shape, _tiles(x2.shape[0])
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    x2, out, grid, cfg = _launch(x, packed.shape[0])
+    (m, k), n = x2.shape, out.shape[1]
     if m:
-        grid = (triton.cdiv(m, cfg["BLOCK_M"]), triton.cdiv(n, cfg["BLOCK_N"]))
         _int4_kernel[grid](
             x2, packed, scale, bias if bias is not None else scale, out, m, n, k,
             packed.stride(0), scale.stride(0), HAS_BIAS=bias is not None, GROUP=group_size,
