@@ -8,8 +8,10 @@ runtime, so the shim accounts for it and omnid's swaps move it as on a GPU.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -180,3 +182,43 @@ def test_admin_swap_errors_are_clear(node):
         node.complete(name)  # resident now
         assert c.post(f"/v1/instances/{name}/swap-in").status_code == 409
         assert c.post("/v1/instances/nope/swap-out").status_code == 404
+
+
+def test_an_instance_killed_as_it_comes_back_is_restarted_and_no_request_hangs(node):
+    """kill -9 of a swapped-out instance the moment its swap-in begins, its requests
+    (long ones) waiting on it or running: each gets an answer (200 once it is back, or a
+    clear 502/503), none hangs; the GPU's charge never passes its budget; the instance
+    is restarted and serves again."""
+
+    def long_completion() -> httpx.Response:
+        body = {"model": name, "prompt": "t1 t2 t3 t4", "max_tokens": 200, "temperature": 0}
+        return httpx.post(f"{node.omnid.base_url}/v1/completions", json=body, timeout=180)
+
+    name = node.names[7]
+    with node.omnid.admin() as c:
+        state = {i["name"]: i for i in c.get("/v1/instances").json()["instances"]}[name]
+        if state["residency"] == "resident":
+            assert c.post(f"/v1/instances/{name}/swap-out").status_code == 200
+    pid = node.omnid.instances()[name]["pid"]
+    with ThreadPoolExecutor(4) as pool:
+        waiting = [pool.submit(long_completion) for _ in range(4)]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # its swap-in has begun: kill it now
+            if node.omnid.instances()[name]["residency"] != "swapped":
+                break
+        assert not any(f.done() for f in waiting), "answered before the kill"
+        os.kill(pid, signal.SIGKILL)
+        charged_max = 0
+        while not all(f.done() for f in waiting):
+            inst = node.omnid.instances()
+            charged = [i for i in inst.values() if i["residency"] in ("resident", "moving")]
+            charged_max = max(charged_max, len(charged))
+            time.sleep(0.05)
+        answers = [f.result() for f in waiting]
+    statuses = [r.status_code for r in answers]
+    assert set(statuses) <= {200, 502, 503}, statuses
+    assert all("retry-after" in r.headers for r in answers if r.status_code == 503)
+    assert charged_max <= 3
+    node.omnid.wait_ready([name], 120)
+    assert node.omnid.instances()[name]["pid"] != pid
+    assert node.complete(name).status_code == 200
