@@ -580,6 +580,7 @@ async def one_seed(dirs: dict[str, Path], args, seed: int) -> dict:
     out["model_dirs"] = {k: str(v) for k, v in dirs.items()}  # the MiniLM: wheel or random
     out["times_s"] = times
     raw, snapshots = await catalog_runs(instances, args, budget, seed, out)
+    out["overcommit"] = overcommit_of(out, budget)
     if snapshots:
         write_result(
             f"{args.name}-s{seed}-dashboard", {"run": f"seed {seed}", "snapshots": snapshots}
@@ -591,6 +592,19 @@ async def one_seed(dirs: dict[str, Path], args, seed: int) -> dict:
         print(f"lone run failed: {out['lone_error']}")
     out["targets"] = seed_targets(out)
     return out
+
+
+def overcommit_of(out: dict, budget: int) -> dict:
+    """The quotas' sum over the budget, and the peak uses' (what residency charges, with
+    a margin), from the last load's instance list."""
+    last = [run for run in out.get("loads", {}).values() if run.get("instances")]
+    peaks = {i["name"]: i.get("peak_bytes", 0) for i in (last[-1]["instances"] if last else [])}
+    quotas = [q for q in out["quota_gib"].values() if q]
+    return {
+        "by_quota": round(sum(quotas) * GIB / budget, 2) if quotas else None,
+        "by_peak_use": round(sum(peaks.values()) / budget, 2) if peaks else None,
+        "peak_gib": {n: round(p / GIB, 3) for n, p in peaks.items()},
+    }
 
 
 def seed_targets(out: dict) -> dict:

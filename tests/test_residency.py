@@ -17,16 +17,24 @@ from omni.api.errors import ApiError
 from omni.cudashim import Residency as Where
 from omni.cudashim import SwapError, SwapResult
 from omni.runtime.gpuyield import YieldFlag, YieldGate
-from omni.runtime.residency import GpuPool, Residency, Tenant
+from omni.runtime.residency import (
+    CHARGE_MARGIN_MIN,
+    HEAD_AFTER_S,
+    GpuPool,
+    Residency,
+    Tenant,
+)
 
 Q = 1 << 30
 
 
 class Block:
-    """Answers `move` like the shim: at once, after a delay, or with a failure."""
+    """Answers `move` like the shim: at once, after a delay, or with a failure; reports
+    `peak_bytes` as its use (0: none reported, charged its quota)."""
 
-    def __init__(self, delay_s: float = 0.0, fail: bool = False):
+    def __init__(self, delay_s: float = 0.0, fail: bool = False, peak_bytes: int = 0):
         self.delay_s, self.fail, self.moves = delay_s, fail, []
+        self.peak_bytes = peak_bytes
 
     def move(self, target: Where, timeout_s: float) -> SwapResult:
         self.moves.append(target)
@@ -457,3 +465,84 @@ def test_an_idle_instance_stays_while_the_room_left_fits_any_other():
 
     t = asyncio.run(main())
     assert t["a"].state is Residency.RESIDENT and t["a"].swaps_out == 1  # its cold start
+
+
+def test_an_instance_is_charged_its_peak_use_and_a_margin_not_its_whole_quota():
+    """Three quotas fit a budget of two when each uses a quarter of its quota; one whose
+    shim has reported no use yet is charged its quota."""
+
+    async def main():
+        blocks = {n: Block(peak_bytes=Q // 4) for n in ("a", "b", "c")}
+        pool, t, _ = await pool_with(["a", "b", "c", "fresh"], 2, **blocks)
+        for name in ("a", "b", "c"):
+            await request(pool, t[name])
+        return pool, t
+
+    pool, t = asyncio.run(main())
+    assert all(t[n].state is Residency.RESIDENT for n in ("a", "b", "c"))
+    assert all(t[n].swaps_out == 1 for n in ("a", "b", "c"))  # their cold starts only
+    assert t["a"].charge == Q // 4 + CHARGE_MARGIN_MIN
+    assert pool.charged_bytes == 3 * (Q // 4 + CHARGE_MARGIN_MIN)
+    assert t["fresh"].charge == Q and t["fresh"].state is Residency.SWAPPED
+
+
+def test_growth_past_its_charge_sends_idle_instances_out_once_the_request_ends():
+    async def main():
+        blocks = {n: Block(peak_bytes=Q // 2) for n in ("grows", "b", "c")}
+        pool, t, _ = await pool_with(["grows", "b", "c"], 2, **blocks)
+        pool.evict_idle_s = 0  # only the growth sends one out
+        for name in ("b", "c", "grows"):
+            await request(pool, t[name])
+        fitted = pool.charged_bytes <= pool.budget_bytes and all(
+            x.state is Residency.RESIDENT for x in t.values()
+        )
+        async with pool.use(t["grows"], time.monotonic() + 5):
+            blocks["grows"].peak_bytes = Q  # its whole quota now
+        await asyncio.sleep(0.3)  # the shed task swaps out as needed
+        return pool, t, fitted
+
+    pool, t, fitted = asyncio.run(main())
+    assert fitted
+    assert t["grows"].charge == Q and t["grows"].state is Residency.RESIDENT
+    assert pool.charged_bytes <= pool.budget_bytes
+    assert {t["b"].state, t["c"].state} == {Residency.RESIDENT, Residency.SWAPPED}
+
+
+def test_a_large_swap_in_that_has_waited_takes_the_room_before_later_ones():
+    """A 3.5-quota model waits while two resident ones serve. Past HEAD_AFTER_S it is the
+    head: a small cold model arriving then does not take the free room, and a new
+    request for a resident one waits (drains), so the large one goes in as soon as the
+    two are idle. Taking turns by arrival, it would wait for the small one's request too."""
+    starts: dict[str, float] = {}
+
+    async def timed(pool, tenant, label, hold_s):
+        async with pool.use(tenant, time.monotonic() + 10):
+            starts[label] = time.monotonic() - t0
+            await asyncio.sleep(hold_s)
+
+    async def main():
+        nonlocal t0
+        pool = GpuPool(0, 4 * Q, swap_timeout_s=5)
+        pool.evict_idle_s = 0
+        quotas = {"big": int(3.5 * Q), "b1": Q, "b2": Q, "small": Q}
+        t = {}
+        for name, quota in quotas.items():
+            t[name] = Tenant(name, quota, lambda reason: None)
+            pool.add(t[name])
+            await pool.starting(t[name], Block())
+            await pool.ready(t[name], cold=name in ("big", "small"))
+        t0 = time.monotonic()
+        busy = [asyncio.create_task(timed(pool, t[n], n, 0.9)) for n in ("b1", "b2")]
+        await asyncio.sleep(0.05)
+        big = asyncio.create_task(timed(pool, t["big"], "big", 0.05))
+        await asyncio.sleep(HEAD_AFTER_S + 0.1)
+        later = [
+            asyncio.create_task(timed(pool, t["small"], "small", 1.0)),
+            asyncio.create_task(timed(pool, t["b1"], "b1 again", 0.05)),
+        ]
+        await asyncio.gather(*busy, big, *later)
+
+    t0 = 0.0
+    asyncio.run(main())
+    assert starts["big"] < starts["small"] and starts["big"] < starts["b1 again"], starts
+    assert starts["big"] < 0.9 + 0.5, starts  # not behind the small one's 1 s request

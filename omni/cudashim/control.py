@@ -126,6 +126,11 @@ class ControlBlock:
         value = self._ctl.residency
         return Residency(value) if value in Residency._value2member_map_ else Residency.MOVING
 
+    @property
+    def peak_bytes(self) -> int:
+        """The most the instance has held at once, as its shim reports it."""
+        return self._ctl.peak_bytes
+
     def set_quota(self, quota_bytes: int) -> None:
         self._ctl.quota_bytes = quota_bytes
 

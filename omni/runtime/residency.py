@@ -1,11 +1,16 @@
 """Which instances hold GPU memory: a budget per GPU, demand-aware swap-out, one shared swap-in.
 
-Every GPU instance has a quota (the shim enforces it) and is charged its whole
-quota while its memory is on the GPU or moving, so the instances resident on a GPU
-can never use more than its budget, though their quotas together may exceed it
-many times. A request for a swapped-out instance waits (boundedly) while the
-pool swaps out idle instances and swaps the wanted one in; concurrent requests for
-the same cold instance share one swap-in.
+Every GPU instance has a quota (the shim enforces it). While its memory is on the GPU
+or moving, it is charged what it holds there: its quota while it loads, then its peak
+use (the shim's high-water mark) and a margin, never more than its quota. A quota is a
+cap set with room to spare (a detector given 2.5 GiB may hold 0.2); charged whole, that
+spare room stayed empty while other models waited for room. The instances resident on
+a GPU hold no more than its budget (growth past a peak is charged when the request that
+grew ends, and idle instances make room), though their quotas together may exceed it
+many times. Like the quota, the use is the shim's word, and the shim runs inside the
+instance. A request for a swapped-out instance waits (boundedly) while the pool swaps
+out idle instances and swaps the wanted one in; concurrent requests for the same cold
+instance share one swap-in.
 
 Swaps overlap where the link allows: one swap-in and one swap-out of a GPU at a time
 (PCIe is full duplex: a swap-out no longer holds up an unrelated swap-in), each
@@ -15,12 +20,20 @@ others in the order they were asked for.
 
 The victim is the idle instance whose absence costs least: its recent demand
 (requests decayed with a half-life) times the seconds its swap-in takes (measured,
-or its quota at the GPU's measured rate), per byte of quota it frees; ties to the
-least recently used. Plain LRU would evict the busiest model between two of its
-requests whenever a cold one arrives; demand alone would evict a large model as
-readily as a small one of equal demand, for more swap time. The hottest instances
-that fit the budget with one quota to spare are never evicted for a colder one:
-cold models take turns in the room left, and the hot ones never wait for a swap.
+or its charge at the GPU's measured rate), per byte it frees; ties to the least
+recently used. Plain LRU would evict the busiest model between two of its requests
+whenever a cold one arrives; demand alone would evict a large model as readily as a
+small one of equal demand, for more swap time. The hottest instances that fit the
+budget with the largest charge to spare are never evicted for a colder one: cold models
+take turns in the room left, and the hot ones never wait for a swap.
+
+A large cold model needs many idle instances at once, and smaller ones arriving later
+took each piece of room as it came free. So a cold swap-in that has wanted room for
+HEAD_AFTER_S becomes the head: later cold swap-ins neither evict nor take the room it
+still needs, and the resident cold instances hold their new requests (up to
+DRAIN_MAX_S) until it is in. Strict turns from the first moment cost the small models
+more than the large ones gained (a simulation of bench/catalog_bench.py's catalog).
+
 While an instance serves, the colder instances of its GPU hold back their steps
 (gpuyield.py), so the hot models do not share the GPU's time slices either. A swap
 that fails or times out marks the instance unhealthy (its supervisor restarts it);
@@ -62,6 +75,14 @@ EVICT_IDLE_S = 0.2
 # (overcommit-h100-s1.json); each measured swap-in then moves the GPU's own rate.
 DEFAULT_SWAP_S_PER_BYTE = 0.04 / (1 << 30)
 RATE_WEIGHT = 0.2  # how much each swap-in moves a measured rate (a moving average)
+# A cold swap-in that has wanted room this long goes first (the module's docstring). In
+# the simulation: 0.3 s, cold p50 0.4-0.55 s and p99 1.3-1.6 s; 0.6 s, 0.18-0.6 / 1.45-1.8;
+# 1.0 s, 0.13 / 1.8-2.0; never, 0.13 / 2.5-4.
+HEAD_AFTER_S = 0.5
+DRAIN_MAX_S = 0.5  # longest a cold instance's new request waits while the head wants room
+# charged beyond an instance's peak use, for growth before the request that grows ends
+CHARGE_MARGIN_MIN = 64 << 20
+CHARGE_MARGIN_SHARE = 1 / 16  # of the peak
 
 
 class Residency(enum.StrEnum):
@@ -173,8 +194,23 @@ class Tenant:
     demand_at: float = 0.0
     after_swap_out: Callable[[], None] | None = None  # a multi-GPU instance's other ranks
     swap_in_s: float | None = None  # its swap-ins' moving average, once one is measured
+    charge: int = -1  # bytes charged while on the GPU or moving (-1: its quota)
     _swap_in: asyncio.Task | None = None
     _moving: asyncio.Task | None = None  # its memory's move under way
+
+    def __post_init__(self) -> None:
+        if self.charge < 0:
+            self.charge = self.quota_bytes
+
+    def measure(self) -> None:
+        """Charge its peak use and a margin (its quota caps it); the quota until a shim
+        has reported a use."""
+        peak = self.block.peak_bytes if self.block is not None else None
+        if peak is None or peak <= 0:
+            self.charge = self.quota_bytes
+            return
+        margin = max(CHARGE_MARGIN_MIN, int(peak * CHARGE_MARGIN_SHARE))
+        self.charge = min(self.quota_bytes, peak + margin)
 
     def demand_now(self, now: float) -> float:
         return self.demand * 0.5 ** ((now - self.demand_at) / DEMAND_HALF_LIFE_S)
@@ -188,6 +224,7 @@ class Tenant:
         return {
             "residency": str(self.state),
             "quota_bytes": self.quota_bytes,
+            "charged_bytes": self.charge if self.state in CHARGED else 0,
             "used_bytes": stats.get("used_bytes", 0),
             "peak_bytes": stats.get("peak_bytes", 0),
             "swaps_in": self.swaps_in,
@@ -227,12 +264,16 @@ class GpuPool:
         # room an instance's swap-outs freed for it, held until it is charged: with the lock
         # let go during moves, another waiter would take it (and a hot one wait again)
         self._claims: dict[Tenant, int] = {}
+        # swap-ins that want room, with when they began to: the oldest cold one (the head)
+        # is the only cold one that evicts or claims free room, so a large model is not
+        # passed again and again by smaller ones taking each piece of room it frees
+        self._room_wanted: dict[Tenant, float] = {}
 
     # ------------------------------------------------------------- accounting
 
     @property
     def charged_bytes(self) -> int:
-        return sum(t.quota_bytes for t in self.tenants.values() if t.state in CHARGED)
+        return sum(t.charge for t in self.tenants.values() if t.state in CHARGED)
 
     def add(self, tenant: Tenant) -> None:
         if tenant.quota_bytes > self.budget_bytes:
@@ -263,6 +304,7 @@ class GpuPool:
         async with self._cond:
             await self._make_room(tenant, deadline=None)
             tenant.block = block
+            tenant.charge = tenant.quota_bytes  # until it has loaded, anything up to it
             tenant.state = Residency.STARTING
             tenant._swap_in = None
             self._cond.notify_all()
@@ -272,6 +314,7 @@ class GpuPool:
         out as its shim says, making no room (its memory is where it already is)."""
         async with self._cond:
             tenant.block = block
+            tenant.measure()
             out = block.residency is ShimResidency.HOST
             tenant.state = Residency.SWAPPED if out else Residency.RESIDENT
             tenant.last_used = time.monotonic()
@@ -284,6 +327,7 @@ class GpuPool:
         async with self._cond:
             tenant.state = Residency.RESIDENT
             tenant.last_used = time.monotonic()
+            tenant.measure()
             self._cond.notify_all()
             if cold:
                 await self._swap(tenant, "out")
@@ -311,6 +355,8 @@ class GpuPool:
     async def use(self, tenant: Tenant, deadline: float) -> AsyncIterator[None]:
         """Hold `tenant` resident for one request (swapping it in if needed)."""
         tenant.requested()
+        if tenant.state is Residency.RESIDENT and self._room_wanted:
+            await self._let_room_drain(tenant, deadline)
         if tenant.state is not Residency.RESIDENT:
             await self._bring_in(tenant, deadline)
         tenant.in_flight += 1
@@ -322,9 +368,29 @@ class GpuPool:
             tenant.in_flight -= 1
             tenant.last_used, tenant.last_used_unix = time.monotonic(), time.time()
             self._update_yields()
+            if tenant.state is Residency.RESIDENT:
+                tenant.measure()
             if tenant.in_flight == 0:
                 self._notify_soon()
                 self._evict_when_idle(tenant)
+            if self.charged_bytes > self.budget_bytes:
+                self._shed_soon()
+
+    async def _let_room_drain(self, tenant: Tenant, deadline: float) -> None:
+        """A resident cold instance takes no new request while a swap-in waits for room it
+        could give (up to DRAIN_MAX_S): otherwise its steady trickle of requests keeps it
+        busy, and a large cold model waits for every such instance to be idle at once."""
+        now = time.monotonic()
+        if tenant in self._hot_set(now):
+            return
+        until = min(deadline, now + DRAIN_MAX_S)
+        while self._head(time.monotonic()) not in (None, tenant):
+            left = until - time.monotonic()
+            if left <= 0 or tenant.state is not Residency.RESIDENT:
+                return
+            async with self._cond:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._cond.wait(), min(left, 0.05))
 
     def _update_yields(self) -> None:
         """While one of the hot set serves, every colder instance yields its steps: the
@@ -383,16 +449,52 @@ class GpuPool:
         self._notifies.add(task)
         task.add_done_callback(self._notifies.discard)
 
+    def _shed_soon(self) -> None:
+        """An instance grew past its charge and the GPU's past its budget: swap idle
+        instances out (the least costly first) until it is within again, or none is idle."""
+
+        async def shed() -> None:
+            SWAP_PRIORITY.set(-math.inf)  # after every waiting swap-in: they free room too
+            async with self._cond:
+                while self.charged_bytes > self.budget_bytes:
+                    now = time.monotonic()
+                    hot = self._hot_set(now)
+                    idle = [t for t in self.tenants.values() if t not in hot and self._idle(t)]
+                    if not idle:
+                        return
+                    victim = min(idle, key=lambda t: (self._keep_value(t, now), t.last_used))
+                    with contextlib.suppress(ApiError):  # a failed swap restarts it
+                        await self._swap(victim, "out")
+
+        task = asyncio.create_task(shed())
+        self._notifies.add(task)
+        task.add_done_callback(self._notifies.discard)
+
     def _room_for_any(self) -> bool:
         """Whether any instance that is out fits the budget without a swap-out."""
-        out = [t.quota_bytes for t in self.tenants.values() if t.state is Residency.SWAPPED]
+        out = [t.charge for t in self.tenants.values() if t.state is Residency.SWAPPED]
         taken = self.charged_bytes + sum(self._claims.values())
         return taken + max(out, default=0) <= self.budget_bytes
 
+    def _claimed_by_others(self, tenant: Tenant) -> int:
+        return sum(self._claims.values()) - self._claims.get(tenant, 0)
+
     def _fits(self, tenant: Tenant) -> bool:
-        """Whether `tenant` fits the budget beside what is charged and claimed by others."""
-        claimed = sum(self._claims.values()) - self._claims.get(tenant, 0)
-        return self.charged_bytes + claimed + tenant.quota_bytes <= self.budget_bytes
+        """Whether `tenant` fits the budget beside what is charged and claimed by others,
+        and (a cold one) beside the room the head still needs."""
+        taken = self.charged_bytes + self._claimed_by_others(tenant)
+        now = time.monotonic()
+        head = self._head(now)
+        if head not in (None, tenant) and tenant not in self._hot_set(now):
+            taken += max(0, head.charge - self._claims.get(head, 0))
+        return taken + tenant.charge <= self.budget_bytes
+
+    def _head(self, now: float) -> Tenant | None:
+        """The cold swap-in that has wanted room longest."""
+        hot = self._hot_set(now)
+        cold = [(at, t.name, t) for t, at in self._room_wanted.items() if t not in hot]
+        at, _, head = min(cold, default=(math.inf, None, None))
+        return head if now - at >= HEAD_AFTER_S else None
 
     async def _bring_in(self, tenant: Tenant, deadline: float) -> None:
         if self.waiting >= self.max_waiting:
@@ -470,12 +572,12 @@ class GpuPool:
         """The most wanted instances that fit the budget with room for the largest quota
         left over: a colder instance never evicts one of these, so the hot models stay on
         the GPU and the cold ones take turns in the room that is left."""
-        room = self.budget_bytes - max((t.quota_bytes for t in self.tenants.values()), default=0)
+        room = self.budget_bytes - max((t.charge for t in self.tenants.values()), default=0)
         hot: set[Tenant] = set()
         for t in sorted(self.tenants.values(), key=lambda t: -t.demand_now(now)):
-            if t.demand_now(now) <= 0 or t.quota_bytes > room:
+            if t.demand_now(now) <= 0 or t.charge > room:
                 break
-            room -= t.quota_bytes
+            room -= t.charge
             hot.add(t)
         return hot
 
@@ -484,10 +586,12 @@ class GpuPool:
         evict; None to wait for one (a colder instance is busy, starting or moving, or room
         is claimed, and room will come free)."""
         others = [t for t in self.tenants.values() if t is not tenant]
-        idle = [t for t in others if t.state is Residency.RESIDENT and not t.in_flight + t.waiting]
+        idle = [t for t in others if self._idle(t)]
         if not idle:
             return None
         hot, wanted = self._hot_set(now), tenant.demand_now(now)
+        if tenant not in hot and self._head(now) not in (tenant, None):
+            return None  # the head cold swap-in takes the room that frees first
         spared = {t for t in hot if t.demand_now(now) > wanted}
         allowed = [t for t in idle if t not in spared]
         # room another request claimed will be charged, then freed, like any cold one's
@@ -497,15 +601,20 @@ class GpuPool:
             allowed = idle  # nothing else will ever free room: the hot one has to go
         return min(allowed, key=lambda t: (self._keep_value(t, now), t.last_used), default=None)
 
+    @staticmethod
+    def _idle(tenant: Tenant) -> bool:
+        """Resident with no request in flight or waiting for it: it may go out."""
+        return tenant.state is Residency.RESIDENT and not tenant.in_flight + tenant.waiting
+
     def _swap_cost_s(self, tenant: Tenant) -> float:
         """How long its swap-in takes: measured, or its quota at the GPU's measured rate."""
         if tenant.swap_in_s is not None:
             return tenant.swap_in_s
-        return tenant.quota_bytes * self.swap_s_per_byte
+        return tenant.charge * self.swap_s_per_byte
 
     def _keep_value(self, tenant: Tenant, now: float) -> float:
         """The swap time its residency saves, per second and per byte of quota it holds."""
-        return tenant.demand_now(now) * self._swap_cost_s(tenant) / tenant.quota_bytes
+        return tenant.demand_now(now) * self._swap_cost_s(tenant) / max(tenant.charge, 1)
 
     async def _make_room(self, tenant: Tenant, deadline: float | None) -> None:
         """With the lock held: swap out idle instances until `tenant` fits the budget,
@@ -513,13 +622,14 @@ class GpuPool:
         (no await between): the room claimed for it is then its own."""
         try:
             while not self._fits(tenant):
+                self._room_wanted.setdefault(tenant, time.monotonic())
                 victim = self._pick_victim(tenant, time.monotonic())
                 if victim is not None:
                     with contextlib.suppress(ApiError):  # a failed victim restarts: charged 0
                         await self._swap(victim, "out", claimant=tenant)
                     continue
                 # none may go: waiting, it claims nothing (two waiters each holding room
-                # the other needs would wait for ever)
+                # the other needs would wait for ever; the head's need is kept free by _fits)
                 self._claims.pop(tenant, None)
                 timeout = None if deadline is None else deadline - time.monotonic()
                 if timeout is not None and timeout <= 0:
@@ -528,6 +638,7 @@ class GpuPool:
                     await asyncio.wait_for(self._cond.wait(), 1.0 if timeout is None else timeout)
         finally:
             self._claims.pop(tenant, None)
+            self._room_wanted.pop(tenant, None)
 
     async def _swap(self, tenant: Tenant, direction: str, claimant: Tenant | None = None) -> None:
         """With the lock held: move `tenant`'s memory; a failure restarts the instance.
@@ -583,7 +694,7 @@ class GpuPool:
             tenant._moving = None
             self._moved(tenant, direction, result)
             if claimant is not None and direction == "out":
-                self._claims[claimant] = self._claims.get(claimant, 0) + tenant.quota_bytes
+                self._claims[claimant] = self._claims.get(claimant, 0) + tenant.charge
             self._cond.notify_all()
 
     def _moved(self, tenant: Tenant, direction: str, result: SwapResult) -> None:
