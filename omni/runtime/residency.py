@@ -356,7 +356,7 @@ class GpuPool:
         """Hold `tenant` resident for one request (swapping it in if needed)."""
         tenant.requested()
         if tenant.state is Residency.RESIDENT and self._room_wanted:
-            await self._let_room_drain(tenant, deadline)
+            await self._let_room_drain(tenant, deadline)  # (returns at once if not a victim)
         if tenant.state is not Residency.RESIDENT:
             await self._bring_in(tenant, deadline)
         tenant.in_flight += 1
@@ -377,14 +377,12 @@ class GpuPool:
                 self._shed_soon()
 
     async def _let_room_drain(self, tenant: Tenant, deadline: float) -> None:
-        """A resident cold instance takes no new request while a swap-in waits for room it
-        could give (up to DRAIN_MAX_S): otherwise its steady trickle of requests keeps it
-        busy, and a large cold model waits for every such instance to be idle at once."""
-        now = time.monotonic()
-        if tenant in self._hot_set(now):
-            return
-        until = min(deadline, now + DRAIN_MAX_S)
-        while self._head(time.monotonic()) not in (None, tenant):
+        """A resident instance the head will evict takes no new request until the head is
+        in (up to DRAIN_MAX_S): otherwise its steady trickle of requests keeps it busy, and
+        a large cold model waits for every such instance to be idle at once. The others
+        serve on."""
+        until = min(deadline, time.monotonic() + DRAIN_MAX_S)
+        while tenant in self._head_victims(time.monotonic()):
             left = until - time.monotonic()
             if left <= 0 or tenant.state is not Residency.RESIDENT:
                 return
@@ -580,6 +578,29 @@ class GpuPool:
             room -= t.charge
             hot.add(t)
         return hot
+
+    def _head_victims(self, now: float) -> set[Tenant]:
+        """The resident instances the head will send out for the room it still needs, the
+        least costly to lose first (busy or not: they drain); none without a head."""
+        head = self._head(now)
+        if head is None:
+            return set()
+        free = self.budget_bytes - self.charged_bytes - self._claimed_by_others(head)
+        need = head.charge - free
+        hot = self._hot_set(now)
+        spared = {t for t in hot if t.demand_now(now) > head.demand_now(now)}
+        candidates = [
+            t
+            for t in self.tenants.values()
+            if t.state is Residency.RESIDENT and t is not head and t not in spared
+        ]
+        victims: set[Tenant] = set()
+        for t in sorted(candidates, key=lambda t: (self._keep_value(t, now), t.last_used)):
+            if need <= 0:
+                break
+            victims.add(t)
+            need -= t.charge
+        return victims
 
     def _pick_victim(self, tenant: Tenant, now: float) -> Tenant | None:
         """The idle resident instance least costly to lose (_keep_value) that `tenant` may
