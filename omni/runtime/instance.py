@@ -206,6 +206,7 @@ class Instance:
         self.failure: str | None = None  # why it is FAILED: its exit and last output
         self.output: deque[str] = deque(maxlen=OUTPUT_LINES)  # its last lines, this start
         self._failed = asyncio.Event()
+        self._stopped = asyncio.Event()  # stopped for good (stop()): nothing will be ready
         self._became_ready = False
         self._backoff = backoff or Backoff()
         self.state = State.STOPPED
@@ -307,6 +308,7 @@ class Instance:
         """Stop it for good; `drain`: once its requests in flight have finished (at most
         its model's drain time), new ones refused meanwhile."""
         self._stopping = True
+        self._stopped.set()
         self._drain_first = drain
         self._wake.set()
         if self._task:
@@ -328,16 +330,19 @@ class Instance:
         self._wake.set()
 
     async def wait_ready(self, timeout_s: float) -> bool:
-        """Ready within `timeout_s`; False at once for a failed instance."""
-        if self.state == State.FAILED:
+        """Ready within `timeout_s`; False at once for a failed instance or one stopping
+        for good (a request caught as a version switch stops it is answered now, not
+        after the whole wait)."""
+        if self.state == State.FAILED or self._stopped.is_set():
             return False
-        waits = {asyncio.ensure_future(e.wait()) for e in (self._ready, self._failed)}
+        events = (self._ready, self._failed, self._stopped)
+        waits = {asyncio.ensure_future(e.wait()) for e in events}
         _done, pending = await asyncio.wait(
             waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
         )
         for task in pending:
             task.cancel()
-        return self._ready.is_set()
+        return self._ready.is_set() and not self._stopped.is_set()
 
     def retry_after_s(self) -> float:
         if self.state == State.FAILED:
