@@ -14,14 +14,31 @@ k_nope_h = W_uk[h] c and v_h = W_uv[h] c.
   the slot for a FlashMLA-style kernel.
 
 Rows and sequences are laid out as in attention.py (cu_seqlens_q, seq_lens, block tables).
+
+The Triton kernels run the absorbed form for every row, prefill and extend too: a
+sequence's new rows attend causally as attention.py's do, and `mla_attention_ref` is
+what they compute. All query heads share the one latent "KV head", so a program takes a
+tile of heads (of several rows where the heads are few) as the M of its tensor-core dots.
+The grid comes from shapes alone (a program finds its sequence in cu_seqlens_q), so CUDA
+graphs can capture it. A decode row's long context is split across programs and the
+splits merged by log-sum-exp; where a split starts depends on the sequence's length alone,
+so a row's bits never depend on its batch. `mla_rope_and_cache` is a kernel of its own:
+rope.py's writes K and V of one width at one row stride, where a latent row is two widths
+(latent, rope) in one row.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 from torch.nn import functional as F
 
+from .hardware import sm_count
+from .pdl import pdl_options, wait_for_inputs
 from .rope import rope_and_cache_ref
+
+NEG_INF = tl.constexpr(-1.0e30)  # finite: a fully masked row gives 0, not NaN
 
 
 def mla_rope_and_cache_ref(
@@ -86,3 +103,324 @@ def mla_decode_ref(q, cache, block_tables, seq_lens, scale, latent_dim) -> torch
         probs = torch.softmax(q[b].float() @ rows.T * scale, dim=-1)  # [heads, length]
         out[b] = (probs @ rows[:, :latent_dim]).to(q.dtype)
     return out
+
+
+def mla_attention_ref(
+    q, cache, block_tables, seq_lens, cu_seqlens_q, scale, latent_dim
+) -> torch.Tensor:
+    """The absorbed form for any rows a sequence, causal (mla_decode_ref where each has
+    one): q [tokens, heads, latent + rope], sequence b's rows cu_seqlens_q[b]:[b + 1]
+    its last tokens; returns [tokens, heads, latent_dim]."""
+    out = q.new_empty(q.shape[0], q.shape[1], latent_dim)
+    starts = cu_seqlens_q.tolist()
+    for b, rows in enumerate(context_rows(cache, block_tables, seq_lens)):
+        qs, qe = starts[b], starts[b + 1]
+        length, n = rows.shape[0], qe - qs
+        logits = torch.einsum("qhd,kd->hqk", q[qs:qe].float(), rows) * scale
+        keys = torch.arange(length, device=q.device)
+        logits.masked_fill_(keys[None, :] >= keys[length - n :, None] + 1, float("-inf"))
+        probs = torch.softmax(logits, dim=-1)
+        out[qs:qe] = torch.einsum("hqk,kd->qhd", probs, rows[:, :latent_dim]).to(q.dtype)
+    return out
+
+
+# A program's tile: TILE_M (query row, head) pairs, all heads of a row where they fit, else
+# TILE_M of them, so a decode row fills the tile where a model has 32 heads or more (and
+# two rows share it at 16 heads: tensor-core dots want M >= 16). BLOCK_N context rows a
+# loop step. Decode: a context splits into runs of at least MIN_SPLIT_TILES steps, at most
+# MAX_SPLITS runs (the split layout depends on the sequence's length alone). On an H100
+# this tile beat 64-row tiles and 8 warps for decode at 16 and 128 heads; the accumulator
+# [32, 512] in fp32 still fills the registers (a few spills).
+TILE_M = 32
+MAX_SPLITS = 16
+MIN_SPLIT_TILES = 2
+# (BLOCK_N, launch options) by the inputs' element size, the same for every batch (bits
+# per row fixed): fp32 tiles take twice the shared memory
+STEPS = {
+    2: (64, {"num_warps": 4, "num_stages": 2}),
+    4: (32, {"num_warps": 4, "num_stages": 1}),
+}
+MERGE_HEADS = 16  # a merge program's heads: 16 x latent 512 fp32 sums fit its registers
+# batch-dependent arguments not worth a build each (attention.py's ANY_BATCH says why)
+ANY_BATCH = ["block_tables_ptr", "seq_lens_ptr", "cu_q_ptr", "max_blocks", "n_seqs"]
+
+
+@triton.jit
+def _tile_owner(cu_q_ptr, n_seqs, w, ROWS: tl.constexpr):
+    """(sequence, its row tile) of program w. Sequence b's tiles are numbered from
+    cu_q[b] // ROWS + b: room for its ceil(rows / ROWS) tiles (and a spare, which exits),
+    in a grid of tokens // ROWS + sequences programs whatever the rows' split. A binary
+    search for the last sequence whose first number is <= w."""
+    lo = w * 0
+    hi = lo + n_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        before = tl.load(cu_q_ptr + mid) // ROWS + mid <= w
+        lo = tl.where(before, mid, lo)
+        hi = tl.where(before, hi, mid - 1)
+    return lo, w - (tl.load(cu_q_ptr + lo) // ROWS + lo)
+
+
+@triton.jit
+def _split_layout(
+    length, n_rows, BLOCK_N: tl.constexpr, MAX_S: tl.constexpr, MIN_TILES: tl.constexpr
+):
+    """(context steps per split, splits) of a sequence: a decode row's context (one row)
+    in runs of at least MIN_TILES steps, at most MAX_S runs; several rows, one run."""
+    n_tiles = tl.cdiv(length, BLOCK_N)
+    per = tl.where(n_rows == 1, tl.maximum(MIN_TILES, tl.cdiv(n_tiles, MAX_S)), n_tiles)
+    per = tl.maximum(per, 1)
+    return per, tl.cdiv(n_tiles, per)
+
+
+@triton.jit(do_not_specialize=ANY_BATCH)
+def _mla_kernel(
+    q_ptr, cache_ptr, out_ptr, part_ptr, lse_ptr, block_tables_ptr, seq_lens_ptr, cu_q_ptr,
+    scale, n_seqs, max_blocks, n_heads, q_row, q_head, cache_block, cache_row, split_stride,
+    LATENT: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr, MAX_S: tl.constexpr, MIN_TILES: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (row tile, head group, split program): ROWS rows x BLOCK_H heads of one
+    sequence against its context, the latent and rope parts as two tiles (latent + rope
+    is no power of two), values the latent tile itself. A one-split result goes to `out`;
+    a decode row's splits go to part/lse for _mla_merge_kernel."""
+    wait_for_inputs(PDL)
+    b, tile = _tile_owner(cu_q_ptr, n_seqs, tl.program_id(0), ROWS)
+    q_start = tl.load(cu_q_ptr + b)
+    n_rows = tl.load(cu_q_ptr + b + 1) - q_start
+    if tile * ROWS < n_rows:
+        length = tl.load(seq_lens_ptr + b)
+        per, n_splits = _split_layout(length, n_rows, BLOCK_N, MAX_S, MIN_TILES)
+        offs_m = tl.arange(0, ROWS * BLOCK_H)
+        row = tile * ROWS + offs_m // BLOCK_H
+        head = tl.program_id(1) * BLOCK_H + offs_m % BLOCK_H
+        ok = (row < n_rows) & (head < n_heads)
+        offs_d = tl.arange(0, LATENT)
+        offs_r = tl.arange(0, ROPE_P2)
+        offs_n = tl.arange(0, BLOCK_N)
+        rope_ok = (offs_r < ROPE)[None, :]
+        q_at = (q_ptr + (q_start + row) * q_row + head * q_head)[:, None]
+        q_lat = tl.load(q_at + offs_d[None, :], mask=ok[:, None], other=0.0)
+        q_rope = tl.load(q_at + LATENT + offs_r[None, :], mask=ok[:, None] & rope_ok, other=0.0)
+        q_pos = length - n_rows + row
+        hi = tl.minimum(length, length - n_rows + (tile + 1) * ROWS)  # the tile's last row + 1
+        for split in range(tl.program_id(2), n_splits, tl.num_programs(2)):
+            m_i = tl.full((ROWS * BLOCK_H,), NEG_INF, tl.float32)
+            l_i = tl.zeros((ROWS * BLOCK_H,), tl.float32)
+            acc = tl.zeros((ROWS * BLOCK_H, LATENT), tl.float32)
+            for t in range(split * per, tl.minimum((split + 1) * per, tl.cdiv(hi, BLOCK_N))):
+                pos = t * BLOCK_N + offs_n
+                real = pos < hi
+                block = tl.load(
+                    block_tables_ptr + b * max_blocks + pos // BLOCK_SIZE, mask=real, other=0
+                )
+                at = cache_ptr + block.to(tl.int64) * cache_block + (pos % BLOCK_SIZE) * cache_row
+                kv = tl.load(at[:, None] + offs_d[None, :], mask=real[:, None], other=0.0)
+                kv = kv.to(q_lat.dtype)
+                k_rope = tl.load(
+                    at[:, None] + LATENT + offs_r[None, :], mask=real[:, None] & rope_ok, other=0.0
+                ).to(q_lat.dtype)
+                s = tl.dot(q_lat, tl.trans(kv)) + tl.dot(q_rope, tl.trans(k_rope))
+                visible = real[None, :] & (pos[None, :] <= q_pos[:, None])
+                s = tl.where(visible, s * scale, NEG_INF)
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
+                alpha = tl.exp(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+                m_i = m_new
+            result = acc / tl.maximum(l_i, 1e-30)[:, None]
+            if n_splits == 1:
+                out_rows = (q_start + row) * n_heads + head
+                tl.store(
+                    out_ptr + out_rows[:, None] * LATENT + offs_d[None, :],
+                    result.to(out_ptr.dtype.element_ty),
+                    mask=ok[:, None],
+                )
+            else:
+                slot = (b * n_heads + head) * split_stride + split
+                tl.store(
+                    part_ptr + slot[:, None] * LATENT + offs_d[None, :], result, mask=ok[:, None]
+                )
+                lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), NEG_INF)
+                tl.store(lse_ptr + slot, lse, mask=ok)
+
+
+@triton.jit(do_not_specialize=ANY_BATCH)
+def _mla_merge_kernel(
+    part_ptr, lse_ptr, out_ptr, seq_lens_ptr, cu_q_ptr, n_heads, split_stride,
+    LATENT: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    MAX_S: tl.constexpr, MIN_TILES: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (sequence, head group): a split decode row's output, its splits' partial
+    results each weighted by its share of the softmax's mass, added in split order."""
+    b = tl.program_id(0)
+    wait_for_inputs(PDL)
+    q_start = tl.load(cu_q_ptr + b)
+    n_rows = tl.load(cu_q_ptr + b + 1) - q_start
+    length = tl.load(seq_lens_ptr + b)
+    _, n_splits = _split_layout(length, n_rows, BLOCK_N, MAX_S, MIN_TILES)
+    if (n_rows == 1) & (n_splits > 1):
+        head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        ok = head < n_heads
+        offs_s = tl.arange(0, MAX_S)
+        offs_d = tl.arange(0, LATENT)
+        slots = (b * n_heads + head) * split_stride
+        lse = tl.load(
+            lse_ptr + slots[:, None] + offs_s[None, :],
+            mask=ok[:, None] & (offs_s < n_splits)[None, :],
+            other=NEG_INF,
+        )
+        top = tl.max(lse, axis=1)
+        acc = tl.zeros((BLOCK_H, LATENT), tl.float32)
+        total = tl.zeros((BLOCK_H,), tl.float32)
+        for s in range(0, n_splits):
+            w = tl.exp(tl.load(lse_ptr + slots + s, mask=ok, other=NEG_INF) - top)
+            part = tl.load(
+                part_ptr + (slots + s)[:, None] * LATENT + offs_d[None, :],
+                mask=ok[:, None],
+                other=0.0,
+            )
+            acc += part * w[:, None]
+            total += w
+        out_rows = q_start * n_heads + head
+        tl.store(
+            out_ptr + out_rows[:, None] * LATENT + offs_d[None, :],
+            (acc / total[:, None]).to(out_ptr.dtype.element_ty),
+            mask=ok[:, None],
+        )
+
+
+def max_mla_splits(length: int, block_n: int) -> int:
+    """The most splits a decode row's context of at most `length` tokens is cut into."""
+    tiles = -(-length // block_n)
+    return min(MAX_SPLITS, -(-tiles // MIN_SPLIT_TILES))
+
+
+def _split_programs(tiles: int, device: torch.device) -> int:
+    """Programs sharing a tile's splits: about four per SM in all, a power of two; the
+    count moves where splits are computed, never their bits."""
+    if device.type != "cuda":
+        return 1
+    want = -(-4 * sm_count(device) // tiles)
+    return min(MAX_SPLITS, 1 << (want.bit_length() - 1))
+
+
+def mla_attention(
+    q, cache, block_tables, seq_lens, cu_seqlens_q, scale, latent_dim, programs=None
+) -> torch.Tensor:
+    """mla_attention_ref on the GPU: q [tokens, heads, latent + rope] (rows and heads may
+    be strided, each head's values packed), cache [blocks, block_size, 1, latent + rope];
+    returns [tokens, heads, latent_dim] in q's dtype. The launch reads shapes only (no
+    wait for the device): a CUDA graph can hold it. `programs` per row tile share a decode
+    row's splits (default: by the GPU's size); it changes the speed, never the output."""
+    tokens, heads, width = q.shape
+    rope = width - latent_dim
+    if latent_dim < 16 or latent_dim & (latent_dim - 1) or q.stride(2) != 1:
+        raise ValueError("the latent width must be a power of two >= 16, q's values packed")
+    block_h = min(TILE_M, max(16, triton.next_power_of_2(heads)))
+    rows, groups = TILE_M // block_h, triton.cdiv(heads, block_h)
+    n_seqs, block_size = cu_seqlens_q.shape[0] - 1, cache.shape[1]
+    out = torch.empty(tokens, heads, latent_dim, dtype=q.dtype, device=q.device)
+    if not n_seqs or not tokens:
+        return out
+    block_n, launch = STEPS[q.element_size()]
+    stride = max_mla_splits(block_tables.shape[1] * block_size, block_n)
+    part = torch.empty(n_seqs, heads, stride, latent_dim, dtype=torch.float32, device=q.device)
+    lse = torch.empty(n_seqs, heads, stride, dtype=torch.float32, device=q.device)
+    tiles = tokens // rows + n_seqs
+    if stride == 1:
+        programs = 1
+    programs = programs or _split_programs(tiles * groups, q.device)
+    layout = {"BLOCK_N": block_n, "MAX_S": MAX_SPLITS, "MIN_TILES": MIN_SPLIT_TILES}
+    pdl = pdl_options(q.device)
+    _mla_kernel[(tiles, groups, programs)](
+        q, cache, out, part, lse, block_tables, seq_lens, cu_seqlens_q,
+        scale, n_seqs, block_tables.shape[1], heads, q.stride(0), q.stride(1),
+        cache.stride(0), cache.stride(1), stride,
+        LATENT=latent_dim, ROPE=rope, ROPE_P2=max(16, triton.next_power_of_2(rope)),
+        BLOCK_SIZE=block_size, BLOCK_H=block_h, ROWS=rows, **layout, **pdl,
+        **launch,
+    )  # fmt: skip
+    if stride > 1:
+        _mla_merge_kernel[(n_seqs, triton.cdiv(heads, MERGE_HEADS))](
+            part, lse, out, seq_lens, cu_seqlens_q, heads, stride,
+            LATENT=latent_dim, BLOCK_H=MERGE_HEADS, **layout, **pdl,
+        )  # fmt: skip
+    return out
+
+
+ROPE_HEADS = 8  # query heads a rope program rotates: one angle computation serves them all
+
+
+# positions and slots are views into the step's packed inputs (rope.py says why)
+@triton.jit(do_not_specialize=["pos_ptr", "slot_ptr"])
+def _mla_rope_cache_kernel(
+    q_ptr, latent_ptr, k_ptr, q_out_ptr, pos_ptr, inv_freq_ptr, cache_ptr, slot_ptr,
+    n_heads, q_row, q_head, latent_row, k_row, cache_row,
+    LATENT: tl.constexpr, LATENT_P2: tl.constexpr, HALF: tl.constexpr,
+    HALF_P2: tl.constexpr, HEADS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (token, group): HEADS query heads' rope parts rotated, or (the last group)
+    the token's cache row: its latent as it is, then its rope key rotated."""
+    t = tl.program_id(0)
+    group = tl.program_id(1)
+    j = tl.arange(0, HALF_P2)
+    half_ok = j < HALF
+    # the angles before the wait (PDL): positions are the step's input (pdl.py)
+    angle = tl.load(pos_ptr + t).to(tl.float32) * tl.load(
+        inv_freq_ptr + j, mask=half_ok, other=0.0
+    ).to(tl.float32)
+    cos, sin = tl.cos(angle), tl.sin(angle)
+    wait_for_inputs(PDL)
+    if group < tl.cdiv(n_heads, HEADS):
+        h = group * HEADS + tl.arange(0, HEADS)
+        mask = (h < n_heads)[:, None] & half_ok[None, :]
+        src = q_ptr + t * q_row + h[:, None] * q_head + j[None, :]
+        dst = q_out_ptr + (t * n_heads + h[:, None]) * (2 * HALF) + j[None, :]
+        _rotate_half(src, dst, mask, cos[None, :], sin[None, :], HALF)
+    else:
+        slot = tl.load(slot_ptr + t)
+        if slot >= 0:
+            row = cache_ptr + slot.to(tl.int64) * cache_row
+            d = tl.arange(0, LATENT_P2)
+            value = tl.load(latent_ptr + t * latent_row + d, mask=d < LATENT)
+            tl.store(row + d, value.to(cache_ptr.dtype.element_ty), mask=d < LATENT)
+            _rotate_half(k_ptr + t * k_row + j, row + LATENT + j, half_ok, cos, sin, HALF)
+
+
+@triton.jit
+def _rotate_half(src_ptr, dst_ptr, mask, cos, sin, HALF: tl.constexpr):
+    """dst's halves = x1 cos - x2 sin, x2 cos + x1 sin (x = src, the pointers at its first
+    half), in fp32, rounded to src's dtype (as the reference), stored in dst's."""
+    x1 = tl.load(src_ptr, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src_ptr + HALF, mask=mask, other=0.0).to(tl.float32)
+    ty = src_ptr.dtype.element_ty
+    out_ty = dst_ptr.dtype.element_ty
+    tl.store(dst_ptr, (x1 * cos - x2 * sin).to(ty).to(out_ty), mask=mask)
+    tl.store(dst_ptr + HALF, (x2 * cos + x1 * sin).to(ty).to(out_ty), mask=mask)
+
+
+def mla_rope_and_cache(
+    q_rope, latent, k_rope, positions, inv_freq, cache, slot_mapping
+) -> torch.Tensor:
+    """mla_rope_and_cache_ref on the GPU, in one launch: q_rope [tokens, heads, rope],
+    latent [tokens, latent], k_rope [tokens, rope] may be views with strided rows (each
+    head's values packed). Returns the rotated q_rope, packed."""
+    tokens, heads, rope = q_rope.shape
+    width = latent.shape[1]
+    if q_rope.stride(2) != 1 or latent.stride(1) != 1 or k_rope.stride(1) != 1:
+        raise ValueError("each head's values must be packed")
+    q_out = torch.empty(tokens, heads, rope, dtype=q_rope.dtype, device=q_rope.device)
+    if not tokens:
+        return q_out
+    half = rope // 2
+    _mla_rope_cache_kernel[(tokens, triton.cdiv(heads, ROPE_HEADS) + 1)](
+        q_rope, latent, k_rope, q_out, positions, inv_freq, cache, slot_mapping,
+        heads, q_rope.stride(0), q_rope.stride(1), latent.stride(0), k_rope.stride(0),
+        cache.stride(1),
+        LATENT=width, LATENT_P2=triton.next_power_of_2(width), HALF=half,
+        HALF_P2=triton.next_power_of_2(half), HEADS=ROPE_HEADS, **pdl_options(q_rope.device),
+    )  # fmt: skip
+    return q_out
