@@ -1,22 +1,29 @@
-"""OMNI's engine against HF transformers on a Qwen3-30B-A3B-shaped mixture of experts.
+"""OMNI's engine against HF transformers on a mixture of experts of a published shape.
 
-Random bf16 weights (std 0.02, norms 1), about 61 GB, made on the GPU in each side's own
-process from one seed, tensor by tensor: both sides run the same numbers and nothing
-goes to disk (the lent machine's disk holds 64 GB). Measured, each side in a child
-process:
+--shape qwen3-30b-a3b (the default): Qwen3-30B-A3B; --shape moonlight-16b-a3b:
+Moonlight-16B-A3B, DeepSeek-V3's architecture (MLA attention, sigmoid-routed experts
+beside shared ones, a dense first layer). Random bf16 weights (std 0.02, norms 1), made
+on the GPU in each side's own process from one seed, tensor by tensor: both sides run
+the same numbers and nothing goes to disk (the lent machine's disk holds 64 GB); each
+side runs in a child process of its own, one after the other, so only one copy of the
+weights (about 61 GB for Qwen3, 32 GB for Moonlight) is on the GPU at a time. Measured:
 
 1. decode at batch 1: a 128-token prompt, 128 new tokens (greedy, no EOS), tok/s after
    the first token; and its fraction of the floor for the bytes a token actually reads
-   (the 8 active experts of each layer, attention, norms, router, the lm head, one
-   embedding row, its K/V) at the copy bandwidth measured here;
+   (the top-k experts of each layer, the shared experts and dense MLPs, attention,
+   norms, router, the lm head, one embedding row, its K/V) at the copy bandwidth
+   measured here;
 2. throughput at batch 64 and 256: that many 128-token prompts, 128 new tokens each,
    all submitted at once (HF: one padded generate call of the batch; 256 only with
-   --hf-256, it is slow);
+   --hf-256, it is slow); ours also per decode step (the engine's step timeline), against
+   the floor of the bytes a step reads: the distinct experts B tokens hit (E (1 - (1 -
+   k/E)^B) a layer, routing uniform), every other weight once, each row's K/V;
 
-and ours against HF at batch 64 (the issue asks for at least 5x). --profile adds where a
-batch-1 step's GPU time goes, kernel by kernel (in a child of its own, without dependent
-launches; "batch1_profile"). Prints a table, writes bench/results/moe-<device>.json.
---small: a tiny shape on the CPU, to check the harness.
+and ours against HF at batch 64 (the issue asks for at least 5x), and the K/V bytes a
+token against Llama-3-8B's (131,072). --profile adds where a batch-1 step's GPU time
+goes, kernel by kernel (in a child of its own, without dependent launches;
+"batch1_profile"). Prints a table, writes bench/results/moe-<device>.json (Qwen3) or
+moe-moonlight-<device>.json. --small: a tiny shape on the CPU, to check the harness.
 """
 
 from __future__ import annotations
@@ -37,7 +44,13 @@ sys.path.insert(0, str(REPO))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.engine_bench import Deadline, OursRunner, batch_run, measure_bandwidth  # noqa: E402
+from bench.engine_bench import (  # noqa: E402
+    Deadline,
+    OursRunner,
+    StepTimeline,
+    batch_run,
+    measure_bandwidth,
+)
 from bench.results_io import write_result  # noqa: E402
 
 
@@ -76,8 +89,71 @@ def qwen3_moe_config(small: bool) -> dict:
     return cfg
 
 
+def moonlight_config(small: bool) -> dict:
+    """Moonlight-16B-A3B's shape (moonshotai's config.json, DeepSeek-V3's architecture) as
+    an HF config (or a tiny one); no EOS."""
+    cfg = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": 2048,
+        "num_hidden_layers": 27,
+        "first_k_dense_replace": 1,
+        "intermediate_size": 11264,
+        "moe_intermediate_size": 1408,
+        "n_routed_experts": 64,
+        "num_experts_per_tok": 6,
+        "n_shared_experts": 2,
+        "n_group": 1,
+        "topk_group": 1,
+        "routed_scaling_factor": 2.446,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "kv_lora_rank": 512,
+        "q_lora_rank": None,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "vocab_size": 163840,
+        "rope_theta": 50000.0,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+    }
+    if small:
+        cfg.update(hidden_size=128, num_hidden_layers=2, intermediate_size=256)
+        cfg.update(moe_intermediate_size=64, n_routed_experts=8, num_experts_per_tok=2)
+        cfg.update(n_shared_experts=1, num_attention_heads=4, num_key_value_heads=4)
+        cfg.update(kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32)
+        cfg.update(vocab_size=512, max_position_embeddings=512)
+    return cfg
+
+
+SHAPES = {"qwen3-30b-a3b": qwen3_moe_config, "moonlight-16b-a3b": moonlight_config}
+RESULT_NAMES = {"qwen3-30b-a3b": "moe", "moonlight-16b-a3b": "moe-moonlight"}
+LLAMA3_8B_KV_BYTES = 2 * 8 * 128 * 32 * 2  # K and V, 8 KV heads of 128, 32 layers, bf16
+
+
+def routed_experts(cfg: dict) -> int:
+    return cfg.get("num_experts") or cfg["n_routed_experts"]
+
+
+def is_routed(name: str) -> bool:
+    """Whether a tensor (HF name) holds the routed experts (not the shared ones)."""
+    return ".mlp.experts." in name
+
+
 def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """HF's parameter names and shapes, the experts stacked as transformers 5 keeps them."""
+    """HF's parameter (and score-bias buffer) names and shapes, the routed experts stacked
+    as transformers 5 keeps them."""
+    if cfg["model_type"] == "deepseek_v3":
+        return deepseek_shapes(cfg)
     h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
     d, e, inter = cfg["head_dim"], cfg["num_experts"], cfg["moe_intermediate_size"]
     shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h)}
@@ -101,6 +177,52 @@ def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def deepseek_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """tensor_shapes for DeepSeek-V3's architecture: MLA (q_proj or its low-rank pair,
+    the latent's projection and norm, kv_b_proj), dense MLPs in the first
+    first_k_dense_replace layers, routed and shared experts after."""
+    h, heads, e = cfg["hidden_size"], cfg["num_attention_heads"], cfg["n_routed_experts"]
+    nope, rope, v = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    latent, q_rank, inter = cfg["kv_lora_rank"], cfg["q_lora_rank"], cfg["moe_intermediate_size"]
+    shared = inter * cfg["n_shared_experts"]
+    shapes = {"model.embed_tokens.weight": (cfg["vocab_size"], h)}
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
+        a = p + "self_attn."
+        if q_rank is None:
+            shapes[a + "q_proj.weight"] = (heads * (nope + rope), h)
+        else:
+            shapes[a + "q_a_proj.weight"] = (q_rank, h)
+            shapes[a + "q_a_layernorm.weight"] = (q_rank,)
+            shapes[a + "q_b_proj.weight"] = (heads * (nope + rope), q_rank)
+        shapes |= {
+            a + "kv_a_proj_with_mqa.weight": (latent + rope, h),
+            a + "kv_a_layernorm.weight": (latent,),
+            a + "kv_b_proj.weight": (heads * (nope + v), latent),
+            a + "o_proj.weight": (h, heads * v),
+        }
+        if i < cfg["first_k_dense_replace"]:
+            mlp = {"mlp.": cfg["intermediate_size"]}
+        else:
+            mlp = {"mlp.shared_experts.": shared}
+            shapes |= {
+                p + "mlp.gate.weight": (e, h),
+                p + "mlp.gate.e_score_correction_bias": (e,),
+                p + "mlp.experts.gate_up_proj": (e, 2 * inter, h),
+                p + "mlp.experts.down_proj": (e, h, inter),
+            }
+        for m, width in mlp.items():
+            shapes |= {
+                p + m + "gate_proj.weight": (width, h),
+                p + m + "up_proj.weight": (width, h),
+                p + m + "down_proj.weight": (h, width),
+            }
+    shapes["model.norm.weight"] = (h,)
+    shapes["lm_head.weight"] = (cfg["vocab_size"], h)
+    return shapes
+
+
 def random_tensor(name: str, shape: tuple[int, ...], seed: int, device: str, dtype) -> torch.Tensor:
     """The same values for the same name and seed, in any process: norms 1, the rest
     normal with std 0.02."""
@@ -110,27 +232,50 @@ def random_tensor(name: str, shape: tuple[int, ...], seed: int, device: str, dty
     return torch.empty(shape, dtype=dtype, device=device).normal_(0, 0.02, generator=gen)
 
 
-def active_bytes_per_token(cfg: dict, itemsize: int) -> int:
-    """What a batch-1 decode step reads at least: each layer's attention projections,
-    norms, router and its top-k experts, the final norm and lm head, one embedding row."""
-    shapes = tensor_shapes(cfg)
-    total = 0
-    for name, shape in shapes.items():
+def distinct_experts(experts: int, k: int, tokens: int) -> float:
+    """The experts a layer reads for `tokens` tokens of k distinct picks each, expected,
+    routing uniform: each expert is missed by a token with probability 1 - k/E."""
+    return experts * (1 - (1 - k / experts) ** tokens)
+
+
+def step_bytes(cfg: dict, itemsize: int, batch: int, context: int) -> dict:
+    """What a decode step of `batch` rows reads at least: every weight but the routed
+    experts and the embedding once, the distinct experts the rows hit in each layer, one
+    embedding row a row, and each row's K/V over `context` tokens."""
+    e, k = routed_experts(cfg), cfg["num_experts_per_tok"]
+    hit = distinct_experts(e, k, batch)
+    weights = 0
+    for name, shape in tensor_shapes(cfg).items():
         n = int(np.prod(shape))
-        if "experts." in name:
-            n = n // cfg["num_experts"] * cfg["num_experts_per_tok"]
+        if is_routed(name):
+            n = round(n / e * hit)
         elif name == "model.embed_tokens.weight":
-            n = shape[1]
-        total += n * itemsize
-    return total
+            n = shape[1] * batch
+        weights += n * itemsize
+    kv = kv_bytes_per_token(cfg, itemsize) * context * batch
+    return {"weights": weights, "kv": kv, "total": weights + kv, "experts_hit_per_layer": hit}
+
+
+def active_bytes_per_token(cfg: dict, itemsize: int) -> int:
+    """What a batch-1 decode step reads at least, but for its K/V: each layer's attention
+    projections, norms, router, shared experts or dense MLP and its top-k experts, the
+    final norm and lm head, one embedding row."""
+    return step_bytes(cfg, itemsize, 1, 0)["weights"]
 
 
 def kv_bytes_per_token(cfg: dict, itemsize: int) -> int:
+    """A token's cache rows over all layers: K and V per KV head, or MLA's one latent and
+    rope key."""
+    layers = cfg["num_hidden_layers"]
+    if cfg["model_type"] == "deepseek_v3":
+        return (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * layers * itemsize
     heads_dim = cfg["num_key_value_heads"] * cfg["head_dim"]
-    return 2 * cfg["num_hidden_layers"] * heads_dim * itemsize
+    return 2 * layers * heads_dim * itemsize
 
 
 # ---------------------------------------------------------------- the two sides
+
+THROUGHPUT_BATCHES = (64, 256)
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -141,9 +286,14 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
 def build_ours(args, cfg: dict, device: str, dtype):
     """Our engine on the random weights, warmed up with its CUDA graphs: (engine, setup)."""
     from omni.engine.checkpoint import Checkpoint
+    from omni.engine.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
     from omni.engine.engine import Engine
     from omni.engine.llama import LlamaConfig, LlamaForCausalLM
     from tests.checkpoints import text_tokenizer
+
+    deepseek = cfg["model_type"] == "deepseek_v3"
+    config_class = DeepseekV3Config if deepseek else LlamaConfig
+    model_class = DeepseekV3ForCausalLM if deepseek else LlamaForCausalLM
 
     t0 = time.perf_counter()
     state = {}
@@ -163,8 +313,8 @@ def build_ours(args, cfg: dict, device: str, dtype):
         del t
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = text_tokenizer(Path(tmp), cfg["vocab_size"])
-        mcfg = LlamaConfig.from_checkpoint(Checkpoint(Path(tmp), cfg))
-    model = LlamaForCausalLM.from_state(mcfg, state)
+        mcfg = config_class.from_checkpoint(Checkpoint(Path(tmp), cfg))
+    model = model_class.from_state(mcfg, state)
     del state
     engine = Engine(model, tokenizer, max_seqs=args.max_seqs)
     engine.warm_up(graphs=True)
@@ -180,8 +330,19 @@ def ours(args, cfg: dict, device: str, dtype) -> dict:
     def run(batch: int, new: int, seed: int) -> dict:
         return batch_run(runner, prompts(batch, args.prompt, cfg["vocab_size"], seed), new)
 
+    def timed_steps(batch: int) -> dict:
+        """run() at `batch`, with its decode steps' rate at the full batch (the step
+        timeline's band that holds it)."""
+        with StepTimeline(engine) as timeline:
+            res = run(batch, args.new, 200 + batch)
+        res["steps"] = steps = timeline.summary(time.perf_counter())
+        lo, hi = next(b for b in StepTimeline.DECODE_BANDS if b[0] <= batch <= b[1])
+        band = steps.get(f"decode b={lo}-{hi}")
+        res["decode_step_tok_s"] = 1e3 * batch / band["ms_per_step"] if band else None
+        return res
+
     result = {"setup": setup, "decode": [run(1, args.new, 100 + i) for i in range(3)]}
-    result["throughput"] = [run(b, args.new, 200 + b) for b in (64, 256)]
+    result["throughput"] = [timed_steps(b) for b in THROUGHPUT_BATCHES]
     engine.shutdown()
     return result
 
@@ -229,16 +390,18 @@ def hf(args, cfg: dict, device: str, dtype) -> dict:
     import transformers
 
     t0 = time.perf_counter()
-    config = transformers.Qwen3MoeConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
+    arch = "DeepseekV3" if cfg["model_type"] == "deepseek_v3" else "Qwen3Moe"
+    config_class = getattr(transformers, arch + "Config")
+    config = config_class(**{k: v for k, v in cfg.items() if k != "architectures"})
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:  # built where it runs, in its dtype (never twice in memory), then overwritten
         with torch.device(device):
-            model = transformers.Qwen3MoeForCausalLM(config).eval()
+            model = getattr(transformers, arch + "ForCausalLM")(config).eval()
     finally:
         torch.set_default_dtype(default)
-    with torch.no_grad():
-        params = dict(model.named_parameters())
+    with torch.no_grad():  # (DeepSeek-V3's score bias is a buffer)
+        params = dict(model.named_parameters()) | dict(model.named_buffers())
         for name, shape in tensor_shapes(cfg).items():
             params[name].copy_(random_tensor(name, shape, args.seed, device, dtype))
     setup = {
@@ -284,7 +447,8 @@ def hf(args, cfg: dict, device: str, dtype) -> dict:
 
 def child(side: str, args, out: Path, env: dict | None = None) -> dict:
     argv = [sys.executable, __file__, "--phase", side, "--phase-out", str(out)]
-    argv += ["--seed", str(args.seed), "--prompt", str(args.prompt), "--new", str(args.new)]
+    argv += ["--shape", args.shape, "--seed", str(args.seed), "--prompt", str(args.prompt)]
+    argv += ["--new", str(args.new)]
     argv += ["--max-seqs", str(args.max_seqs)] + (["--small"] if args.small else [])
     argv += ["--hf-256"] if args.hf_256 else []
     t0 = time.perf_counter()
@@ -301,6 +465,7 @@ def best(runs: list[dict], key: str) -> float | None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     ap.add_argument("--small", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prompt", type=int, default=128)
@@ -315,7 +480,7 @@ def main() -> None:
     ap.add_argument("--phase", choices=("ours", "hf", "profile"))
     ap.add_argument("--phase-out")
     args = ap.parse_args()
-    cfg = qwen3_moe_config(args.small)
+    cfg = SHAPES[args.shape](args.small)
     on_gpu = torch.cuda.is_available() and not args.small
     device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
     if args.phase:
@@ -331,11 +496,13 @@ def main() -> None:
             sides["hf"] = child("hf", args, Path(tmp) / "hf.json")
         if args.profile:
             prof = child("profile", args, Path(tmp) / "profile.json", {"OMNI_PDL": "0"})
-    # the floor: bytes of a batch-1 step, K/V at the run's mean context included
+    # the floors: the bytes of a step at batch 1, 64 and 256, K/V at the run's mean context
+    context = args.prompt + args.new // 2
     weights = active_bytes_per_token(cfg, itemsize)
-    kv = kv_bytes_per_token(cfg, itemsize) * (args.prompt + args.new // 2)
+    kv = kv_bytes_per_token(cfg, itemsize) * context
     floor_tok_s = bw["bytes_per_s"] / (weights + kv)
     ours_b1 = best(sides["ours"].get("decode", []), "decode_tok_s")
+    kv_token = kv_bytes_per_token(cfg, itemsize)
     summary = {
         "floor": {
             "bandwidth_bytes_per_s": bw["bytes_per_s"],
@@ -343,7 +510,10 @@ def main() -> None:
             "kv_bytes_per_token_at_mean_context": kv,
             "floor_tok_s": floor_tok_s,
             "ours_fraction_of_floor": ours_b1 / floor_tok_s if ours_b1 else None,
-        }
+            "batches": batch_floors(cfg, itemsize, context, bw, sides["ours"]),
+        },
+        "kv_bytes_per_token": kv_token,
+        "kv_bytes_per_token_vs_llama3_8b": kv_token / LLAMA3_8B_KV_BYTES,
     }
     tp = {
         s: {r["batch"]: r["output_tok_s"] for r in d.get("throughput", [])}
@@ -351,7 +521,7 @@ def main() -> None:
     }
     if "hf" in tp and 64 in tp["hf"] and 64 in tp.get("ours", {}):
         summary["ours_vs_hf_at_64"] = tp["ours"][64] / tp["hf"][64]
-    name = "moe-small" if args.small else "moe-" + device_name()
+    name = RESULT_NAMES[args.shape] + ("-small" if args.small else "-" + device_name())
     data = {"config": cfg, "args": vars(args), "bandwidth": bw, "sides": sides} | summary
     if args.profile:
         data["batch1_profile"] = prof
@@ -365,9 +535,20 @@ def main() -> None:
     print(f"{'decode b=1 tok/s':30s} {fmt(ours_b1):>10s} {fmt(hf_b1):>10s}")
     frac = summary["floor"]["ours_fraction_of_floor"]
     print(f"  floor {floor_tok_s:.0f} tok/s; ours at {fmt(frac and 100 * frac)}%")
-    for b in (64, 256):
+    for b in THROUGHPUT_BATCHES:
         ours_b, hf_b = fmt(tp["ours"].get(b)), fmt(tp.get("hf", {}).get(b))
         print(f"{f'batch {b} out tok/s':30s} {ours_b:>10s} {hf_b:>10s}")
+        f = summary["floor"]["batches"][b]
+        print(
+            f"  decode steps {fmt(f['ours_decode_step_tok_s'])} tok/s; floor"
+            f" {f['floor_tok_s']:.0f} ({f['experts_hit_per_layer']:.1f} experts a layer,"
+            f" {f['step_bytes'] / 1e9:.2f} GB a step); ours at"
+            f" {fmt(f['ours_fraction'] and 100 * f['ours_fraction'])}%"
+        )
+    print(
+        f"K/V a token {kv_token} bytes: {summary['kv_bytes_per_token_vs_llama3_8b']:.3f}x"
+        f" Llama-3-8B's {LLAMA3_8B_KV_BYTES}"
+    )
     if "ours_vs_hf_at_64" in summary:
         print(f"ours / HF at batch 64: {summary['ours_vs_hf_at_64']:.2f}x")
     for s, d in sides.items():
@@ -378,6 +559,27 @@ def main() -> None:
         for r in prof["kernels"][:12]:
             print(f"{r['us_per_step']:9.1f} us {r['per_step']:6.1f}x  {r['kernel'][:70]}")
     print(f"wrote {path}")
+
+
+def batch_floors(cfg: dict, itemsize: int, context: int, bw: dict, ours: dict) -> dict:
+    """Per throughput batch: the bytes a decode step reads (step_bytes), the rate their
+    copy at the measured bandwidth allows, and ours (its decode steps) against it."""
+    runs = {r["batch"]: r for r in ours.get("throughput", [])}
+    floors = {}
+    for b in THROUGHPUT_BATCHES:
+        need = step_bytes(cfg, itemsize, b, context)
+        floor = b * bw["bytes_per_s"] / need["total"]
+        got = runs.get(b, {}).get("decode_step_tok_s")
+        floors[b] = {
+            "step_bytes": need["total"],
+            "weight_bytes": need["weights"],
+            "kv_bytes": need["kv"],
+            "experts_hit_per_layer": need["experts_hit_per_layer"],
+            "floor_tok_s": floor,
+            "ours_decode_step_tok_s": got,
+            "ours_fraction": got / floor if got else None,
+        }
+    return floors
 
 
 def fmt(x: float | None) -> str:

@@ -4,9 +4,11 @@ Two parts differ from the Llama family (llama.py), whose norms, dense MLP and li
 layers it uses as they are:
 - Multi-head latent attention: each token's K and V come from one compressed latent
   (kv_lora_rank wide) plus one rope key shared by the heads, and that row is all the
-  paged cache holds (kv_cache.KVLayout: one head, no V). Prefill expands the latents
-  through kv_b_proj, decode absorbs kv_b_proj into the query and the output instead
-  (kernels/mla.py says why).
+  paged cache holds (kv_cache.KVLayout: one head, no V). kv_b_proj is absorbed into the
+  query and the output, and attention runs over the cache rows as they are (kernels/mla.py
+  says why): on the GPU for every row, one Triton launch a layer that reads no value back
+  to the host (CUDA graphs hold it); on the CPU for decode rows, while prefill expands
+  the latents through kv_b_proj (HF's form, which the CPU tests hold it to).
 - DeepSeekMoE: sigmoid routing limited to the best groups of experts, a score bias that
   steers the choice but not the weights (kernels/moe.py grouped_router_ref), shared
   experts every token takes, and dense MLPs in the first `first_k_dense_replace` layers.
@@ -15,8 +17,9 @@ layers it uses as they are:
 Module names follow the HF checkpoints, so a state dict loads as it is, but for the
 stacked experts and fused gate/up projections. Multi-token-prediction layers (index >=
 num_hidden_layers) are dropped at load. The Hub's block-FP8 and INT4 checkpoints load as
-they ship (quant_weights.py): their projections run quantized, but the routed experts and
-kv_b_proj, which are dequantized at load. One device, the CPU (torch) path.
+they ship (quant_weights.py): their projections run quantized (W8A16/W4A16 Triton kernels
+on the GPU), but the routed experts and kv_b_proj, which are dequantized at load. One
+device: the CPU (torch references) or one GPU.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch import nn
 
 from .checkpoint import Checkpoint, CheckpointError
 from .kernels import ops
+from .kernels.prewarm import prewarm_triton
 from .kv_cache import KVLayout
 from .llama import MLP, Linear, RMSNorm, assign_state
 from .moe import Experts, MoEConfig, stack_experts
@@ -37,6 +41,7 @@ from .quant_weights import (
     WeightScheme,
     cast_state,
     dequantize_where,
+    gpu_problem,
     is_quantized,
     permute_rows,
     quantize_modules,
@@ -215,6 +220,17 @@ class LatentAttention(nn.Module):
         q_rope = kernels.mla_rope_and_cache(
             q_rope, latent, k_rope, step.positions, inv_freq, cache, step.slot_mapping
         )
+        if kernels.mla_prefill is None:  # the GPU: every row absorbed, in one launch
+            attended = kernels.mla_attention(
+                self.to_latent(q_nope, q_rope),
+                cache,
+                step.block_tables,
+                step.seq_lens,
+                step.cu_seqlens_q,
+                self.scale,
+                cfg.kv_lora_rank,
+            )
+            return self.o_proj(self.from_latent(attended).reshape(n, -1))
         out = x.new_empty(n, cfg.num_heads, cfg.v_head_dim)
         d = step.num_decodes  # the first d rows: one a decoding sequence
         if d:
@@ -239,20 +255,36 @@ class LatentAttention(nn.Module):
         )
 
     def absorbed(self, q_nope, q_rope, step, cache: torch.Tensor) -> torch.Tensor:
-        """The decoding sequences' rows: q_nope into the latent space through kv_b_proj's
-        K part, attention over the cache rows, out through its V part."""
+        """The decoding sequences' rows, absorbed: attention over their cache rows in the
+        latent space."""
         cfg, d = self.cfg, q_nope.shape[0]
-        w = self.kv_b_proj.weight.view(cfg.num_heads, -1, cfg.kv_lora_rank)
-        w_uk, w_uv = w.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)  # [heads, *, latent]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [d, heads, latent]
         attended = ops(q_nope.device).mla_decode(
-            torch.cat([q_latent, q_rope], dim=-1),
+            self.to_latent(q_nope, q_rope),
             cache,
             step.block_tables[:d],
             step.seq_lens[:d],
             self.scale,
             cfg.kv_lora_rank,
         )
+        return self.from_latent(attended)
+
+    def absorbing_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj's K and V parts, each head's [nope or v, latent]."""
+        cfg = self.cfg
+        w = self.kv_b_proj.weight.view(cfg.num_heads, -1, cfg.kv_lora_rank)
+        return w.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
+
+    def to_latent(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
+        """The absorbed query [rows, heads, latent + rope]: q_nope into the latent space
+        through kv_b_proj's K part, beside the rotated q_rope."""
+        w_uk = self.absorbing_weights()[0]
+        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        return torch.cat([q_latent, q_rope], dim=-1)
+
+    def from_latent(self, attended: torch.Tensor) -> torch.Tensor:
+        """Each head's attended latent [rows, heads, latent] out through kv_b_proj's V
+        part: [rows, heads, v] (strided)."""
+        w_uv = self.absorbing_weights()[1]
         return torch.bmm(attended.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 
@@ -348,6 +380,9 @@ class DeepseekV3ForCausalLM(nn.Module):
     def hidden_states(self, input_ids, step, k_cache, v_cache) -> torch.Tensor:
         """Final hidden states of `input_ids` (flat, several sequences), per the step.
         `v_cache` is the runner's zero-width one: MLA keeps no V."""
+        if ops(input_ids.device).mla_prefill is None:  # every row absorbed (the GPU)
+            cu = owned_rows(step.cu_seqlens_q, input_ids.shape[0])
+            step = dataclasses.replace(step, cu_seqlens_q=cu)
         x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
             x, residual = layer(x, residual, step, k_cache, self.inv_freq)
@@ -379,19 +414,26 @@ class DeepseekV3ForCausalLM(nn.Module):
             "expert parallelism": experts,
             # quantizing a bf16 checkpoint at load; a quantized checkpoint's own scheme loads
             "quantization at load": quantization is not None,
-            "an FP8 KV cache": kv_cache_dtype is not None,
-            # its kernels are torch references, unchecked under CUDA graphs so far
-            "GPU path": str(device).startswith("cuda"),
+            "FP8 KV cache": kv_cache_dtype is not None,
         }
         if unsupported := [name for name, asked in refused.items() if asked]:
             raise CheckpointError(f"{ckpt.path}: no {', '.join(unsupported)} for DeepSeek-V3 yet")
+        cuda = torch.device(device).type == "cuda"
+        gpu = torch.cuda.get_device_capability(device) if cuda else None
+        if scheme and gpu and (problem := gpu_problem(scheme, gpu)):  # W8A16/W4A16's least
+            raise CheckpointError(f"{ckpt.path}: {problem}")
         cfg = DeepseekV3Config.from_checkpoint(ckpt)
+        warming = prewarm_triton() if cuda else None
         if scheme is None:
-            return cls.from_state(cfg, ckpt.load_tensors(device, dtype), ckpt.path)
-        state = ckpt.load_tensors(device, None)  # (the reader would cast fp32 scales to dtype)
-        cast_state(state, dtype)
-        cfg = dataclasses.replace(cfg, quantization=scheme.kind)
-        return cls.from_state(cfg, state, ckpt.path, scheme)
+            model = cls.from_state(cfg, ckpt.load_tensors(device, dtype), ckpt.path)
+        else:
+            state = ckpt.load_tensors(device, None)  # (the reader would cast fp32 scales)
+            cast_state(state, dtype)
+            cfg = dataclasses.replace(cfg, quantization=scheme.kind)
+            model = cls.from_state(cfg, state, ckpt.path, scheme)
+        if warming:
+            warming.join()
+        return model
 
     @classmethod
     def from_state(
@@ -418,6 +460,16 @@ class DeepseekV3ForCausalLM(nn.Module):
         assign_state(model, state, source, skipped=("rotary_emb",))
         model.inv_freq = rope_parameters(cfg)[0].to(state["lm_head.weight"].device)
         return model.eval()
+
+
+def owned_rows(cu_seqlens_q: torch.Tensor, tokens: int) -> torch.Tensor:
+    """cu_seqlens_q made nondecreasing and at most `tokens`, on the device. A mixed step's
+    CUDA graph (mixed_graphs.py) has a sequence for every token of its bucket and copies
+    in the step's own boundaries alone: the entries after them hold past steps' values,
+    which mla_attention, whose grid covers every sequence, would read as rows of the step
+    (Llama's kernels read the step's counts instead). So made, those own padding rows at
+    most. A step's own boundaries are already so: they are unchanged."""
+    return torch.cummax(cu_seqlens_q, dim=0).values.clamp_(max=tokens)
 
 
 def drop_prediction_layers(state: dict, num_layers: int) -> None:

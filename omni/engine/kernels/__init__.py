@@ -16,7 +16,14 @@ from ..fp8 import fp8_linear_ref
 from .activation import silu_and_mul, silu_and_mul_ref
 from .attention import paged_attention_ref, paged_decode, paged_prefill, prefill_work
 from .matmul import linear, linear_ref
-from .mla import mla_decode_ref, mla_prefill_ref, mla_rope_and_cache_ref
+from .mla import (
+    mla_attention,
+    mla_attention_ref,
+    mla_decode_ref,
+    mla_prefill_ref,
+    mla_rope_and_cache,
+    mla_rope_and_cache_ref,
+)
 from .moe import (
     fused_moe,
     fused_moe_ref,
@@ -68,11 +75,12 @@ _KERNELS = SimpleNamespace(
     fused_moe=fused_moe,
     router=router,
     sum_slots=sum_slots,
-    # DeepSeek-V3's pieces have no Triton kernel yet: their references run on CUDA too
-    grouped_router=grouped_router_ref,
-    mla_rope_and_cache=mla_rope_and_cache_ref,
-    mla_prefill=mla_prefill_ref,
-    mla_decode=mla_decode_ref,
+    grouped_router=grouped_router_ref,  # (torch ops on the device, no wait for it)
+    mla_rope_and_cache=mla_rope_and_cache,
+    # MLA absorbs every row on the GPU, prefill too (deepseek_v3.py): no expanded form
+    mla_attention=mla_attention,
+    mla_prefill=None,
+    mla_decode=None,
 )
 _REFERENCES = SimpleNamespace(
     fp8_linear=fp8_linear_ref,
@@ -87,6 +95,7 @@ _REFERENCES = SimpleNamespace(
     sum_slots=sum_slots_ref,
     grouped_router=grouped_router_ref,
     mla_rope_and_cache=mla_rope_and_cache_ref,
+    mla_attention=mla_attention_ref,
     mla_prefill=mla_prefill_ref,
     mla_decode=mla_decode_ref,
 )

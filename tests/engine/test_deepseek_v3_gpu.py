@@ -1,0 +1,189 @@
+"""DeepSeek-V3's GPU path: every row absorbed through kernels/mla.py's Triton kernel.
+
+Without a GPU, Triton's interpreter runs the path's MLA kernels (and once the fused MoE's)
+on the CPU in fp32 (its tl.dot mishandles bf16), against the CPU path that expands
+prefill; with one, the model in bf16 against HF transformers, logits and greedy
+generation through the engine with its CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from omni.engine import deepseek_v3
+from omni.engine.block_manager import BlockManager
+from omni.engine.deepseek_v3 import DeepseekV3ForCausalLM, owned_rows
+from omni.engine.engine import Engine
+from omni.engine.kernels import ops
+from omni.engine.kernels.mla import mla_attention, mla_rope_and_cache
+from omni.engine.kernels.moe import fused_moe
+from omni.engine.model_runner import ModelRunner, SoloSequence
+from omni.engine.sampling import SamplingParams
+from omni.engine.scheduler import Batch
+from omni.engine.sequence import Sequence
+from omni.engine.tokenizer import TextTokenizer
+
+from .runs import run_requests, tokens
+from .test_deepseek_v3 import CASES, VOCAB, deepseek_config, hf_logits, tiny_checkpoint
+
+GPU = torch.cuda.is_available()
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def tiny(request, tmp_path_factory):
+    q_lora_rank, rope, extra = CASES[request.param]
+    config = deepseek_config(q_lora_rank, rope, **extra)
+    return tiny_checkpoint(tmp_path_factory.mktemp(request.param), config)
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def mixed_steps(runner: ModelRunner) -> list[torch.Tensor]:
+    """Every row's logits of a few steps: ragged prompts in one step, then decodes beside
+    a prompt's next chunk, then decodes alone."""
+    blocks = BlockManager(runner.num_blocks, runner.block_size)
+    seqs = [Sequence(token_ids=random_ids(n, 10 + n)) for n in (5, 17, 20)]
+    for seq in seqs:
+        blocks.allocate(seq)
+    out = []
+    for counts in ([5, 17, 9], [1, 1, 11], [1, 1, 1]):
+        batch = Batch(seqs, counts)
+        out.append(runner.run(batch, all_logits=True).float().cpu())
+        for seq, n in zip(seqs, counts, strict=True):
+            seq.num_computed += n
+            if seq.num_computed == len(seq.token_ids):
+                seq.token_ids.append((7 * seq.num_computed) % VOCAB)
+                blocks.append_slot(seq)
+    return out
+
+
+# ---------------------------------------------------------------- the interpreter (no GPU)
+
+
+def use_gpu_path(monkeypatch, moe: bool = False) -> None:
+    """deepseek_v3.py's kernels as on the GPU: every row absorbed, the MLA Triton kernels
+    (and with `moe` the fused MoE's, test_moe.py's subject, slow here); the rest the CPU's
+    references."""
+    table = SimpleNamespace(**vars(ops(torch.device("cpu"))))
+    table.mla_rope_and_cache, table.mla_attention = mla_rope_and_cache, mla_attention
+    table.mla_prefill = table.mla_decode = None
+    if moe:
+        table.fused_moe = fused_moe
+    monkeypatch.setattr(deepseek_v3, "ops", lambda device: table)
+
+
+@pytest.mark.skipif(GPU, reason="the GPU tests run these kernels for real")
+def test_every_row_absorbed_computes_what_the_cpu_path_computes(tiny, monkeypatch):
+    """Prompts, a chunk beside decodes, decodes: the interpreter's kernels against the
+    expanded prefill and the reference decode."""
+    _, ckpt = tiny
+    model = DeepseekV3ForCausalLM.load(ckpt)
+    want = mixed_steps(ModelRunner(model, block_size=8, num_blocks=32))
+    with monkeypatch.context() as m:
+        use_gpu_path(m)
+        got = mixed_steps(ModelRunner(model, block_size=8, num_blocks=32))
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(GPU, reason="the GPU tests run these kernels for real")
+@pytest.mark.parametrize("tiny", ["q_lora"], indirect=True)
+def test_a_mixed_graphs_stale_sequences_change_no_real_row(tiny, monkeypatch):
+    """A mixed step's graph (mixed_graphs.py) pads the step to its bucket and leaves past
+    steps' sequence boundaries, lengths and tables after the step's own: the real rows'
+    hidden states are those of the step alone (owned_rows), through the fused MoE's
+    kernels too."""
+    _, ckpt = tiny
+    model = DeepseekV3ForCausalLM.load(ckpt)
+    use_gpu_path(monkeypatch, moe=True)
+    runner = ModelRunner(model, block_size=8, num_blocks=32)
+    blocks = BlockManager(runner.num_blocks, runner.block_size)
+    seq = Sequence(token_ids=random_ids(21, 4))
+    blocks.allocate(seq)
+    runner.run(Batch([seq], [12]))  # context in the cache; then the step: 9 rows after it
+    seq.num_computed = 12
+    ids_d, step = runner.prepare(Batch([seq], [9]))
+    alone = model.hidden_states(ids_d, step, runner.k_cache, runner.v_cache)
+    pad, stale = 7, torch.tensor([3, 40, 2, 16, 9, 30, 1], dtype=torch.int32)
+    padded = dataclasses.replace(
+        step,
+        positions=torch.cat([step.positions, torch.arange(pad)]),
+        slot_mapping=torch.cat([step.slot_mapping, torch.full((pad,), -1)]),
+        block_tables=torch.cat([step.block_tables, torch.randint(0, 32, (pad, 3)).int()]),
+        seq_lens=torch.cat([step.seq_lens, torch.tensor([5, 8, 1, 3, 7, 2, 6]).int()]),
+        cu_seqlens_q=torch.cat([step.cu_seqlens_q, stale]),
+    )
+    ids_p = torch.cat([ids_d, torch.zeros(pad, dtype=ids_d.dtype)])
+    both = model.hidden_states(ids_p, padded, runner.k_cache, runner.v_cache)
+    torch.testing.assert_close(both[:9], alone, atol=1e-5, rtol=1e-5)
+    want = torch.tensor([0, 9, 9, 16, 16, 16, 16, 16, 16], dtype=torch.int32)
+    assert torch.equal(owned_rows(torch.cat([step.cu_seqlens_q, stale]), 16), want)
+
+
+# ---------------------------------------------------------------- the GPU
+
+
+@pytest.mark.gpu
+def test_gpu_logits_match_transformers_in_bf16(tiny):
+    """Chunked prefill, decodes beside a prompt's chunk, decodes alone; each row near HF's
+    fp32 logits (bf16's error), and the expanded CPU path's."""
+    hf, ckpt = tiny
+    got = mixed_steps(
+        ModelRunner(DeepseekV3ForCausalLM.load(ckpt, "cuda", torch.bfloat16), 8, 32, graphs=False)
+    )
+    want = mixed_steps(ModelRunner(DeepseekV3ForCausalLM.load(ckpt), 8, 32))
+    for a, b in zip(got, want, strict=True):
+        err = (a - b).norm(dim=-1) / b.norm(dim=-1)
+        assert err.max() < 3e-2, err.max()
+    ids = random_ids(40, 2)
+    solo = SoloSequence(
+        ModelRunner(DeepseekV3ForCausalLM.load(ckpt, "cuda", torch.bfloat16), 8, 32, graphs=False)
+    )
+    ours = torch.cat(
+        [solo.extend(ids[:17], all_logits=True), solo.extend(ids[17:30], chunk=5, all_logits=True)]
+        + [solo.extend([t], all_logits=True) for t in ids[30:]]
+    ).float()
+    ref = hf_logits(hf, ids)
+    err = (ours.cpu() - ref).norm(dim=-1) / ref.norm(dim=-1)
+    assert err.max() < 3e-2, err.max()
+
+
+@pytest.mark.gpu
+def test_gpu_greedy_generation_under_cuda_graphs_follows_transformers(tiny):
+    """Decode and mixed steps replayed from CUDA graphs (captured at warm-up): each
+    request's greedy tokens are HF's, but where HF's own top two were nearly tied at the
+    first token they part (bf16 against fp32)."""
+    hf, ckpt = tiny
+    model = DeepseekV3ForCausalLM.load(ckpt, "cuda", torch.bfloat16)
+    engine = Engine(model, TextTokenizer(ckpt), block_size=8, num_blocks=96, max_batch_tokens=48)
+    engine.warm_up(graphs=True)
+    prompts = [random_ids(n, 20 + n) for n in (7, 31, 18, 3, 45)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    try:
+        results = run_requests(engine, prompts, params)
+        graphs, mixed = engine.runner.graphs, engine.runner.mixed
+    finally:
+        engine.shutdown()
+    assert graphs.graphs and mixed.steps > 0  # decode and mixed steps replayed graphs
+    for prompt, steps in zip(prompts, results, strict=True):
+        got = tokens(steps)
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            want = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=12,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
+        if got != want:
+            i = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
+            logits = hf_logits(hf, prompt + got[:i])[-1]
+            assert logits[want[i]] - logits[got[i]] < 2e-2 * logits.abs().max(), (i, got, want)
