@@ -130,20 +130,21 @@ def test_a_mixed_graphs_stale_sequences_change_no_real_row(tiny, monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_logits_match_transformers_in_bf16(tiny):
-    """Chunked prefill, decodes beside a prompt's chunk, decodes alone; each row near HF's
-    fp32 logits (bf16's error), and the expanded CPU path's."""
+def test_gpu_logits_match_the_cpu_path_and_transformers(tiny):
+    """Chunked prefill, decodes beside a prompt's chunk, decodes alone; each row near the
+    expanded CPU path's fp32 logits, and HF's. In fp32 (tf32 dots): in bf16 one row of
+    the q_lora model is 0.58 off on the CPU's own bf16 path too (a near-tied routing
+    choice flips), which says nothing of the kernels; the greedy test runs bf16."""
     hf, ckpt = tiny
-    got = mixed_steps(
-        ModelRunner(DeepseekV3ForCausalLM.load(ckpt, "cuda", torch.bfloat16), 8, 32, graphs=False)
-    )
+    gpu = ModelRunner(DeepseekV3ForCausalLM.load(ckpt, "cuda", torch.float32), 8, 32, graphs=False)
+    got = mixed_steps(gpu)
     want = mixed_steps(ModelRunner(DeepseekV3ForCausalLM.load(ckpt), 8, 32))
     for a, b in zip(got, want, strict=True):
         err = (a - b).norm(dim=-1) / b.norm(dim=-1)
-        assert err.max() < 3e-2, err.max()
+        assert err.max() < 1e-2, err.max()
     ids = random_ids(40, 2)
     solo = SoloSequence(
-        ModelRunner(DeepseekV3ForCausalLM.load(ckpt, "cuda", torch.bfloat16), 8, 32, graphs=False)
+        ModelRunner(DeepseekV3ForCausalLM.load(ckpt, "cuda", torch.float32), 8, 32, graphs=False)
     )
     ours = torch.cat(
         [solo.extend(ids[:17], all_logits=True), solo.extend(ids[17:30], chunk=5, all_logits=True)]
@@ -151,7 +152,7 @@ def test_gpu_logits_match_transformers_in_bf16(tiny):
     ).float()
     ref = hf_logits(hf, ids)
     err = (ours.cpu() - ref).norm(dim=-1) / ref.norm(dim=-1)
-    assert err.max() < 3e-2, err.max()
+    assert err.max() < 1e-2, err.max()
 
 
 @pytest.mark.gpu
