@@ -335,6 +335,8 @@ class Instance:
         after the whole wait)."""
         if self.state == State.FAILED or self._stopped.is_set():
             return False
+        if self._ready.is_set():  # the common case, without three tasks a request
+            return True
         events = (self._ready, self._failed, self._stopped)
         waits = {asyncio.ensure_future(e.wait()) for e in events}
         _done, pending = await asyncio.wait(
