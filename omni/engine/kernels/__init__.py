@@ -15,6 +15,7 @@ import torch
 from ..fp8 import fp8_linear_ref
 from .activation import silu_and_mul, silu_and_mul_ref
 from .attention import paged_attention_ref, paged_decode, paged_prefill, prefill_work
+from .grouped_router import grouped_router
 from .matmul import linear, linear_ref
 from .mla import (
     mla_attention,
@@ -75,7 +76,7 @@ _KERNELS = SimpleNamespace(
     fused_moe=fused_moe,
     router=router,
     sum_slots=sum_slots,
-    grouped_router=grouped_router_ref,  # (torch ops on the device, no wait for it)
+    grouped_router=grouped_router,
     mla_rope_and_cache=mla_rope_and_cache,
     # MLA absorbs every row on the GPU, prefill too (deepseek_v3.py): no expanded form
     mla_attention=mla_attention,
