@@ -18,7 +18,8 @@ Module names follow the HF checkpoints, so a state dict loads as it is, but for 
 stacked experts and fused gate/up projections. Multi-token-prediction layers (index >=
 num_hidden_layers) are dropped at load. The Hub's block-FP8 and INT4 checkpoints load as
 they ship (quant_weights.py): their projections run quantized (W8A16/W4A16 Triton kernels
-on the GPU), but the routed experts and kv_b_proj, which are dequantized at load. One
+on the GPU), the routed experts too, stacked as stored (QuantizedExperts: the fused MoE
+decodes their tiles in registers), but kv_b_proj, which is dequantized at load. One
 device: the CPU (torch references) or one GPU.
 """
 
@@ -34,17 +35,22 @@ from torch import nn
 from .checkpoint import Checkpoint, CheckpointError
 from .kernels import ops
 from .kernels.prewarm import prewarm_triton
+from .kernels.wq import FP8
 from .kv_cache import KVLayout
 from .llama import MLP, Linear, RMSNorm, assign_state
 from .moe import Experts, MoEConfig, stack_experts
 from .quant_weights import (
+    EXPERT_STACKS,
+    FP8_BLOCK,
     WeightScheme,
     cast_state,
+    dequantize_linear,
     dequantize_where,
     gpu_problem,
     is_quantized,
     permute_rows,
     quantize_modules,
+    stack_experts_quantized,
     stack_linears,
     weight_scheme,
 )
@@ -312,6 +318,34 @@ class Router(nn.Module):
         )
 
 
+class QuantizedExperts(nn.Module):
+    """The routed experts as the checkpoint stores them, stacked (EXPERT_STACKS, in
+    kernels/moe.py fused_moe_quantized's layouts): block-FP8 e4m3 or packed INT4, fp32
+    scales. `block`: FP8's (rows, columns) a scale, INT4's (1, group)."""
+
+    def __init__(self, cfg: DeepseekV3Config, scheme: WeightScheme, device=None):
+        super().__init__()
+        e, inter, hidden = cfg.moe.local_experts, cfg.moe.intermediate, cfg.hidden_size
+        fp8 = scheme.kind == FP8_BLOCK
+        self.block = scheme.block if fp8 else (1, scheme.group_size)
+        rows, cols = self.block
+
+        def stack(n: int, k: int, parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+            if fp8:
+                w = torch.empty(e, n * parts, k, dtype=FP8, device=device)
+            else:
+                w = torch.empty(e, n * parts, -(-k // 8), dtype=torch.int32, device=device)
+            return w, torch.empty(e, -(-n // rows) * parts, -(-k // cols), device=device)
+
+        tensors = (*stack(inter, hidden, parts=2), *stack(hidden, inter))
+        for name, t in zip(EXPERT_STACKS, tensors, strict=True):
+            self.register_buffer(name, t)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        stacks = (self.gate_up, self.gate_up_scale, self.down, self.down_scale)
+        return ops(x.device).fused_moe_quantized(x, *stacks, weights, ids, self.block)
+
+
 class DeepseekMoE(nn.Module):
     """Routed experts plus the shared experts every token takes."""
 
@@ -327,7 +361,10 @@ class DeepseekMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x)
         experts = self.experts
-        out = ops(x.device).fused_moe(x, experts.gate_up, experts.down, weights, ids)
+        if isinstance(experts, QuantizedExperts):
+            out = experts(x, weights, ids)
+        else:
+            out = ops(x.device).fused_moe(x, experts.gate_up, experts.down, weights, ids)
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 
@@ -446,7 +483,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         dtype = _model_dtype(state)
         dequantize_where(state, scheme, dtype, keep=runs_quantized)
         fuse_gate_up(state, cfg, scheme, dtype)
-        stack_experts(state, "deepseek_v3", cfg.moe, cfg.num_layers, source)
+        quantized = stack_quantized_experts(state, cfg, scheme, dtype, source)
+        dense_moe = dataclasses.replace(cfg.moe, dense_layers=cfg.moe.dense_layers | quantized)
+        stack_experts(state, "deepseek_v3", dense_moe, cfg.num_layers, source)
         if cfg.rope_interleave:
             permute_rope_rows(state, cfg, scheme, dtype)
         for i in range(cfg.num_layers):  # the router in fp32, as HF keeps it
@@ -457,6 +496,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         if cfg.tie_embeddings:
             state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
         quantize_modules(model, state, scheme)
+        for i in quantized:
+            model.model.layers[i].mlp.experts = QuantizedExperts(cfg, scheme, device="meta")
         assign_state(model, state, source, skipped=("rotary_emb",))
         model.inv_freq = rope_parameters(cfg)[0].to(state["lm_head.weight"].device)
         return model.eval()
@@ -481,9 +522,34 @@ def drop_prediction_layers(state: dict, num_layers: int) -> None:
 
 
 def runs_quantized(linear: str) -> bool:
-    """Whether a quantized Linear (HF name) stays so: not the routed experts (moe.py
-    stacks dense tensors) nor kv_b_proj (MLA reads it as a matrix)."""
-    return ".mlp.experts." not in linear and not linear.endswith("kv_b_proj")
+    """Whether a quantized Linear (HF name) stays so: not kv_b_proj (MLA reads it as a
+    matrix). (The routed experts stay so where a layer's all are: stack_quantized_experts.)"""
+    return not linear.endswith("kv_b_proj")
+
+
+def stack_quantized_experts(
+    state: dict, cfg: DeepseekV3Config, scheme: WeightScheme | None, dtype, source
+) -> frozenset[int]:
+    """Stack each MoE layer's routed experts as stored (QuantizedExperts) where all of
+    them are quantized, else dequantize that layer's quantized ones for moe.stack_experts:
+    the layers stacked quantized."""
+    if scheme is None:
+        return frozenset()
+    done = set()
+    for i in range(cfg.num_layers):
+        if i in cfg.moe.dense_layers:
+            continue
+        prefix = f"model.layers.{i}.mlp.experts"
+        parts = [
+            tuple(f"{prefix}.{e}.{p}_proj" for p in ("gate", "up", "down"))
+            for e in range(cfg.moe.local_experts)
+        ]
+        if stack_experts_quantized(state, parts, prefix, scheme, source):
+            done.add(i)
+        else:
+            for linear in (p for expert in parts for p in expert):
+                dequantize_linear(state, linear, scheme, dtype)
+    return frozenset(done)
 
 
 def _model_dtype(state: dict) -> torch.dtype:

@@ -6,7 +6,8 @@ kernels/wq.py defines both formats and computes with them. This module says whic
 scheme a config names (or why it is refused), holds the two layers, and prepares a
 state dict's tensors (HF names) for them: which Linears are quantized is read from the
 tensors present (`<name>.weight_scale_inv`, `<name>.weight_packed`), so a format's
-`ignore` list needs no parsing. What a model cannot run quantized (stacked experts, MLA's
+`ignore` list needs no parsing. Routed experts stack quantized (stack_experts_quantized)
+for kernels/moe.py's fused_moe_quantized. What a model cannot run quantized (MLA's
 kv_b_proj, which attention reads as a matrix) is dequantized at load.
 """
 
@@ -225,6 +226,45 @@ def stack_linears(state: dict, parts: list[str], into: str, scheme, dtype) -> No
             state[f"{into}.{n}"] = torch.tensor([rows, int(tensors[0][1])])
         else:
             state[f"{into}.{n}"] = torch.cat(tensors)
+
+
+EXPERT_STACKS = ("gate_up", "gate_up_scale", "down", "down_scale")
+
+
+def stack_experts_quantized(
+    state: dict, experts: list[tuple[str, str, str]], into: str, scheme, path="state"
+) -> bool:
+    """Stack each expert's (gate, up, down) Linears, as stored, into `into`'s tensors
+    EXPERT_STACKS (kernels/moe.py fused_moe_quantized's layouts: each expert's gate then
+    up rows, their scales likewise); False, and `state` untouched, where any of them is
+    not quantized. INT4's weight_shape is checked and dropped."""
+    names = [p for parts in experts for p in parts]
+    if not all(is_quantized(state, p, scheme) for p in names):
+        return False
+    weight, scale = TENSORS[scheme.kind][:2]
+    if scheme.kind == INT4_GROUP:
+        _check_expert_shapes(state, experts, path)
+    gate_up, gate_up_scale, down, down_scale = [], [], [], []
+    for gate, up, down_proj in experts:
+        gate_up.append(torch.cat([state.pop(f"{gate}.{weight}"), state.pop(f"{up}.{weight}")]))
+        gate_up_scale.append(torch.cat([state.pop(f"{gate}.{scale}"), state.pop(f"{up}.{scale}")]))
+        down.append(state.pop(f"{down_proj}.{weight}"))
+        down_scale.append(state.pop(f"{down_proj}.{scale}"))
+    stacks = (gate_up, gate_up_scale, down, down_scale)
+    for name, tensors in zip(EXPERT_STACKS, stacks, strict=True):
+        state[f"{into}.{name}"] = torch.stack(tensors)
+    return True
+
+
+def _check_expert_shapes(state: dict, experts: list[tuple[str, str, str]], path) -> None:
+    """Every INT4 expert's gate and up [I, hidden], its down [hidden, I] (weight_shape,
+    which the packed words round up), then the weight_shape tensors dropped."""
+    want = [int(v) for v in state[f"{experts[0][0]}.weight_shape"]]
+    for parts in experts:
+        for p, shape in zip(parts, (want, want, want[::-1]), strict=True):
+            got = [int(v) for v in state.pop(f"{p}.weight_shape")]
+            if got != shape:
+                raise CheckpointError(f"{path}: {p} has weight_shape {got}, expected {shape}")
 
 
 def permute_rows(state: dict, prefix: str, order: torch.Tensor, scheme, dtype) -> None:

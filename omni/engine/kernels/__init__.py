@@ -27,6 +27,8 @@ from .mla import (
 )
 from .moe import (
     fused_moe,
+    fused_moe_quantized,
+    fused_moe_quantized_ref,
     fused_moe_ref,
     grouped_router_ref,
     router,
@@ -74,6 +76,7 @@ _KERNELS = SimpleNamespace(
     rope_and_cache=rope_and_cache,
     linear=linear if BATCH_INVARIANT else linear_ref,
     fused_moe=fused_moe,
+    fused_moe_quantized=fused_moe_quantized,
     router=router,
     sum_slots=sum_slots,
     grouped_router=grouped_router,
@@ -92,6 +95,7 @@ _REFERENCES = SimpleNamespace(
     rope_and_cache=rope_and_cache_ref,
     linear=linear_ref,
     fused_moe=fused_moe_ref,
+    fused_moe_quantized=fused_moe_quantized_ref,
     router=router_ref,
     sum_slots=sum_slots_ref,
     grouped_router=grouped_router_ref,

@@ -4,7 +4,9 @@
 one of the GPU path: each token's output is the sum, in fp32 and in the order of its
 top-k slots, of its experts' outputs times their routing weights, so it never depends
 on which other tokens share the step. The Triton path waits for nothing on the host, so
-CUDA graphs hold it.
+CUDA graphs hold it. `fused_moe_quantized` runs the same kernels on experts stored as
+kernels/wq.py's block-FP8 or INT4 weights, each tile decoded in registers; its
+reference dequantizes the stacks, then runs fused_moe_ref.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch.nn import functional as F
 
 from .matmul import linear
 from .pdl import pdl_options, wait_for_inputs
+from .wq import FP8, dequantize_block_fp8, dequantize_int4, e4m3_to_f32
 
 
 def route_ref(router_logits: torch.Tensor, k: int, renormalize: bool):
@@ -267,10 +270,58 @@ def _block_rows(rows_ptr, block, slots, BLOCK_M: tl.constexpr, ONE_SLOT: tl.cons
     return tl.load(rows_ptr + block * BLOCK_M + offs)
 
 
+# What _weight_tile reads (QUANT): the dense stack, or one stored as kernels/wq.py's formats
+DENSE, BLOCK_FP8, INT4 = 0, 1, 2
+
+
+@triton.jit
+def _weight_tile(
+    w_ptr,
+    s_ptr,
+    rows,
+    ks,
+    N,
+    K,
+    W_ROW,
+    S_ROW,
+    k0,
+    QUANT: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """The tile W[rows, ks].T [BLOCK_K, BLOCK_N] of one expert's weight W [N, K]: as
+    stored (DENSE), or decoded in registers to fp32, each value times the scale of its
+    SCALE_ROWS x SCALE_COLS block (scales [ceil(N/SCALE_ROWS), ceil(K/SCALE_COLS)], rows
+    S_ROW apart): BLOCK_FP8 e4m3 bytes [N, K]; INT4 int32 words [N, ceil(K/8)], value i
+    in bits 4*(i % 8) of word i // 8 as q + 8 (SCALE_ROWS 1: a scale per row and group).
+    Zero outside [N, K]. The tile depends on the weights alone, never on the tokens."""
+    mask = (rows[None, :] < N) & (ks[:, None] < K)
+    if QUANT == DENSE:
+        w = tl.load(w_ptr + rows[None, :] * W_ROW + ks[:, None], mask=mask, other=0.0)
+    else:
+        if QUANT == BLOCK_FP8:
+            bits = tl.load(w_ptr + rows[None, :] * W_ROW + ks[:, None], mask=mask, other=0)
+            w = e4m3_to_f32(bits)
+        else:
+            words = tl.load(w_ptr + rows[None, :] * W_ROW + ks[:, None] // 8, mask=mask, other=0)
+            w = (((words >> ((ks[:, None] % 8) * 4)) & 0xF) - 8).to(tl.float32)
+        scale_rows = (rows // SCALE_ROWS) * S_ROW
+        if SCALE_COLS >= BLOCK_K:  # one scale column for the whole tile (k0: its first)
+            s = tl.load(s_ptr + scale_rows + k0 // SCALE_COLS, mask=rows < N, other=0.0)
+            w = w * s.to(tl.float32)[None, :]
+        else:
+            scale_cols = ks[:, None] // SCALE_COLS
+            s = tl.load(s_ptr + scale_rows[None, :] + scale_cols, mask=mask, other=0.0)
+            w = w * s.to(tl.float32)
+    return w
+
+
 @triton.jit
 def _moe_gate_up_kernel(
     x_ptr,
     w_ptr,
+    s_ptr,
     act_ptr,
     rows_ptr,
     block_expert_ptr,
@@ -278,16 +329,25 @@ def _moe_gate_up_kernel(
     K,
     INTER,
     EXPERTS,
+    W_EXPERT,
+    W_ROW,
+    S_EXPERT,
+    S_ROW,
+    S_UP,
     TOP_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_SLOT: tl.constexpr,
+    QUANT: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """act[slot] = silu(x[token] @ gate[e].T) * (x[token] @ up[e].T) for a block of slots
     of expert e, BLOCK_N of the intermediate columns. ONE_SLOT: block b is slot b alone
-    (its expert: the ids, flat), no grouping at all."""
+    (its expert: the ids, flat), no grouping at all. QUANT: the weights as _weight_tile
+    reads them; up's rows start INTER rows (W_ROW apart) and its scales S_UP after gate's."""
     wait_for_inputs(PDL)
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
@@ -298,7 +358,9 @@ def _moe_gate_up_kernel(
     tokens = rows // TOP_K
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    w_base = w_ptr + expert.to(tl.int64) * 2 * INTER * K
+    w_gate = w_ptr + expert.to(tl.int64) * W_EXPERT
+    s_gate = s_ptr + expert.to(tl.int64) * S_EXPERT
+    w_up, s_up = w_gate + INTER * W_ROW, s_gate + S_UP
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -308,11 +370,12 @@ def _moe_gate_up_kernel(
             mask=valid[:, None] & (ks[None, :] < K),
             other=0.0,
         )
-        w_mask = (offs_n[None, :] < INTER) & (ks[:, None] < K)
-        g = tl.load(w_base + offs_n[None, :] * K + ks[:, None], mask=w_mask, other=0.0)
-        u = tl.load(w_base + (INTER + offs_n[None, :]) * K + ks[:, None], mask=w_mask, other=0.0)
-        acc_g = tl.dot(x, g, acc_g)
-        acc_u = tl.dot(x, u, acc_u)
+        g = _weight_tile(w_gate, s_gate, offs_n, ks, INTER, K, W_ROW, S_ROW, k * BLOCK_K,
+                         QUANT, SCALE_ROWS, SCALE_COLS, BLOCK_K)  # fmt: skip
+        u = _weight_tile(w_up, s_up, offs_n, ks, INTER, K, W_ROW, S_ROW, k * BLOCK_K,
+                         QUANT, SCALE_ROWS, SCALE_COLS, BLOCK_K)  # fmt: skip
+        acc_g = tl.dot(x, g.to(x.dtype), acc_g)
+        acc_u = tl.dot(x, u.to(x.dtype), acc_u)
     out_ty = act_ptr.dtype.element_ty
     gate = acc_g.to(out_ty).to(tl.float32)  # rounded as the reference's matmul output
     up = acc_u.to(out_ty).to(tl.float32)
@@ -328,6 +391,7 @@ def _moe_gate_up_kernel(
 def _moe_down_kernel(
     act_ptr,
     w_ptr,
+    s_ptr,
     weights_ptr,
     out_ptr,
     rows_ptr,
@@ -336,14 +400,22 @@ def _moe_down_kernel(
     HIDDEN,
     INTER,
     EXPERTS,
+    W_EXPERT,
+    W_ROW,
+    S_EXPERT,
+    S_ROW,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     ONE_SLOT: tl.constexpr,
+    QUANT: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    SCALE_COLS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out[slot] = weight[slot] * (act[slot] @ down[e].T), fp32, for a block of slots of
-    expert e and BLOCK_N of the hidden columns."""
+    expert e and BLOCK_N of the hidden columns (QUANT: the weights as _weight_tile reads
+    them)."""
     # Before the wait (PDL): the kernel right before is gate/up, and the routing and the
     # grouping were done before it (pdl.py): this block's expert, rows and routing weights
     # are read while gate/up ends. (Asking L2 for its first two weight tiles there too was
@@ -358,7 +430,8 @@ def _moe_down_kernel(
     weight = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    w_base = w_ptr + expert.to(tl.int64) * HIDDEN * INTER
+    w_base = w_ptr + expert.to(tl.int64) * W_EXPERT
+    s_base = s_ptr + expert.to(tl.int64) * S_EXPERT
     wait_for_inputs(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k in range(0, tl.cdiv(INTER, BLOCK_K)):
@@ -368,12 +441,9 @@ def _moe_down_kernel(
             mask=valid[:, None] & (ks[None, :] < INTER),
             other=0.0,
         )
-        w = tl.load(
-            w_base + offs_n[None, :] * INTER + ks[:, None],
-            mask=(offs_n[None, :] < HIDDEN) & (ks[:, None] < INTER),
-            other=0.0,
-        )
-        acc = tl.dot(a, w, acc)
+        w = _weight_tile(w_base, s_base, offs_n, ks, HIDDEN, INTER, W_ROW, S_ROW, k * BLOCK_K,
+                         QUANT, SCALE_ROWS, SCALE_COLS, BLOCK_K)  # fmt: skip
+        acc = tl.dot(a, w.to(a.dtype), acc)
     y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
     tl.store(
         out_ptr + rows[:, None] * HIDDEN + offs_n[None, :],
@@ -414,8 +484,85 @@ def fused_moe(
     other rows share its block: a token's output does not depend on its neighbours.
     `partial`: ids equal to the number of experts are other ranks' (no block runs them;
     their slots stay zero). `summed=False`: the slots, unsummed (as fused_moe_ref)."""
+    stacks = _stack_args(gate_up, None, None, gate_up.shape[1] // 2), _stack_args(down)
+    return _moe(x, gate_up.shape, stacks, weights, ids, partial, summed)
+
+
+def fused_moe_quantized(
+    x, gate_up, gate_up_scale, down, down_scale, weights, ids, block, partial=False, summed=True
+) -> torch.Tensor:
+    """fused_moe_quantized_ref's sums with fused_moe's kernels, each weight tile decoded
+    in registers (W8A16, W4A16; fp32 accumulation, the same chains of dot products).
+
+    The stacks as kernels/wq.py's formats store each expert's weights, by their dtype:
+    block FP8, gate_up e4m3 [experts, 2I, hidden], down [experts, hidden, I], fp32 scales
+    a `block` (rows, columns) each, [experts, 2 ceil(I/rows), ceil(hidden/columns)] (gate's
+    scale rows, then up's: a ragged I keeps each part's blocks) and [experts,
+    ceil(hidden/rows), ceil(I/columns)]; INT4, gate_up int32 [experts, 2I, ceil(hidden/8)],
+    down [experts, hidden, ceil(I/8)], scales [experts, rows, ceil(K/group)] (any float
+    dtype), `block` (1, group). Ragged edges are masked: no shape need divide a block."""
+    inter = gate_up.shape[1] // 2
+    shape = (gate_up.shape[0], 2 * inter, x.shape[-1])
+    stacks = (
+        _stack_args(gate_up, gate_up_scale, block, inter),
+        _stack_args(down, down_scale, block),
+    )
+    return _moe(x, shape, stacks, weights, ids, partial, summed)
+
+
+def fused_moe_quantized_ref(
+    x, gate_up, gate_up_scale, down, down_scale, weights, ids, block, partial=False, summed=True
+) -> torch.Tensor:
+    """fused_moe_ref over the stacks dequantized (in fp32, then x's dtype)."""
+    inter = gate_up.shape[1] // 2
+    dense_gate_up = dequantize_experts(gate_up, gate_up_scale, block, x.shape[-1], parts=2)
+    dense_down = dequantize_experts(down, down_scale, block, inter)
+    return fused_moe_ref(
+        x, dense_gate_up.to(x.dtype), dense_down.to(x.dtype), weights, ids, partial, summed
+    )
+
+
+def dequantize_experts(w, scale, block, k: int, parts: int = 1) -> torch.Tensor:
+    """A quantized stack (fused_moe_quantized's layouts) as its real weights [experts, N,
+    k] in fp32; `parts` stacked along N, each with its own scale rows (gate_up: 2)."""
+    if w.dtype == torch.int32:
+        return dequantize_int4(w, scale, k, block[1])
+    pieces = zip(w.chunk(parts, dim=1), scale.chunk(parts, dim=1), strict=True)
+    return torch.cat([dequantize_block_fp8(p, s, block) for p, s in pieces], dim=1)
+
+
+def _stack_args(w, scale=None, block=None, inter=None) -> dict:
+    """A stack's kernel arguments: the weights (e4m3 as bytes), the scales (the weights
+    where none), their strides, _weight_tile's QUANT and block; S_UP, where `inter` says
+    the stack is gate/up, the offset of up's scales."""
+    quant = DENSE if scale is None else BLOCK_FP8 if w.dtype == FP8 else INT4
+    if quant == INT4 and w.dtype != torch.int32:
+        raise ValueError(f"quantized experts are e4m3 or packed int32, not {w.dtype}")
+    if quant != DENSE and (w.stride(-1) != 1 or scale.stride(-1) != 1):
+        raise ValueError("quantized expert stacks need contiguous rows")
+    s = w if scale is None else scale
+    rows, cols = (1, 1) if block is None else block
+    args = {
+        "w": w.view(torch.uint8) if quant == BLOCK_FP8 else w,
+        "s": s,
+        "W_EXPERT": w.stride(0),
+        "W_ROW": w.stride(1),
+        "S_EXPERT": s.stride(0) if scale is not None else 0,
+        "S_ROW": s.stride(1) if scale is not None else 0,
+        "QUANT": quant,
+        "SCALE_ROWS": rows,
+        "SCALE_COLS": cols,
+    }
+    if inter is not None:
+        args["S_UP"] = triton.cdiv(inter, rows) * args["S_ROW"]
+    return args
+
+
+def _moe(x, shape, stacks, weights, ids, partial: bool, summed: bool) -> torch.Tensor:
+    """fused_moe's launches over `stacks` (_stack_args: gate_up's, down's); `shape` the
+    dense gate_up's [experts, 2I, hidden]."""
     tokens, k = ids.shape
-    experts, two_inter, hidden = gate_up.shape
+    experts, two_inter, hidden = shape
     inter = two_inter // 2
     slots = tokens * k
     t = dict(MOE_TILES)
@@ -428,18 +575,21 @@ def fused_moe(
         rows, block_expert = align_by_expert(ids, experts, block_m)
     blocks = block_expert.shape[0]
     x = x.contiguous()
+    gate_up, down = ({**a} for a in stacks)
+    gu_w, gu_s, down_w, down_s = gate_up.pop("w"), gate_up.pop("s"), down.pop("w"), down.pop("s")
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
     _moe_gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
-        x, gate_up, act, rows, block_expert, slots, hidden, inter, experts, TOP_K=k,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=MOE_BLOCK_K, ONE_SLOT=one_slot, **t,
+        x, gu_w, gu_s, act, rows, block_expert, slots, hidden, inter, experts, TOP_K=k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=MOE_BLOCK_K, ONE_SLOT=one_slot,
+        **gate_up, **t,
     )  # fmt: skip
     out = (torch.zeros if partial else torch.empty)(
         slots, hidden, dtype=torch.float32, device=x.device
     )
     _moe_down_kernel[(blocks, triton.cdiv(hidden, block_n))](
-        act, down, weights.reshape(-1).contiguous(), out, rows, block_expert, slots,
-        hidden, inter, experts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=MOE_BLOCK_K,
-        ONE_SLOT=one_slot, **t,
+        act, down_w, down_s, weights.reshape(-1).contiguous(), out, rows, block_expert,
+        slots, hidden, inter, experts, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=MOE_BLOCK_K, ONE_SLOT=one_slot, **down, **t,
     )  # fmt: skip
     out = out.view(tokens, k, hidden)
     return sum_slots(out, x.dtype) if summed else out
