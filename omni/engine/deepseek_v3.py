@@ -10,7 +10,8 @@ layers it uses as they are:
   to the host (CUDA graphs hold it); on the CPU for decode rows, while prefill expands
   the latents through kv_b_proj (HF's form, which the CPU tests hold it to).
 - DeepSeekMoE: sigmoid routing limited to the best groups of experts, a score bias that
-  steers the choice but not the weights (kernels/moe.py grouped_router_ref), shared
+  steers the choice but not the weights (kernels/grouped_router.py; the torch reference
+  is kernels/moe.py grouped_router_ref), shared
   experts every token takes, and dense MLPs in the first `first_k_dense_replace` layers.
   The routed experts' sums are moe.py's.
 
@@ -18,9 +19,10 @@ Module names follow the HF checkpoints, so a state dict loads as it is, but for 
 stacked experts and fused gate/up projections. Multi-token-prediction layers (index >=
 num_hidden_layers) are dropped at load. The Hub's block-FP8 and INT4 checkpoints load as
 they ship (quant_weights.py): their projections run quantized (W8A16/W4A16 Triton kernels
-on the GPU), the routed experts too, stacked as stored (QuantizedExperts: the fused MoE
-decodes their tiles in registers), but kv_b_proj, which is dequantized at load. One
-device: the CPU (torch references) or one GPU.
+on the GPU) but kv_b_proj, which is dequantized at load. The routed experts stay
+quantized on the CPU, stacked as stored (QuantizedExperts: the fused MoE decodes their
+tiles in registers); on a GPU they are dequantized at load until those kernels pass
+their GPU test. One device: the CPU (torch references) or one GPU.
 """
 
 from __future__ import annotations
