@@ -265,8 +265,8 @@ class GpuPool:
         # let go during moves, another waiter would take it (and a hot one wait again)
         self._claims: dict[Tenant, int] = {}
         # swap-ins that want room, with when they began to: the oldest cold one (the head)
-        # is the only cold one that evicts or claims free room, so a large model is not
-        # passed again and again by smaller ones taking each piece of room it frees
+        # is the only cold one that evicts, and the room it still needs is kept for it, so
+        # a large model is not passed again and again by smaller ones taking each piece
         self._room_wanted: dict[Tenant, float] = {}
 
     # ------------------------------------------------------------- accounting
@@ -628,7 +628,7 @@ class GpuPool:
         return tenant.state is Residency.RESIDENT and not tenant.in_flight + tenant.waiting
 
     def _swap_cost_s(self, tenant: Tenant) -> float:
-        """How long its swap-in takes: measured, or its quota at the GPU's measured rate."""
+        """How long its swap-in takes: measured, or its charge at the GPU's measured rate."""
         if tenant.swap_in_s is not None:
             return tenant.swap_in_s
         return tenant.charge * self.swap_s_per_byte
