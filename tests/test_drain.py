@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tests.checkpoints import tiny_llama
+from tests.conftest import wait_until
 from tests.nodes import Omnid
 
 STREAMS = 6
@@ -112,3 +113,57 @@ def test_an_unload_lets_streams_finish_and_refuses_new_requests(node):
     assert refused is not None, "the unload never drained: the streams had ended before it"
     assert refused.status_code == 503 and refused.headers.get("retry-after"), refused.text
     assert "a" not in node.instances()
+
+
+SLOW_START = """
+import time
+import numpy as np
+from omni.instance.handler import Handler, TensorSpec
+class Sleepy(Handler):
+    inputs = (TensorSpec("x", "FP32", (1,)),)
+    outputs = (TensorSpec("x", "FP32", (1,)),)
+    def load(self, model_dir, device):
+        time.sleep(120)  # never ready while the test runs
+    def infer(self, batch):
+        return batch
+"""
+
+
+def test_a_request_waiting_for_a_start_is_answered_when_its_model_is_unloaded(tmp_path):
+    """It waits (up to --ready-wait, 30 s here) for an instance still loading; unloaded
+    meanwhile, the instance will never be ready: a 503 at once, not at the wait's end."""
+    model = tmp_path / "sleepy"
+    model.mkdir()
+    (model / "handler.py").write_text(SLOW_START)
+    model.chmod(0o755)
+    config = f'[[models]]\nname = "s"\npath = "{model}"\nruntime = "python"\n'
+    config += 'handler = "handler.py:Sleepy"\n'
+    node = Omnid(tmp_path, config, "--sandbox", "process", "--ready-wait", "30")
+    try:
+
+        def starting() -> bool:
+            try:
+                return node.instances().get("s", {}).get("state") == "starting"
+            except httpx.ConnectError:  # its admin socket is not up yet
+                return False
+
+        wait_until(starting, 60, "the instance starting")
+        answered: list[tuple[httpx.Response, float]] = []
+
+        def infer() -> None:
+            t0 = time.monotonic()
+            body = {"inputs": [{"name": "x", "datatype": "FP32", "shape": [1], "data": [1]}]}
+            r = httpx.post(f"{node.base_url}/v2/models/s/infer", json=body, timeout=60)
+            answered.append((r, time.monotonic() - t0))
+
+        waiting = threading.Thread(target=infer)
+        waiting.start()
+        time.sleep(1.0)  # it is waiting for the start by now
+        with node.admin() as c:
+            assert c.delete("/v1/models/s", timeout=60).status_code == 200
+        waiting.join(timeout=60)
+        ((response, seconds),) = answered
+        assert response.status_code == 503 and response.headers.get("retry-after"), response.text
+        assert seconds < 15, seconds  # (the whole wait would be 30 s)
+    finally:
+        node.stop()
