@@ -546,3 +546,33 @@ def test_a_large_swap_in_that_has_waited_takes_the_room_before_later_ones():
     asyncio.run(main())
     assert starts["big"] < starts["small"] and starts["big"] < starts["b1 again"], starts
     assert starts["big"] < 0.9 + 0.5, starts  # not behind the small one's 1 s request
+
+
+def test_the_head_drains_the_instance_whose_requests_end_soonest():
+    """Either of two busy instances would make the head's room. It drains the one whose
+    requests (measured: how long one holds it) should end soonest, though the other is
+    the cheaper to lose; an idle one, had there been one, first of all."""
+
+    async def main():
+        pool, now = GpuPool(0, 4 * Q), time.monotonic()
+        specs = {  # name: (quota in Q, demand, residency, seconds a request holds it)
+            "big": (2.5, 1.0, Residency.SWAPPED, None),
+            "popular": (2.0, 100.0, Residency.SWAPPED, None),  # too large to be hot: none is
+            "slow": (1.0, 1.0, Residency.RESIDENT, 2.0),
+            "quick": (1.0, 5.0, Residency.RESIDENT, 0.05),
+        }
+        t = {}
+        for name, (quota, demand, state, hold) in specs.items():
+            t[name] = Tenant(name, int(quota * Q), lambda reason: None)
+            pool.add(t[name])
+            t[name].state, t[name].demand, t[name].demand_at = state, demand, now
+            t[name].hold_s, t[name].busy_since = hold, now
+            t[name].in_flight = int(state is Residency.RESIDENT)
+        pool._room_wanted[t["big"]] = now - HEAD_AFTER_S  # it has waited: the head
+        busy = pool._head_victims(now)
+        t["slow"].in_flight = 0  # idle now: it goes first
+        return t, busy, pool._head_victims(now)
+
+    t, busy, one_idle = asyncio.run(main())
+    assert busy == {t["quick"]}
+    assert one_idle == {t["slow"]}

@@ -194,6 +194,8 @@ class Tenant:
     demand_at: float = 0.0
     after_swap_out: Callable[[], None] | None = None  # a multi-GPU instance's other ranks
     swap_in_s: float | None = None  # its swap-ins' moving average, once one is measured
+    hold_s: float | None = None  # how long a request holds it: its GPU phase and what follows
+    busy_since: float = 0.0  # monotonic: when its requests in flight last went from none
     charge: int = -1  # bytes charged while on the GPU or moving (-1: its quota)
     _swap_in: asyncio.Task | None = None
     _moving: asyncio.Task | None = None  # its memory's move under way
@@ -230,6 +232,7 @@ class Tenant:
             "swaps_in": self.swaps_in,
             "swaps_out": self.swaps_out,
             "in_flight": self.in_flight,
+            "request_hold_s": None if self.hold_s is None else round(self.hold_s, 4),
             "last_used": self.last_used_unix,
             "swap_history": [r.to_json() for r in self.history],
         }
@@ -359,14 +362,18 @@ class GpuPool:
             await self._let_room_drain(tenant, deadline)  # (returns at once if not a victim)
         if tenant.state is not Residency.RESIDENT:
             await self._bring_in(tenant, deadline)
+        started = time.monotonic()
+        if not tenant.in_flight:
+            tenant.busy_since = started
         tenant.in_flight += 1
-        tenant.last_used, tenant.last_used_unix = time.monotonic(), time.time()
+        tenant.last_used, tenant.last_used_unix = started, time.time()
         self._update_yields()
         try:
             yield
         finally:
             tenant.in_flight -= 1
             tenant.last_used, tenant.last_used_unix = time.monotonic(), time.time()
+            tenant.hold_s = moving_average(tenant.hold_s, tenant.last_used - started)
             self._update_yields()
             if tenant.state is Residency.RESIDENT:
                 tenant.measure()
@@ -580,8 +587,10 @@ class GpuPool:
         return hot
 
     def _head_victims(self, now: float) -> set[Tenant]:
-        """The resident instances the head will send out for the room it still needs, the
-        least costly to lose first (busy or not: they drain); none without a head."""
+        """The resident instances the head will send out for the room it still needs: the
+        idle ones, then those whose requests should end soonest (by how long a request
+        holds each: its GPU phase and what follows), the least costly to lose first among
+        equals; they drain. None without a head."""
         head = self._head(now)
         if head is None:
             return set()
@@ -595,7 +604,11 @@ class GpuPool:
             if t.state is Residency.RESIDENT and t is not head and t not in spared
         ]
         victims: set[Tenant] = set()
-        for t in sorted(candidates, key=lambda t: (self._keep_value(t, now), t.last_used)):
+
+        def soonest(t: Tenant) -> tuple:
+            return self._idle_in(t, now), self._keep_value(t, now), t.last_used
+
+        for t in sorted(candidates, key=soonest):
             if need <= 0:
                 break
             victims.add(t)
@@ -621,6 +634,16 @@ class GpuPool:
         if not allowed and not claimed and not charged:
             allowed = idle  # nothing else will ever free room: the hot one has to go
         return min(allowed, key=lambda t: (self._keep_value(t, now), t.last_used), default=None)
+
+    @staticmethod
+    def _idle_in(tenant: Tenant, now: float) -> float:
+        """Seconds until its requests in flight should have ended: 0 idle, inf before its
+        first request has ended (nothing measured)."""
+        if not tenant.in_flight:
+            return 0.0
+        if tenant.hold_s is None:
+            return math.inf
+        return max(0.0, tenant.hold_s - (now - tenant.busy_since))
 
     @staticmethod
     def _idle(tenant: Tenant) -> bool:
