@@ -81,6 +81,21 @@ def randomize(hf) -> None:
                 b.normal_(0, 0.3)
 
 
+def hf_greedy(hf, prompt: list[int], new: int) -> list[int]:
+    """HF's greedy continuation of `prompt`: `new` tokens, no EOS."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
 def tiny_checkpoint(directory, config):
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -167,17 +182,7 @@ def test_greedy_generation_matches_transformers_with_chunks_prefix_hits_and_batc
         engine.shutdown()
     assert all(r[-1].cached_tokens >= 16 for r in results[3:])  # whole blocks of the prefix
     for prompt, steps in zip(first + second, results, strict=True):
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            ref = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=12,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
-        assert tokens(steps) == ref
+        assert tokens(steps) == hf_greedy(hf, prompt, 12)
 
 
 @pytest.mark.parametrize(("experts", "groups", "top_groups", "k"), [(8, 4, 2, 2), (16, 1, 1, 4)])

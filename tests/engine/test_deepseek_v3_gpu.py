@@ -28,7 +28,14 @@ from omni.engine.sequence import Sequence
 from omni.engine.tokenizer import TextTokenizer
 
 from .runs import run_requests, tokens
-from .test_deepseek_v3 import CASES, VOCAB, deepseek_config, hf_logits, tiny_checkpoint
+from .test_deepseek_v3 import (
+    CASES,
+    VOCAB,
+    deepseek_config,
+    hf_greedy,
+    hf_logits,
+    tiny_checkpoint,
+)
 
 GPU = torch.cuda.is_available()
 
@@ -174,16 +181,7 @@ def test_gpu_greedy_generation_under_cuda_graphs_follows_transformers(tiny):
     assert graphs.graphs and mixed.steps > 0  # decode and mixed steps replayed graphs
     for prompt, steps in zip(prompts, results, strict=True):
         got = tokens(steps)
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            want = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=12,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
+        want = hf_greedy(hf, prompt, 12)
         if got != want:
             i = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
             logits = hf_logits(hf, prompt + got[:i])[-1]
