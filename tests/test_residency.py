@@ -30,11 +30,11 @@ Q = 1 << 30
 
 class Block:
     """Answers `move` like the shim: at once, after a delay, or with a failure; reports
-    `peak_bytes` as its use (0: none reported, charged its quota)."""
+    `window_peak_bytes` as its use (0: none reported, charged its quota)."""
 
-    def __init__(self, delay_s: float = 0.0, fail: bool = False, peak_bytes: int = 0):
+    def __init__(self, delay_s: float = 0.0, fail: bool = False, window_peak_bytes: int = 0):
         self.delay_s, self.fail, self.moves = delay_s, fail, []
-        self.peak_bytes = peak_bytes
+        self.window_peak_bytes = window_peak_bytes
 
     def move(self, target: Where, timeout_s: float) -> SwapResult:
         self.moves.append(target)
@@ -472,7 +472,7 @@ def test_an_instance_is_charged_its_peak_use_and_a_margin_not_its_whole_quota():
     shim has reported no use yet is charged its quota."""
 
     async def main():
-        blocks = {n: Block(peak_bytes=Q // 4) for n in ("a", "b", "c")}
+        blocks = {n: Block(window_peak_bytes=Q // 4) for n in ("a", "b", "c")}
         pool, t, _ = await pool_with(["a", "b", "c", "fresh"], 2, **blocks)
         for name in ("a", "b", "c"):
             await request(pool, t[name])
@@ -488,7 +488,7 @@ def test_an_instance_is_charged_its_peak_use_and_a_margin_not_its_whole_quota():
 
 def test_growth_past_its_charge_sends_idle_instances_out_once_the_request_ends():
     async def main():
-        blocks = {n: Block(peak_bytes=Q // 2) for n in ("grows", "b", "c")}
+        blocks = {n: Block(window_peak_bytes=Q // 2) for n in ("grows", "b", "c")}
         pool, t, _ = await pool_with(["grows", "b", "c"], 2, **blocks)
         pool.evict_idle_s = 0  # only the growth sends one out
         for name in ("b", "c", "grows"):
@@ -497,7 +497,7 @@ def test_growth_past_its_charge_sends_idle_instances_out_once_the_request_ends()
             x.state is Residency.RESIDENT for x in t.values()
         )
         async with pool.use(t["grows"], time.monotonic() + 5):
-            blocks["grows"].peak_bytes = Q  # its whole quota now
+            blocks["grows"].window_peak_bytes = Q  # its whole quota now
         await asyncio.sleep(0.3)  # the shed task swaps out as needed
         return pool, t, fitted
 

@@ -12,7 +12,7 @@
 #include <stdint.h>
 
 #define OMNI_CTL_MAGIC 0x494e4d4fu /* "OMNI" */
-#define OMNI_CTL_VERSION 1u
+#define OMNI_CTL_VERSION 2u
 
 enum omni_mode { OMNI_MODE_PASSTHROUGH = 0, OMNI_MODE_MANAGED = 1 };
 enum omni_residency { OMNI_RES_GPU = 0, OMNI_RES_HOST = 1, OMNI_RES_MOVING = 2 };
@@ -38,6 +38,9 @@ struct omni_control {
     int32_t last_swap_error; /* CUresult of the swap, 0 on success */
     uint32_t reserved0;
     uint64_t alloc_failures; /* allocations refused by the quota */
+    uint64_t window_peak_bytes; /* the most held at once since the last swap-in (or start) */
+    uint64_t pool_bytes;        /* the KV pool's size, all of it committed against the quota */
+    uint64_t pool_mapped_bytes; /* the part of it backed by memory now (in used_bytes) */
 };
 
 #endif

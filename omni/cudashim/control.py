@@ -13,7 +13,7 @@ from pathlib import Path
 from omni.isolation import hostfs
 
 MAGIC = 0x494E4D4F  # "OMNI"
-VERSION = 1
+VERSION = 2
 
 
 class Mode(enum.IntEnum):
@@ -49,6 +49,9 @@ class ControlStruct(ctypes.Structure):
         ("last_swap_error", ctypes.c_int32),
         ("reserved0", ctypes.c_uint32),
         ("alloc_failures", ctypes.c_uint64),
+        ("window_peak_bytes", ctypes.c_uint64),
+        ("pool_bytes", ctypes.c_uint64),
+        ("pool_mapped_bytes", ctypes.c_uint64),
     )
 
 
@@ -117,6 +120,9 @@ class ControlBlock:
             "last_activity_ns": c.last_activity_ns,
             "residency": _name(Residency, c.residency),
             "alloc_failures": c.alloc_failures,
+            "window_peak_bytes": c.window_peak_bytes,
+            "pool_bytes": c.pool_bytes,
+            "pool_mapped_bytes": c.pool_mapped_bytes,
             "pid": c.pid,
         }
 
@@ -130,6 +136,17 @@ class ControlBlock:
     def peak_bytes(self) -> int:
         """The most the instance has held at once, as its shim reports it."""
         return self._ctl.peak_bytes
+
+    @property
+    def window_peak_bytes(self) -> int:
+        """The most it has held at once since its last swap-in (or its start): what it
+        holds on the GPU now, at most. A swap-out releases its KV pool's memory, and the
+        pool grows again with use."""
+        return self._ctl.window_peak_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return self._ctl.used_bytes
 
     def set_quota(self, quota_bytes: int) -> None:
         self._ctl.quota_bytes = quota_bytes

@@ -6,11 +6,17 @@ principal. A hit is confirmed by comparing the stored principal and tokens, so
 even a hash collision can never hand one tenant another's KV. Cached blocks
 nobody holds stay reusable until a new block is needed; then the least
 recently used of them is evicted.
+
+Where the pool is backed by memory only as far as it is used (the shim's KV pool,
+omni/cudashim/kv_pool.py), blocks are taken lowest first, and a cached block is evicted
+before the pool grows past its `extent`: an instance holds the cache its requests need,
+not its whole quota, and a cold model swapped in is charged little more than its weights.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -46,10 +52,20 @@ IMPORTED = -2  # ... one whose K/V came with the request (BlockOwner.imported)
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, tier: HostTier | None = None):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        tier: HostTier | None = None,
+        grow: Callable[[int], int] | None = None,
+    ):
+        """`grow(n)`: back at least the first n blocks with memory and return how many are
+        backed now (raises if it cannot); None: all of them are."""
         self.block_size = block_size
         self.blocks = [_Block() for _ in range(num_blocks)]
-        self._free: deque[int] = deque(range(num_blocks))  # hold nothing reusable
+        self._free: list[int] = list(range(num_blocks))  # a heap: hold nothing reusable
+        self.grow = grow
+        self.extent = num_blocks if grow is None else grow(1)  # blocks backed by memory
         self._cached: OrderedDict[int, None] = OrderedDict()  # unheld but reusable, LRU first
         self._by_hash: dict[int, int] = {}
         # With a host tier: an evicted block's K/V goes there (read by `read_block`, the
@@ -66,12 +82,16 @@ class BlockManager:
 
     def forget_contents(self) -> None:
         """The pool's contents are gone (a swap-out released the memory, kv_pool.py): no
-        block holds a prefix to reuse any more. Blocks held by sequences stay theirs."""
+        block holds a prefix to reuse any more, and only the first blocks are backed
+        again. Blocks held by sequences stay theirs."""
         for b in self.blocks:
             b.key = b.hash = None
         self._by_hash.clear()
         self._free.extend(self._cached)
+        heapq.heapify(self._free)
         self._cached.clear()
+        if self.grow is not None:
+            self.extent = self.grow(1)
 
     def _chain(self, owner: BlockOwner, n_full: int) -> list[tuple[int, tuple]]:
         """(hash, key) of at least the first n_full blocks of `owner` (its cached chain,
@@ -92,8 +112,15 @@ class BlockManager:
         return None
 
     def _take(self) -> int:
-        if self._free:
-            return self._free.popleft()
+        if self._free and (self._free[0] < self.extent or not self._cached):
+            block = heapq.heappop(self._free)
+            if block >= self.extent:
+                try:
+                    self.extent = self.grow(block + 1)
+                except BaseException:
+                    heapq.heappush(self._free, block)
+                    raise
+            return block
         block, _ = self._cached.popitem(last=False)  # evict the least recently used
         b = self.blocks[block]
         if self.tier is not None and self.read_block is not None:
@@ -241,6 +268,6 @@ class BlockManager:
                 if b.hash is not None:
                     self._cached[block] = None
                 else:
-                    self._free.append(block)
+                    heapq.heappush(self._free, block)
         owner.block_table = []  # num_cached_tokens stays: usage reports it after the end
         owner.num_registered = 0  # a new allocation registers its own blocks

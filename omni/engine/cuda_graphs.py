@@ -66,6 +66,9 @@ class DecodeGraphs:
         self.tables[:n, :width].copy_(step.block_tables)
         self.seq_lens[:n].copy_(step.seq_lens)
         self.seq_lens[n:b].fill_(1)
+        # padding reads its one token's block: block 0, never one a past step left (the
+        # shim's KV pool backs only the blocks in use, and block 0 always)
+        self.tables[n:b, 0].zero_()
         self.graphs[b].replay()
         return self.outputs[b][:n]
 

@@ -419,9 +419,6 @@ class DeepseekV3ForCausalLM(nn.Module):
     def hidden_states(self, input_ids, step, k_cache, v_cache) -> torch.Tensor:
         """Final hidden states of `input_ids` (flat, several sequences), per the step.
         `v_cache` is the runner's zero-width one: MLA keeps no V."""
-        if ops(input_ids.device).mla_prefill is None:  # every row absorbed (the GPU)
-            cu = owned_rows(step.cu_seqlens_q, input_ids.shape[0])
-            step = dataclasses.replace(step, cu_seqlens_q=cu)
         x, residual = self.model.embed_tokens(input_ids), None
         for layer in self.model.layers:
             x, residual = layer(x, residual, step, k_cache, self.inv_freq)
@@ -507,16 +504,6 @@ class DeepseekV3ForCausalLM(nn.Module):
         assign_state(model, state, source, skipped=("rotary_emb",))
         model.inv_freq = rope_parameters(cfg)[0].to(state["lm_head.weight"].device)
         return model.eval()
-
-
-def owned_rows(cu_seqlens_q: torch.Tensor, tokens: int) -> torch.Tensor:
-    """cu_seqlens_q made nondecreasing and at most `tokens`, on the device. A mixed step's
-    CUDA graph (mixed_graphs.py) has a sequence for every token of its bucket and copies
-    in the step's own boundaries alone: the entries after them hold past steps' values,
-    which mla_attention, whose grid covers every sequence, would read as rows of the step
-    (Llama's kernels read the step's counts instead). So made, those own padding rows at
-    most. A step's own boundaries are already so: they are unchanged."""
-    return torch.cummax(cu_seqlens_q, dim=0).values.clamp_(max=tokens)
 
 
 def drop_prediction_layers(state: dict, num_layers: int) -> None:

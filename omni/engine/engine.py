@@ -184,7 +184,8 @@ class Engine:
             raise ValueError("a disk KV tier needs its directory (disk_cache_dir)")
         disk = DiskTier(disk_cache_dir, disk_cache_bytes) if disk_cache_bytes > 0 else None
         self.tier = HostTier(host_cache_bytes, disk) if host_cache_bytes > 0 else None
-        blocks = BlockManager(self.runner.num_blocks, block_size, self.tier)
+        grow = self.runner.back_blocks if self.runner.kv_pool else None
+        blocks = BlockManager(self.runner.num_blocks, block_size, self.tier, grow)
         blocks.read_block = self.runner.read_block
         if self.tier is not None:
             self.tier.recycle = self.runner.recycle

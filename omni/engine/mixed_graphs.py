@@ -77,6 +77,9 @@ class MixedGraphs:
         self.tables[:rows, : step.block_tables.shape[1]].copy_(step.block_tables)
         self.seq_lens[:rows].copy_(step.seq_lens)
         self.cu[: rows + 1].copy_(step.cu_seqlens_q)
+        # the rows past the step's own are empty: a kernel whose grid covers every row
+        # (MLA's) reads none of the blocks past steps left in their tables
+        self.cu[rows + 1 : b + 1].fill_(n)
         self.work[: step.work.shape[0]].copy_(step.work)
         self.counts.copy_(step.counts)
         self.graphs[b].replay()

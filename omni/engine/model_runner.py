@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 # specializations (1, multiples of 16, others); max_batch_tokens, the usual prefill step,
 # joins them. A first request of a new size would otherwise wait seconds for the compiler.
 WARM_STEP_TOKENS = (1, 7, 16, 40, 48, 100, 128, 200, 256, 300, 512, 1100, 2048, 4100)
+# the shim's pool is backed in steps of at least this much of each layer's K (and V): the
+# driver's mapping granularity on the GPUs we run
+POOL_STEP_BYTES = 2 << 20
 CPU_CACHE_BYTES = 1 << 30  # default KV pool without a GPU; OMNI_KV_CACHE_BYTES overrides
 GPU_CACHE_FRACTION = 0.85  # of the memory left after the weights
 
@@ -177,9 +180,35 @@ class ModelRunner:
         if raw is None:
             self.kv_pool = None
             return tuple(torch.zeros(s, dtype=dtype, device=self.device) for s in shapes)
+        # each layer's K (then V) is a run of blocks: (its offset, a block's bytes there)
+        layers, blocks = shape[0], shape[1]
+        self._strips = [
+            (start + layer * blocks * (size // (layers * blocks)), size // (layers * blocks))
+            for start, size in ((0, sizes[0]), (sizes[0], sizes[1]))
+            if size
+            for layer in range(layers)
+        ]
+        self._pool_step = max(1, -(-POOL_STEP_BYTES // self._strips[0][1]))
+        self._backed, self._backed_epoch = 0, self.kv_pool.epoch()
         parts = raw.split(sizes)
         k, v = (p.view(dtype).view(s) for p, s in zip(parts, shapes, strict=True))
         return k, v
+
+    def back_blocks(self, n: int) -> int:
+        """Back at least the first `n` blocks of the shim's pool with memory (every
+        layer's K and V, in steps of POOL_STEP_BYTES) and return how many are backed: the
+        block manager's `grow`. A swap-out since the last call released them all."""
+        epoch = self.kv_pool.epoch()
+        if epoch != self._backed_epoch:
+            self._backed, self._backed_epoch = 0, epoch
+        if n <= self._backed:
+            return self._backed
+        n = min(self.num_blocks, -(-n // self._pool_step) * self._pool_step)
+        for offset, per_block in self._strips:
+            start = offset + self._backed * per_block
+            self.kv_pool.map(start, (n - self._backed) * per_block, self.device)
+        self._backed = n
+        return n
 
     def _cache_bytes(self) -> int:
         if self.device.type == "cuda":

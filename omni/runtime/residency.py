@@ -1,16 +1,17 @@
 """Which instances hold GPU memory: a budget per GPU, demand-aware swap-out, one shared swap-in.
 
 Every GPU instance has a quota (the shim enforces it). While its memory is on the GPU
-or moving, it is charged what it holds there: its quota while it loads, then its peak
-use (the shim's high-water mark) and a margin, never more than its quota. A quota is a
-cap set with room to spare (a detector given 2.5 GiB may hold 0.2); charged whole, that
-spare room stayed empty while other models waited for room. The instances resident on
-a GPU hold no more than its budget (growth past a peak is charged when the request that
-grew ends, and idle instances make room), though their quotas together may exceed it
-many times. Like the quota, the use is the shim's word, and the shim runs inside the
-instance. A request for a swapped-out instance waits (boundedly) while the pool swaps
-out idle instances and swaps the wanted one in; concurrent requests for the same cold
-instance share one swap-in.
+or moving, it is charged what it holds there: its quota while it loads, then the most
+it has held since its last swap-in (the shim's high-water mark of that window) and a
+margin, never more than its quota. A quota is a cap set with room to spare (a detector
+given 2.5 GiB may hold 0.2; an LLM's KV pool is backed only as far as its requests use
+it); charged whole, that spare room stayed empty while other models waited for room.
+The instances resident on a GPU hold no more than its budget (growth past a charge is
+charged when the request that grew ends, and idle instances make room), though their
+quotas together may exceed it many times. Like the quota, the use is the shim's word,
+and the shim runs inside the instance. A request for a swapped-out instance waits
+(boundedly) while the pool swaps out idle instances and swaps the wanted one in;
+concurrent requests for the same cold instance share one swap-in.
 
 Swaps overlap where the link allows: one swap-in and one swap-out of a GPU at a time
 (PCIe is full duplex: a swap-out no longer holds up an unrelated swap-in), each
@@ -80,9 +81,9 @@ RATE_WEIGHT = 0.2  # how much each swap-in moves a measured rate (a moving avera
 # 1.0 s, 0.13 / 1.8-2.0; never, 0.13 / 2.5-4.
 HEAD_AFTER_S = 0.5
 DRAIN_MAX_S = 0.5  # longest a cold instance's new request waits while the head wants room
-# charged beyond an instance's peak use, for growth before the request that grows ends
+# charged beyond an instance's use, for growth before the request that grows ends
 CHARGE_MARGIN_MIN = 64 << 20
-CHARGE_MARGIN_SHARE = 1 / 16  # of the peak
+CHARGE_MARGIN_SHARE = 1 / 16  # of the use
 
 
 class Residency(enum.StrEnum):
@@ -205,14 +206,16 @@ class Tenant:
             self.charge = self.quota_bytes
 
     def measure(self) -> None:
-        """Charge its peak use and a margin (its quota caps it); the quota until a shim
-        has reported a use."""
-        peak = self.block.peak_bytes if self.block is not None else None
-        if peak is None or peak <= 0:
+        """Charge the most it has held since its last swap-in, and a margin (its quota
+        caps it); the quota until a shim has reported a use. Kept through a swap-out: the
+        next swap-in is charged what this window held (an LLM's KV pool is released at a
+        swap-out and grows back as its requests take blocks)."""
+        used = self.block.window_peak_bytes if self.block is not None else None
+        if used is None or used <= 0:
             self.charge = self.quota_bytes
             return
-        margin = max(CHARGE_MARGIN_MIN, int(peak * CHARGE_MARGIN_SHARE))
-        self.charge = min(self.quota_bytes, peak + margin)
+        margin = max(CHARGE_MARGIN_MIN, int(used * CHARGE_MARGIN_SHARE))
+        self.charge = min(self.quota_bytes, used + margin)
 
     def demand_now(self, now: float) -> float:
         return self.demand * 0.5 ** ((now - self.demand_at) / DEMAND_HALF_LIFE_S)

@@ -1,6 +1,7 @@
-"""The shim's KV pool (omnicuda.c, omni/cudashim/kv_pool.py) under the fake driver: a
-swap-out waits for the process to leave the pool, then releases its memory instead of
-copying it; a swap-in maps zeroed memory at the same addresses and lets the process in."""
+"""The shim's KV pool (omnicuda.c, omni/cudashim/kv_pool.py) under the fake driver: the
+whole pool is committed against the quota but backed by memory only where the process
+maps it; a swap-out waits for the process to leave the pool, then releases that memory
+instead of copying it; after a swap-in the pool is empty until the process maps again."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import ctypes, sys
 lib = ctypes.CDLL(None)
 lib.omni_pool_alloc.argtypes, lib.omni_pool_alloc.restype = [ctypes.c_uint64], ctypes.c_uint64
 lib.omni_pool_epoch.restype = ctypes.c_uint64
+lib.omni_pool_map.argtypes, lib.omni_pool_map.restype = [ctypes.c_uint64] * 2, ctypes.c_int
 rt = ctypes.CDLL("libcudart.so.13")
 other = ctypes.c_void_p()
 assert rt.cudaMalloc(ctypes.byref(other), ctypes.c_size_t(4 << 20)) == 0
@@ -31,6 +33,13 @@ for line in sys.stdin:
     elif line.strip() == "leave":
         lib.omni_pool_leave()
         print("left", flush=True)
+    elif line.startswith("map "):
+        offset, length = (int(x) for x in line.split()[1:])
+        print("mapped", lib.omni_pool_map(offset, length), flush=True)
+    elif line.startswith("malloc "):
+        p = ctypes.c_void_p()
+        print("malloc", rt.cudaMalloc(ctypes.byref(p), ctypes.c_size_t(int(line.split()[1]))),
+              flush=True)
 """
 
 
@@ -62,6 +71,10 @@ class Program:
         assert self.proc.returncode == 0, self.proc.stderr
 
 
+def called(calls: list[str], prefix: str) -> bool:
+    return any(c.startswith(prefix) for c in calls)
+
+
 def background(fn, *args) -> tuple[threading.Thread, list]:
     out: list = []
     thread = threading.Thread(target=lambda: out.append(_call(fn, *args)), daemon=True)
@@ -76,16 +89,31 @@ def _call(fn, *args):
         return exc
 
 
-def test_a_swap_releases_the_pool_once_the_process_leaves_and_maps_it_back(fake, tmp_path):
+def test_the_pool_is_backed_where_mapped_and_released_at_a_swap_out(fake, tmp_path):
     prog = Program(fake, tmp_path, quota=64 * MiB)
     try:
-        pool, size = prog.pool, 12 * MiB  # 11 MiB, rounded up to the 2 MiB granularity
+        pool, base = prog.pool, int(prog.pool, 16)
         assert prog.second == "0"  # one pool a process
-        assert prog.block.stats()["used_bytes"] == 4 * MiB + size  # counted in the quota
-        assert f"cuMemSetAccess {pool} {size}" in prog.calls()
+        stats = prog.block.stats()  # 11 MiB, rounded up to the 2 MiB granularity
+        assert (stats["pool_bytes"], stats["pool_mapped_bytes"]) == (12 * MiB, 0)
+        assert stats["used_bytes"] == 4 * MiB  # committed, not held
+        assert not any(c.startswith("cuMemMap") for c in prog.calls())
 
         prog.send("enter")
         assert prog.line() == "entered 0"
+        prog.send(f"map 0 {3 * MiB}")  # rounded out to whole granules
+        assert prog.line() == "mapped 0"
+        prog.send(f"map {2 * MiB} {4 * MiB}")  # the second granule is there already
+        assert prog.line() == "mapped 0"
+        calls = prog.calls()
+        assert called(calls, f"cuMemMap {pool} {4 * MiB} ")
+        assert called(calls, f"cuMemMap {hex(base + 4 * MiB)} {2 * MiB} ")
+        assert f"cuMemsetD8 {pool} 0 {4 * MiB}" in calls  # zeroed
+        assert f"cuMemSetAccess {hex(base + 4 * MiB)} {2 * MiB}" in calls
+        stats = prog.block.stats()
+        assert stats["pool_mapped_bytes"] == 6 * MiB
+        assert stats["used_bytes"] == stats["window_peak_bytes"] == 10 * MiB
+
         thread, result = background(swap_out, prog.block, 10)
         thread.join(0.5)
         assert thread.is_alive()  # waits for the process to leave
@@ -95,11 +123,17 @@ def test_a_swap_releases_the_pool_once_the_process_leaves_and_maps_it_back(fake,
         thread.join(10)
         assert result[0].bytes == 4 * MiB  # the other allocation moved; the pool did not
         calls = prog.calls()
-        unmapped = calls.index(f"cuMemUnmap {pool} {size}")
-        assert calls.index("cuCtxSynchronize") < unmapped  # after the work it queued
-        assert calls[unmapped + 1].startswith("cuMemRelease")
+        unmapped = [i for i, c in enumerate(calls) if c.startswith("cuMemUnmap")]
+        assert {calls[i] for i in unmapped} == {
+            f"cuMemUnmap {pool} {4 * MiB}",
+            f"cuMemUnmap {hex(base + 4 * MiB)} {2 * MiB}",
+        }
+        assert calls.index("cuCtxSynchronize") < unmapped[0]  # after the work it queued
+        assert all(calls[i + 1].startswith("cuMemRelease") for i in unmapped)
         assert f"prefetch {prog.other} {4 * MiB} host" in calls
         assert not any(c.startswith(f"prefetch {pool}") for c in calls)
+        stats = prog.block.stats()
+        assert (stats["used_bytes"], stats["pool_mapped_bytes"]) == (4 * MiB, 0)
 
         prog.send("enter")  # waits while the pool is away
         with pytest.raises(queue.Empty):
@@ -107,12 +141,33 @@ def test_a_swap_releases_the_pool_once_the_process_leaves_and_maps_it_back(fake,
         start = len(prog.calls())
         swap_in(prog.block, timeout_s=10)
         assert prog.line() == "entered 1"  # in, and told its contents were lost
-        back = prog.calls()[start:]
-        mapped = next(i for i, c in enumerate(back) if c.startswith(f"cuMemMap {pool} {size}"))
-        assert back[mapped - 1].startswith(f"cuMemCreate {size}")
-        assert f"cuMemsetD8 {pool} 0 {size}" in back[mapped:]  # zeroed
+        assert not any(c.startswith("cuMemMap") for c in prog.calls()[start:])  # empty
+        assert prog.block.stats()["window_peak_bytes"] == 4 * MiB  # a new window
+        prog.send(f"map {8 * MiB} {MiB}")
+        assert prog.line() == "mapped 0"
+        assert called(prog.calls()[start:], f"cuMemMap {hex(base + 8 * MiB)} {2 * MiB} ")
+        assert prog.block.stats()["window_peak_bytes"] == 6 * MiB
+        prog.send(f"map {10 * MiB} {4 * MiB}")  # past its end
+        assert prog.line() != "mapped 0"
         prog.send("leave")
         assert prog.line() == "left"
+    finally:
+        prog.close()
+
+
+def test_the_whole_pool_counts_against_the_quota_before_it_is_mapped(fake, tmp_path):
+    prog = Program(fake, tmp_path, quota=20 * MiB)  # 4 MiB held, 12 MiB of pool committed
+    try:
+        assert prog.pool != "0x0"
+        prog.send(f"malloc {6 * MiB}")
+        assert prog.line() == "malloc 2"  # cudaErrorMemoryAllocation: 4 + 12 + 6 > 20
+        prog.send(f"malloc {4 * MiB}")
+        assert prog.line() == "malloc 0"
+        prog.send("enter")
+        assert prog.line() == "entered 0"
+        prog.send(f"map 0 {12 * MiB}")  # mapping what was committed needs no more room
+        assert prog.line() == "mapped 0"
+        assert prog.block.stats()["used_bytes"] == 20 * MiB
     finally:
         prog.close()
 

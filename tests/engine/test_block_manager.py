@@ -240,3 +240,49 @@ def test_the_host_tier_keeps_to_its_budget_and_a_prompts_head_outlives_its_tail(
     bm.free(computed(bm, owner(range(100, 124))))  # evicts all 6: 3 kept
     assert len(bm.tier) == 3 and bm.tier.stats.dropped_blocks == 3
     assert bm.allocate(owner(range(23))) == 12  # blocks 0-2 back from the tier
+
+
+class Backing:
+    """A pool backed in steps of `step` blocks (the model runner's back_blocks); fails
+    past `limit` like a driver out of memory."""
+
+    def __init__(self, step: int, limit: int = 1 << 30):
+        self.step, self.limit, self.backed, self.calls = step, limit, 0, []
+
+    def __call__(self, n: int) -> int:
+        self.calls.append(n)
+        if n > self.limit:
+            raise MemoryError("no memory to back the pool")
+        self.backed = max(self.backed, -(-n // self.step) * self.step)
+        return self.backed
+
+
+def test_a_backed_pool_grows_only_when_its_backed_blocks_are_held():
+    grow = Backing(step=4)
+    bm = BlockManager(32, BS, grow=grow)
+    assert bm.extent == 4  # block 0's step, backed from the start
+    a = computed(bm, owner(range(10)))  # 3 blocks, lowest first
+    assert a.block_table == [0, 1, 2] and bm.extent == 4
+    b = computed(bm, owner(range(100, 110)))
+    assert b.block_table == [3, 4, 5] and bm.extent == 8  # 4 and 5 needed a new step
+    bm.free(a), bm.free(b)
+    # the cached prefixes are evicted (least recently used first) before the pool grows
+    c = computed(bm, owner(range(200, 240)))  # 10 blocks: 4 free, 4 evicted, 2 grown
+    assert c.block_table == [2, 5, 6, 7, 1, 0, 4, 3, 8, 9]
+    assert bm.extent == 12
+    assert bm.num_free == 22
+
+
+def test_forgotten_contents_back_the_first_step_again_and_a_failed_growth_takes_nothing():
+    grow = Backing(step=4, limit=8)
+    bm = BlockManager(32, BS, grow=grow)
+    held = owner(range(20))  # 5 blocks: the pool backs 8
+    bm.allocate(held)
+    grow.backed = 0  # a swap-out released the memory
+    bm.free(held)
+    bm.forget_contents()
+    assert grow.calls[-1] == 1 and bm.extent == 4
+    big = owner(range(100, 140))  # 10 blocks: past what the driver can back
+    with pytest.raises(MemoryError):
+        bm.allocate(big)
+    assert bm.num_free == 32 - len(big.block_table)  # what it took is still its own
