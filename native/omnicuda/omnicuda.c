@@ -309,6 +309,7 @@ static void *driver(const char *symbol) { return lib_symbol(LIB_DRV, symbol); }
 typedef CUresult (*cuMemAllocManaged_t)(CUdeviceptr *, size_t, unsigned int);
 typedef CUresult (*cuMemAdvise_v2_t)(CUdeviceptr, size_t, int, CUmemLocation);
 typedef CUresult (*cuCtxGetCurrent_t)(CUcontext *);
+typedef CUresult (*cuCtxSetCurrent_t)(CUcontext);
 typedef CUresult (*cuCtxGetDevice_t)(CUdevice *);
 
 /* Prefer the caller's GPU for new unified memory, and remember the context the
@@ -871,11 +872,19 @@ fail:
  * no such range, or the driver has no memory. */
 EXPORT int omni_pool_map(uint64_t offset, uint64_t length) {
     cuCtxSynchronize_t sync = (cuCtxSynchronize_t)driver("cuCtxSynchronize");
+    cuCtxGetCurrent_t get_ctx = (cuCtxGetCurrent_t)driver("cuCtxGetCurrent");
+    cuCtxSetCurrent_t set_ctx = (cuCtxSetCurrent_t)driver("cuCtxSetCurrent");
     pthread_mutex_lock(&g_pool.lock);
     CUresult rc = CUDA_ERROR_INVALID_VALUE;
-    if (!g_pool.va || g_pool.away || !sync || offset > g_pool.size ||
+    CUcontext ctx = NULL;
+    if (!g_pool.va || g_pool.away || !sync || !get_ctx || !set_ctx || offset > g_pool.size ||
         length > g_pool.size - offset)
         goto done;
+    /* the caller's thread may have no context current (a thread that has launched only
+     * through the driver, or none yet): the pool's, as the swap thread does */
+    rc = get_ctx(&ctx);
+    if (rc == CUDA_SUCCESS && !ctx) rc = set_ctx(__atomic_load_n(&g_ctx, __ATOMIC_ACQUIRE));
+    if (rc != CUDA_SUCCESS) goto done;
     size_t end = (offset + length + g_pool.gran - 1) / g_pool.gran;
     int grew = 0;
     rc = CUDA_SUCCESS;
@@ -961,7 +970,6 @@ static CUresult pool_in(void) {
 
 /* ------------------------------------------------------------ swapping */
 
-typedef CUresult (*cuCtxSetCurrent_t)(CUcontext);
 typedef CUresult (*cuStreamCreate_t)(CUstream *, unsigned int);
 typedef CUresult (*cuMemPrefetchAsync_v2_t)(CUdeviceptr, size_t, CUmemLocation, unsigned int,
                                             CUstream);

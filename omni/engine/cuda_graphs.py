@@ -90,8 +90,12 @@ class DecodeGraphs:
         if b in self.graphs:
             return
         step = self._static_step(b)
-        # the warm-up below runs for real: slots a past step left here are live K/V
+        # the warm-up below runs for real: slots a past step left here are live K/V, and
+        # the blocks their tables name may be backed no more (kv_pool.py): each row reads
+        # one token of block 0
         self.slots[:b].fill_(-1)
+        self.seq_lens[:b].fill_(1)
+        self.tables[:b, 0].zero_()
         self.graphs[b], self.outputs[b] = capture_graph(lambda: self._forward(b, step), self.pool)
 
     def _forward(self, b: int, step) -> torch.Tensor:

@@ -101,9 +101,11 @@ class MixedGraphs:
             work=self.work[: work_capacity(b)],
         )
         # the warm-up below runs for real: slots a past step left here are live K/V, and
-        # no attention work (counts 0) reads what past steps left in the tables
+        # no attention work (counts 0, every row empty) reads what past steps left in the
+        # tables
         self.slots[:b].fill_(-1)
         self.counts.zero_()
+        self.cu[: b + 1].zero_()
         self.graphs[b], self.outputs[b] = capture_graph(lambda: self._forward(b, step), self.pool)
 
     def _forward(self, b: int, step) -> torch.Tensor:

@@ -38,6 +38,9 @@ if TYPE_CHECKING:
 # specializations (1, multiples of 16, others); max_batch_tokens, the usual prefill step,
 # joins them. A first request of a new size would otherwise wait seconds for the compiler.
 WARM_STEP_TOKENS = (1, 7, 16, 40, 48, 100, 128, 200, 256, 300, 512, 1100, 2048, 4100)
+# decode graphs captured at warm-up even when the rest are left to their first step: a
+# capture stalls the requests in flight, and small batches come first and often
+ALWAYS_CAPTURED = 16
 # the shim's pool is backed in steps of at least this much of each layer's K (and V): the
 # driver's mapping granularity on the GPUs we run
 POOL_STEP_BYTES = 2 << 20
@@ -291,15 +294,17 @@ class ModelRunner:
         """The warm-up in pieces of a fraction of a second each, for an engine to run
         between requests: one per step-size class whose kernels it compiles (or loads
         from Triton's disk cache) and, with `graphs`, one per decode graph a step of at
-        most `max_seqs` sequences can need (without, each is captured at its first step);
-        one per bucket of the mixed-step graphs in any case. The CPU path has nothing to
-        compile."""
+        most `max_seqs` sequences can need (without, those of up to ALWAYS_CAPTURED
+        sequences, and each larger one at its first step); one per bucket of the
+        mixed-step graphs in any case. The CPU path has nothing to compile."""
         if self.device.type != "cuda":
             return []
         sizes = sorted({n for n in WARM_STEP_TOKENS if n < max_batch_tokens} | {max_batch_tokens})
         tasks: list[Callable[[], None]] = [partial(self._warm_step, n, max_seqs) for n in sizes]
-        if self.graphs and graphs:
+        if self.graphs:
             for b in BUCKETS:  # up to the bucket that pads `max_seqs`
+                if not graphs and b > ALWAYS_CAPTURED:
+                    break
                 tasks.append(partial(self._capture, b))
                 if b >= max_seqs:
                     break

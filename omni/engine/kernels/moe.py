@@ -272,6 +272,7 @@ def _block_rows(rows_ptr, block, slots, BLOCK_M: tl.constexpr, ONE_SLOT: tl.cons
 
 # What _weight_tile reads (QUANT): the dense stack, or one stored as kernels/wq.py's formats
 DENSE, BLOCK_FP8, INT4 = 0, 1, 2
+_DENSE, _BLOCK_FP8 = tl.constexpr(DENSE), tl.constexpr(BLOCK_FP8)  # (a kernel reads these)
 
 
 @triton.jit
@@ -297,10 +298,10 @@ def _weight_tile(
     in bits 4*(i % 8) of word i // 8 as q + 8 (SCALE_ROWS 1: a scale per row and group).
     Zero outside [N, K]. The tile depends on the weights alone, never on the tokens."""
     mask = (rows[None, :] < N) & (ks[:, None] < K)
-    if QUANT == DENSE:
+    if QUANT == _DENSE:
         w = tl.load(w_ptr + rows[None, :] * W_ROW + ks[:, None], mask=mask, other=0.0)
     else:
-        if QUANT == BLOCK_FP8:
+        if QUANT == _BLOCK_FP8:
             bits = tl.load(w_ptr + rows[None, :] * W_ROW + ks[:, None], mask=mask, other=0)
             w = e4m3_to_f32(bits)
         else:
