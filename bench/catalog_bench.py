@@ -75,7 +75,7 @@ from bench.overcommit_bench import (  # noqa: E402
     swap_overlap,
     zipf_stream,
 )
-from bench.results_io import RESULTS, write_result  # noqa: E402
+from bench.results_io import RESULTS, commit, write_result  # noqa: E402
 from omni.api import oip  # noqa: E402
 
 LOADS = ("open", "closed")
@@ -621,12 +621,13 @@ def seed_targets(out: dict) -> dict:
 
 
 def saved(args, seeds: dict) -> dict:
-    """This invocation's seeds, with the result file's other seeds under --merge."""
+    """This invocation's seeds, with the result file's other seeds under --merge (each
+    seed names the commit it ran)."""
     path = RESULTS / f"{args.name}.json"
     merged = {}
     if args.merge and path.exists():
         merged = json.loads(path.read_text()).get("seeds", {})
-    merged.update(seeds)
+    merged.update({k: {**v, "commit": v.get("commit") or commit()} for k, v in seeds.items()})
     config = {k: v for k, v in vars(args).items() if k != "seeds"}
     write_result(args.name, {"config": config, "seeds": merged})
     return merged

@@ -201,7 +201,8 @@ def test_a_quantized_deepseek_keeps_its_experts_quantized(tmp_path, kind):
     x = torch.randn(6, 64, generator=gen)
     weights, ids = route(torch.randn(6, 8, generator=gen), 2, renormalize=True)
     stacks = (experts.gate_up, experts.gate_up_scale, experts.down, experts.down_scale)
-    args = (x.to(DEVICE), *(s.to(DEVICE) for s in stacks), weights.to(DEVICE), ids.to(DEVICE))
+    x = x.to(DEVICE, torch.bfloat16 if GPU else torch.float32)  # (bf16 on a GPU, as served)
+    args = (x, *(s.to(DEVICE) for s in stacks), weights.to(DEVICE), ids.to(DEVICE))
     torch.testing.assert_close(
         fused_moe_quantized(*args, experts.block),
         fused_moe_quantized_ref(*args, experts.block),
