@@ -183,14 +183,11 @@ class ModelRunner:
         if raw is None:
             self.kv_pool = None
             return tuple(torch.zeros(s, dtype=dtype, device=self.device) for s in shapes)
-        # each layer's K (then V) is a run of blocks: (its offset, a block's bytes there)
+        # each layer's K, then each layer's V, is a run of all the blocks: (the run's
+        # offset in the pool, one block's bytes in it)
         layers, blocks = shape[0], shape[1]
-        self._strips = [
-            (start + layer * blocks * (size // (layers * blocks)), size // (layers * blocks))
-            for start, size in ((0, sizes[0]), (sizes[0], sizes[1]))
-            if size
-            for layer in range(layers)
-        ]
+        runs = [(at, size // layers) for at, size in zip((0, sizes[0]), sizes, strict=True) if size]
+        self._strips = [(at + i * run, run // blocks) for at, run in runs for i in range(layers)]
         self._pool_step = max(1, -(-POOL_STEP_BYTES // self._strips[0][1]))
         self._backed, self._backed_epoch = 0, self.kv_pool.epoch()
         parts = raw.split(sizes)

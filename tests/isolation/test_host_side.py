@@ -5,6 +5,7 @@ health check and KV handoff then run against what it left."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
 import os
 import socket
@@ -17,6 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from omni.cudashim.control import ControlStruct
 from omni.isolation import hostfs
 from omni.isolation.sandbox import Limits
 from omni.runtime import disaggregated
@@ -25,6 +27,8 @@ from omni.runtime.instance import Backoff, GpuPlacement, Instance
 from omni.runtime.residency import GpuPool
 
 from .conftest import UID
+
+BLOCK_SIZE = ctypes.sizeof(ControlStruct)  # the sealed control block's size, unchanged
 
 IO_BYTES = 2 << 20
 TMP_BYTES = 4 << 20
@@ -62,7 +66,7 @@ for name in ("gpu.yield", "io"):
     planted[name] = attempt(lambda: os.unlink(os.path.join(d, name)))
 def scribble():  # its half and omnid's, with values no shim writes
     with open(ctl, "r+b") as f:
-        f.write(b"\\xff" * 112)
+        f.write(b"\\xff" * BLOCK_SIZE)
 control = {"truncate": attempt(lambda: os.truncate(ctl, 0)), "write": attempt(scribble),
            "size": os.stat(ctl).st_size}
 for name in ("sock", "cuda.ctl", "cuda.ctl.tmp", "gpu.yield", "gpu.yield.tmp", HANDOFF):
@@ -126,6 +130,7 @@ def test_planted_links_and_full_directories_across_a_restart(host, target, tmp_p
     decoy = Decoy(host.root / f"decoy-{os.getpid()}.sock")
     log = host.root / "hostile.log"
     program = f"TARGET = {str(target)!r}\nDECOY = {str(decoy.path)!r}\nHANDOFF = {HANDOFF!r}\n"
+    program += f"BLOCK_SIZE = {BLOCK_SIZE}\n"
     program += HOSTILE
     libm = Path(os.path.realpath("/usr/lib/x86_64-linux-gnu/libm.so.6"))
     if not libm.exists():
@@ -170,7 +175,7 @@ def test_planted_links_and_full_directories_across_a_restart(host, target, tmp_p
     for run in runs:  # every start: omnid's files only, an empty io
         assert run["found"] == {"dir": ["gpu.yield", "io"], "io": []}, run
         # its control block: a sealed memfd its sandbox's init holds, writable, not resizable
-        assert run["control"] == {"truncate": "EPERM", "write": "ok", "size": 112}, run
+        assert run["control"] == {"truncate": "EPERM", "write": "ok", "size": BLOCK_SIZE}, run
         for name in ("cuda.ctl.tmp", "cuda.1.ctl", "gpu.yield.tmp", "sock"):
             assert run["planted"][name] == "EACCES", run  # omnid's directory, not its own
         assert run["planted"]["gpu.yield"] == "EACCES", run
