@@ -224,8 +224,9 @@ KEYS = (
         "gpus",
         "budget",
         "size",
-        "GPU memory the instances resident on it may hold together, each charged its "
-        "whole quota. Leave room for the driver's own memory.",
+        "GPU memory the instances resident on it may hold together, each charged what it "
+        "holds: the most since its last swap-in and a margin (its quota at most, and its "
+        "whole quota while it loads). Leave room for the driver's own memory.",
         example="40GiB",
         default_text="required",
     ),
