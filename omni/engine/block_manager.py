@@ -62,7 +62,10 @@ class BlockManager:
         """`grow(n)`: back at least the first n blocks with memory and return how many are
         backed now (raises if it cannot); None: all of them are."""
         self.block_size = block_size
-        self.blocks = [_Block() for _ in range(num_blocks)]
+        self.num_blocks = num_blocks
+        # made as blocks are first taken (lowest first: this list grows as the pool's use
+        # does), not up front: a CPU pool of a small model holds 100k+ blocks
+        self.blocks: list[_Block] = []
         self._free: list[int] = list(range(num_blocks))  # a heap: hold nothing reusable
         self.grow = grow
         self.extent = num_blocks if grow is None else grow(1)  # blocks backed by memory
@@ -120,6 +123,8 @@ class BlockManager:
                 except BaseException:
                     heapq.heappush(self._free, block)
                     raise
+            if block >= len(self.blocks):
+                self.blocks.extend(_Block() for _ in range(len(self.blocks), block + 1))
             return block
         block, _ = self._cached.popitem(last=False)  # evict the least recently used
         b = self.blocks[block]

@@ -8,6 +8,7 @@ slots, block tables, sequence lengths, query offsets.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -127,6 +128,17 @@ def kv_bytes_per_block(model, block_size: int) -> int:
     return cfg.num_layers * block_size * kv_layout(model).elements * dtype.itemsize
 
 
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache. On the CPU, pages of an anonymous mapping (which read as zero) that
+    are taken only as they are written: the pool holds what requests wrote, not its whole
+    size, and an engine starts without zeroing it."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if device.type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    pages = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)  # keeps the mapping
+    return pages.view(dtype).view(shape)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -182,7 +194,7 @@ class ModelRunner:
         raw = self.kv_pool.allocate(sum(sizes), self.device) if self.kv_pool else None
         if raw is None:
             self.kv_pool = None
-            return tuple(torch.zeros(s, dtype=dtype, device=self.device) for s in shapes)
+            return tuple(zeroed(s, dtype, self.device) for s in shapes)
         # each layer's K, then each layer's V, is a run of all the blocks: (the run's
         # offset in the pool, one block's bytes in it)
         layers, blocks = shape[0], shape[1]

@@ -57,7 +57,7 @@ class Scheduler:
     def fits(self, seq: Sequence) -> bool:
         """Whether `seq` can ever run: prompt and all its new tokens within the whole cache
         (otherwise it would wait forever; the engine refuses it instead)."""
-        total = len(self.blocks.blocks) * self.blocks.block_size
+        total = self.blocks.num_blocks * self.blocks.block_size
         return len(seq.token_ids) + seq.max_tokens - seq.num_generated <= total
 
     def add(self, seq: Sequence) -> None:
