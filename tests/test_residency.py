@@ -112,7 +112,7 @@ def test_a_failed_swap_restarts_the_instance_and_answers_503():
 def test_a_request_gives_up_with_503_when_every_resident_instance_stays_busy():
     async def main():
         pool, t, _ = await pool_with(["busy", "cold"], 1)
-        holder = asyncio.create_task(request(pool, t["busy"], hold_s=1.0))
+        holder = asyncio.create_task(request(pool, t["busy"], hold_s=2.0))
         await asyncio.sleep(0.05)
         t0 = time.monotonic()
         with pytest.raises(ApiError) as err:
@@ -124,7 +124,7 @@ def test_a_request_gives_up_with_503_when_every_resident_instance_stays_busy():
 
     err, waited, t = asyncio.run(main())
     assert err.status == 503
-    assert 0.25 < waited < 0.9
+    assert 0.25 < waited < 1.5  # at its deadline, not once the busy one is done (2 s)
     assert t["busy"].state is Residency.SWAPPED and t["cold"].state is Residency.RESIDENT
 
 
@@ -133,7 +133,7 @@ def test_a_resident_instance_answers_while_another_swaps():
     they are done."""
 
     async def main():
-        slow = {"a": Block(delay_s=0.4), "cold": Block(delay_s=0.4)}
+        slow = {"a": Block(delay_s=1.0), "cold": Block(delay_s=1.0)}
         pool, t, _ = await pool_with(["hot", "a", "cold"], 2, **slow)
         await request(pool, t["a"])
         for _ in range(3):  # the most wanted: a goes, hot stays
@@ -147,7 +147,7 @@ def test_a_resident_instance_answers_while_another_swaps():
         return took, t
 
     took, t = asyncio.run(main())
-    assert took < 0.3, f"the hot request waited {took:.2f}s for another instance's swap"
+    assert took < 0.6, f"the hot request waited {took:.2f}s for another instance's swap"
     assert t["cold"].state is Residency.RESIDENT and t["a"].state is Residency.SWAPPED
 
 
@@ -157,7 +157,7 @@ def test_a_cold_request_waits_for_its_own_swap_in_not_an_unrelated_swap_out():
     log: list = []
 
     async def main():
-        blocks = {"a": Timed("a", log, 0.5), "b": Timed("b", log, 0.05)}
+        blocks = {"a": Timed("a", log, 1.2), "b": Timed("b", log, 0.05)}
         pool, t, _ = await pool_with(["a", "b"], 2, **blocks)
         await request(pool, t["a"])
         log.clear()
@@ -170,7 +170,7 @@ def test_a_cold_request_waits_for_its_own_swap_in_not_an_unrelated_swap_out():
         return took, t
 
     took, t = asyncio.run(main())
-    assert took < 0.3, f"b waited {took:.2f}s: behind a's swap-out"
+    assert took < 0.6, f"b waited {took:.2f}s: behind a's swap-out"
     assert t["a"].state is Residency.SWAPPED and t["b"].state is Residency.RESIDENT
     (a_out,) = [e for e in log if e[0] == "a"]
     (b_in,) = [e for e in log if e[0] == "b"]
