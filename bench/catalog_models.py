@@ -27,13 +27,16 @@ from omni.runtime.defaults import embedding_model_dir
 from omni.runtimes.model_config import CONFIG_NAME
 
 GIB = 1 << 30
-VERSION = "v1"  # bump when a writer changes: the cache keeps the old folders apart
+VERSION = "v2"  # bump when a writer changes: the cache keeps the old folders apart
 # Qwen2-1.5B's shape (GQA, q/k/v biases, tied), the 32k word vocabulary: ~2.5 GiB bf16
 LLM_LARGE = hf_config("qwen2", 1536, 28, 12, 2, 8960, tied=True)
 WHISPER_VOCAB = 51865  # whisper-base's
 CLIP_VOCAB = 49408  # Stable Diffusion 1.5's text encoder's
 IMAGE_SIDE = {False: 256, True: 32}  # text-to-image pixels a side: real, tiny
 WHISPER_SPECIALS = ("<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>")
+
+
+HALF = 'gpu_dtype = "float16"\n'  # the vision handlers' weights and activations on a GPU
 
 
 @dataclass(frozen=True)
@@ -299,8 +302,8 @@ KINDS = (
     # LLM quotas: weights plus a KV pool (the engine fills what the quota leaves)
     Kind("llm-small", 3, "completions", write_llm(SHAPES["llama"], 0), 2.0),
     Kind("llm-large", 2, "completions", write_llm(LLM_LARGE, 1), 4.0),
-    # handlers: weights (fp16 Whisper and SD, fp32 ViT and DETR), a full batch's
-    # activations (DETR: 8 images at 800x1066), CUDA's and cuBLAS's workspaces
+    # handlers: weights (all fp16 on the GPU), a full batch's activations (DETR: 8 images
+    # at 800x1066), CUDA's and cuBLAS's workspaces
     Kind(
         "asr",
         2,
@@ -310,8 +313,24 @@ KINDS = (
         "omni.runtimes.whisper_asr:WhisperASR",
         "max_new_tokens = 24\n",
     ),
-    Kind("classifier", 2, "oip", write_vit, 1.0, "omni.runtimes.image_classifier:ImageClassifier"),
-    Kind("detector", 1, "oip", write_detr, 2.5, "omni.runtimes.object_detector:ObjectDetector"),
+    Kind(
+        "classifier",
+        2,
+        "oip",
+        write_vit,
+        1.0,
+        "omni.runtimes.image_classifier:ImageClassifier",
+        HALF,
+    ),
+    Kind(
+        "detector",
+        1,
+        "oip",
+        write_detr,
+        2.5,
+        "omni.runtimes.object_detector:ObjectDetector",
+        HALF,
+    ),
     Kind(
         "t2i",
         1,

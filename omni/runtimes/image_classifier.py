@@ -12,7 +12,8 @@ eval mode use their stored statistics): a request's scores do not depend on its
 batch-mates, beyond float rounding.
 
 Weights: a model directory as transformers saves one (model and image processor).
-Optional key in omni-model.toml: `max_pixels` (see images.py).
+Optional keys in omni-model.toml: `max_pixels` (see images.py), `gpu_dtype`
+(model_config.py).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from transformers import AutoImageProcessor, AutoModelForImageClassification
 from omni.instance.handler import Answers, Handler, TensorSpec, each, together
 
 from .images import max_pixels, read_image
+from .model_config import gpu_dtype
 from .tensors import bytes_tensor
 
 
@@ -40,7 +42,8 @@ class ImageClassifier(Handler):
     def load(self, model_dir: Path, device: str) -> None:
         self.processor = AutoImageProcessor.from_pretrained(model_dir)
         self.model = AutoModelForImageClassification.from_pretrained(model_dir)
-        self.model.to(device).eval()
+        self.dtype = getattr(torch, gpu_dtype(model_dir, device))
+        self.model.to(device, self.dtype).eval()
         self.device = device
         self.max_pixels = max_pixels(model_dir)
         config = self.model.config
@@ -60,7 +63,7 @@ class ImageClassifier(Handler):
         """Each image's class probabilities, [len(images), num_labels]."""
         pixels = self.processor(images=images, return_tensors="pt")["pixel_values"]
         with torch.inference_mode():
-            logits = self.model(pixel_values=pixels.to(self.device)).logits.float()
+            logits = self.model(pixel_values=pixels.to(self.device, self.dtype)).logits.float()
         probs = logits.sigmoid() if self.multi_label else logits.softmax(dim=-1)
         return probs.cpu().numpy()
 

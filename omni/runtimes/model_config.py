@@ -13,6 +13,7 @@ from pathlib import Path
 
 CONFIG_NAME = "omni-model.toml"
 WEIGHT_SOURCES = ("directory", "package")
+GPU_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def read_model_config(model_dir: Path) -> dict:
@@ -31,3 +32,15 @@ def read_model_config(model_dir: Path) -> dict:
 def weights_from_package(model_dir: Path) -> bool:
     """Whether the model uses the weights its runtime's package ships."""
     return read_model_config(model_dir).get("weights", "directory") == "package"
+
+
+def gpu_dtype(model_dir: Path, device: str) -> str:
+    """The torch dtype (its name) a runtime that reads `gpu_dtype` runs its model in:
+    that key's value on a GPU ("float32", the default, "float16" or "bfloat16": half
+    precision halves the weights and the activations a batch holds, which is what the
+    model costs the node's GPU budget), float32 on the CPU, whose half kernels are slow."""
+    name = read_model_config(model_dir).get("gpu_dtype", "float32")
+    if name not in GPU_DTYPES:
+        where = Path(model_dir) / CONFIG_NAME
+        raise ValueError(f"{where}: gpu_dtype = {name!r}, expected one of {GPU_DTYPES}")
+    return name if device.startswith("cuda") else "float32"

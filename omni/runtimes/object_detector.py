@@ -15,7 +15,8 @@ beyond float rounding.
 
 Weights: a model directory as transformers saves one (model and image processor).
 Optional keys in omni-model.toml: `threshold` (the least score of an object kept,
-default 0.5, as transformers' pipeline), `max_pixels` (see images.py).
+default 0.5, as transformers' pipeline), `max_pixels` (see images.py), `gpu_dtype`
+(model_config.py: DETR's batch of 8 images at 800x1066 holds about 2 GiB in float32).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from transformers import AutoImageProcessor, AutoModelForObjectDetection, BatchF
 from omni.instance.handler import Answers, Handler, TensorSpec, each, together
 
 from .images import max_pixels, read_image
-from .model_config import read_model_config
+from .model_config import gpu_dtype, read_model_config
 
 DEFAULT_THRESHOLD = 0.5
 
@@ -63,7 +64,8 @@ class ObjectDetector(Handler):
     def load(self, model_dir: Path, device: str) -> None:
         self.processor = AutoImageProcessor.from_pretrained(model_dir)
         self.model = AutoModelForObjectDetection.from_pretrained(model_dir)
-        self.model.to(device).eval()
+        self.dtype = getattr(torch, gpu_dtype(model_dir, device))
+        self.model.to(device, self.dtype).eval()
         self.device = device
         self.max_pixels = max_pixels(model_dir)
         self.threshold = float(read_model_config(model_dir).get("threshold", DEFAULT_THRESHOLD))
@@ -80,7 +82,7 @@ class ObjectDetector(Handler):
         for group in same_size(features):
             batch = stacked([features[i] for i in group])
             with torch.inference_mode():
-                outputs = self.model(**{k: v.to(self.device) for k, v in batch.items()})
+                outputs = self.model(**{k: self.to_model(v) for k, v in batch.items()})
             sizes = [images[i].size[::-1] for i in group]  # (height, width) each
             kept = self.processor.post_process_object_detection(
                 outputs, threshold=self.threshold, target_sizes=sizes
@@ -88,6 +90,11 @@ class ObjectDetector(Handler):
             for i, objects in zip(group, kept, strict=True):
                 found[i] = self.answer(objects)
         return found
+
+    def to_model(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A processed input on the model's device; pixels in its dtype (the mask stays)."""
+        dtype = self.dtype if tensor.is_floating_point() else tensor.dtype
+        return tensor.to(self.device, dtype)
 
     def answer(self, objects: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
         """One image's outputs from what post-processing kept."""

@@ -36,10 +36,10 @@ def checkpoint(tmp_path_factory) -> Path:
     return save_tiny_detector(tmp_path_factory.mktemp("tiny-detr"))
 
 
-def detector(checkpoint: Path, settings: str) -> ObjectDetector:
+def detector(checkpoint: Path, settings: str, device: str = "cpu") -> ObjectDetector:
     (checkpoint / CONFIG_NAME).write_text(settings)
     handler = ObjectDetector()
-    handler.load(checkpoint, "cpu")
+    handler.load(checkpoint, device)
     return handler
 
 
@@ -124,3 +124,28 @@ def test_bad_files_fail_alone_naming_the_image(default):
 def test_a_wrong_tensor_is_refused_before_the_handler(default):
     with pytest.raises(TensorError, match="'image' has shape"):
         served(default, [{"image": np.array([b"a", b"b"], dtype=object)}])
+
+
+def test_gpu_dtype_is_checked_and_the_cpu_keeps_float32(checkpoint):
+    with pytest.raises(ValueError, match="gpu_dtype = 'float64', expected one of"):
+        detector(checkpoint, 'gpu_dtype = "float64"\n')
+    half = detector(checkpoint, 'gpu_dtype = "float16"\n')
+    assert next(half.model.parameters()).dtype == torch.float32
+    file = FILES["astronaut"]
+    [result] = served(half, [as_request(image=file)])
+    assert_same_objects(result, bare_objects(checkpoint, file, DEFAULT_THRESHOLD))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_half_precision_on_the_gpu_finds_what_float32_finds(checkpoint, dtype):
+    """Every query's score and box (threshold 0 keeps them all, in query order)."""
+    full = detector(checkpoint, "threshold = 0.0\n", "cuda")
+    half = detector(checkpoint, f'threshold = 0.0\ngpu_dtype = "{dtype}"\n', "cuda")
+    assert next(half.model.parameters()).dtype == getattr(torch, dtype)
+    for file in FILES.values():
+        [want] = served(full, [as_request(image=file)])
+        [got] = served(half, [as_request(image=file)])
+        assert got["scores"].dtype == np.float32 and len(got["scores"]) == len(want["scores"])
+        np.testing.assert_allclose(got["scores"], want["scores"], atol=3e-2)
+        np.testing.assert_allclose(got["boxes"], want["boxes"], atol=1.5)
