@@ -65,13 +65,15 @@ espeak-ng:
 			apt-get install -y -qq --no-install-recommends espeak-ng >/dev/null) || \
 		echo "make: could not install espeak-ng; the speech runtimes' tests will be skipped" >&2
 
-# Two workers, a test file each at a time (their servers are per file); then, alone, the
-# tests whose figures a busy host would move. The two workers, and the instances their
-# servers start, share the cores: each gets half of them for torch's threads (on this
-# 2-core machine, 4 threads spinning on 2 cores cost 13% more CPU for the same tests).
+# Three workers, a test file each at a time (their servers are per file); then, alone,
+# the tests whose figures a busy host would move. Many tests wait on processes (starts,
+# health checks, timeouts): a third worker fills those waits. The workers, and the
+# instances their servers start, share the cores: each gets half of them for torch's
+# threads (4 threads spinning on 2 cores cost 13% more CPU for the same tests).
 TEST_THREADS := $(shell n=$$(nproc); echo $$(( n > 1 ? n / 2 : 1 )))
+TEST_WORKERS ?= 3
 test: lint systemd-tools etcd-server
-	OMP_NUM_THREADS=$(TEST_THREADS) $(VENV)/bin/pytest -n 2 --dist loadfile -m "not serial"
+	OMP_NUM_THREADS=$(TEST_THREADS) $(VENV)/bin/pytest -n $(TEST_WORKERS) --dist loadfile -m "not serial"
 	$(VENV)/bin/pytest -m serial
 
 clean:

@@ -23,6 +23,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.checkpoints import tiny_llama
+from tests.conftest import wait_until
 from tests.nodes import Omnid
 
 MODELS = 13
@@ -200,12 +201,10 @@ def test_an_instance_killed_as_it_comes_back_is_restarted_and_no_request_hangs(n
         if state["residency"] == "resident":
             assert c.post(f"/v1/instances/{name}/swap-out").status_code == 200
     pid = node.omnid.instances()[name]["pid"]
+    os.kill(pid, signal.SIGSTOP)  # its swap-in can begin but not end: killed in the middle
     with ThreadPoolExecutor(4) as pool:
         waiting = [pool.submit(long_completion) for _ in range(4)]
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:  # its swap-in has begun: kill it now
-            if node.omnid.instances()[name]["residency"] != "swapped":
-                break
+        wait_until(lambda: node.omnid.instances()[name]["residency"] != "swapped", 30, "a swap-in")
         assert not any(f.done() for f in waiting), "answered before the kill"
         os.kill(pid, signal.SIGKILL)
         charged_max = 0
