@@ -18,8 +18,14 @@ model_index.json and a folder per component), e.g. `hf download stabilityai/sd-t
 --local-dir models/sd-turbo` (with steps = 1 and guidance = 0.0). Optional keys in
 omni-model.toml: `steps` (denoising steps, default 30), `guidance` (classifier-free
 guidance scale, default 7.5), `width` and `height` (default the pipeline's own size),
-`max_side` (the largest width or height asked for, default 1024). CLIP text encoders read
-the first 77 tokens of a prompt.
+`max_side` (the largest width or height asked for, default 1024), `vae_slicing` (default
+true: the VAE decodes a batch's images one at a time; false: together). CLIP text
+encoders read the first 77 tokens of a prompt.
+
+Decoding is a batch's largest working memory: four 256x256 images decoded together held
++1.08 GiB over the weights of an SD-1.5-shaped pipeline (float32, on a CPU), one at a
+time +0.27 GiB, in about the same time; and an image decoded alone does not depend on
+its batch-mates there either.
 """
 
 from __future__ import annotations
@@ -107,6 +113,12 @@ class TextToImage(Handler):
         own = own_side(self.pipe)
         self.width = int(config.get("width", own))
         self.height = int(config.get("height", own))
+        slicing = config.get("vae_slicing", True)
+        if not isinstance(slicing, bool):
+            raise ValueError(f"vae_slicing = {slicing!r}: expected true or false")
+        vae = getattr(self.pipe, "vae", None)
+        if slicing and hasattr(vae, "use_slicing"):  # (diffusers' VAEs that can)
+            vae.enable_slicing()
 
     def infer(self, batch: list[dict[str, np.ndarray]]) -> Answers:
         jobs = each(batch, self.job)

@@ -15,6 +15,7 @@ from diffusers import StableDiffusionPipeline
 from PIL import Image
 
 from omni.instance.handler import HandlerError, set_gpu_done_callback
+from omni.runtimes.model_config import CONFIG_NAME
 from omni.runtimes.text_to_image import TextToImage, own_side
 
 from .conftest import served
@@ -94,6 +95,29 @@ def test_an_image_does_not_depend_on_its_batch_mates(painter):
         assert np.abs(one.astype(int) - other.astype(int)).max() <= 1  # (float rounding)
     assert not np.array_equal(alone[0], alone[2])  # another seed, another image
     assert not np.array_equal(alone[0], alone[3])  # another prompt, another image
+
+
+def test_the_vae_decodes_a_batchs_images_one_at_a_time(painter, model_dir):
+    """Decoding is a batch's largest working memory: one image at a time, unless the
+    model's settings say otherwise."""
+    rows: list[int] = []
+    hook = painter.pipe.vae.decoder.register_forward_hook(lambda _m, x, _y: rows.append(len(x[0])))
+    try:
+        served(painter, [request("a red square", seed) for seed in range(3)])
+    finally:
+        hook.remove()
+    assert rows == [1, 1, 1]
+    settings = (model_dir / CONFIG_NAME).read_text()
+    try:
+        (model_dir / CONFIG_NAME).write_text(settings + "vae_slicing = false\n")
+        together = TextToImage()
+        together.load(model_dir, "cpu")
+        assert not together.pipe.vae.use_slicing
+        (model_dir / CONFIG_NAME).write_text(settings + 'vae_slicing = "no"\n')
+        with pytest.raises(ValueError, match="vae_slicing = 'no'"):
+            TextToImage().load(model_dir, "cpu")
+    finally:
+        (model_dir / CONFIG_NAME).write_text(settings)
 
 
 def test_the_gpu_work_is_marked_done_before_the_png_encoding(painter):
