@@ -23,9 +23,9 @@ true: the VAE decodes a batch's images one at a time; false: together). CLIP tex
 encoders read the first 77 tokens of a prompt.
 
 Decoding is a batch's largest working memory: four 256x256 images decoded together held
-+1.08 GiB over the weights of an SD-1.5-shaped pipeline (float32, on a CPU; a probe,
-printed only), one at a time +0.27 GiB, in about the same time; and an image decoded
-alone does not depend on its batch-mates there either.
+900 MiB over the weights of an SD-1.5-shaped pipeline, one at a time 355 MiB, in the same
+time (float32 on a CPU: bench/diagnostics/handler_memory.py); and an image decoded alone
+does not depend on its batch-mates there either.
 """
 
 from __future__ import annotations
