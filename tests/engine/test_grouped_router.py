@@ -85,14 +85,17 @@ def clear_choice(x, weight, bias, k, groups, top_groups, margin=1e-5):
 def test_the_kernels_choose_what_the_reference_chooses(name, tokens, renormalize):
     shape = SHAPES[name]
     k, groups, top_groups = shape.k, shape.groups, shape.top_groups
-    x, weight, bias = router_inputs(shape, tokens)
+    for _ in range(10):  # fresh inputs until most tokens are clear of near ties (rare,
+        x, weight, bias = router_inputs(shape, tokens)  # not never: 1 of 5, or of 1, was)
+        clear = clear_choice(x, weight, bias, k, groups, top_groups)
+        if clear.float().mean() >= 0.5:
+            break
+    assert clear.float().mean() >= 0.5
     args = (k, groups, top_groups, renormalize, SCALE)
     weights, ids = grouped_router(x, weight, bias, *args)
     want_w, want_ids = grouped_router_ref(x, weight, bias, *args)
     assert weights.dtype == torch.float32 and ids.dtype == want_ids.dtype
     assert weights.shape == ids.shape == (tokens, k)
-    clear = clear_choice(x, weight, bias, k, groups, top_groups)
-    assert clear.float().mean() >= 0.5  # (a near tie is rare, not never: 1 of 5 was)
     assert torch.equal(ids[clear], want_ids[clear])
     torch.testing.assert_close(weights[clear], want_w[clear], rtol=1e-6, atol=0)
 
