@@ -67,11 +67,16 @@ def peak_over(fn: Callable[[], object], device: str) -> tuple[float, float]:
     return (peak[0] - base) / MIB, took
 
 
-def loaded(handler_class, model_dir: Path, settings: str, device: str):
+def measured(handler_class, model_dir: Path, settings: str, batch: list, device: str) -> dict:
+    """One case: the handler loaded with `settings` (its omni-model.toml), warmed on one
+    request, then `batch` served whole; its peak over the loaded weights and its time."""
     (model_dir / CONFIG_NAME).write_text(settings)
     handler = handler_class()
     handler.load(model_dir, device)
-    return handler
+    handler.infer(batch[:1])  # warm
+    mib, took = peak_over(lambda: handler.infer(batch), device)
+    handler.unload()
+    return {"batch": len(batch), "peak_over_weights_mib": round(mib), "seconds": round(took, 2)}
 
 
 def text(value: str) -> np.ndarray:
@@ -94,12 +99,8 @@ def t2i_cases(root: Path, device: str) -> list[dict]:
     rows = []
     for slicing in (False, True):
         settings = f"steps = 4\nguidance = 7.5\nvae_slicing = {str(slicing).lower()}\n"
-        handler = loaded(TextToImage, model_dir, settings, device)
-        handler.infer(batch[:1])  # warm
-        mib, took = peak_over(lambda h=handler: h.infer(batch), device)
-        rows.append({"kind": "t2i", "batch": 4, "setting": f"vae_slicing={slicing}"})
-        rows[-1] |= {"peak_over_weights_mib": round(mib), "seconds": round(took, 2)}
-        handler.unload()
+        row = measured(TextToImage, model_dir, settings, batch, device)
+        rows.append({"kind": "t2i", "setting": f"vae_slicing={slicing}"} | row)
     return rows
 
 
@@ -112,12 +113,8 @@ def detector_cases(root: Path, device: str) -> list[dict]:
         batch.append({"image": image})
     rows = []
     for dtype in ("float32", "float16") if device == "cuda" else ("float32",):
-        handler = loaded(ObjectDetector, model_dir, f'gpu_dtype = "{dtype}"\n', device)
-        handler.infer(batch[:1])  # warm
-        mib, took = peak_over(lambda h=handler: h.infer(batch), device)
-        rows.append({"kind": "detector", "batch": 8, "setting": f"gpu_dtype={dtype}"})
-        rows[-1] |= {"peak_over_weights_mib": round(mib), "seconds": round(took, 2)}
-        handler.unload()
+        row = measured(ObjectDetector, model_dir, f'gpu_dtype = "{dtype}"\n', batch, device)
+        rows.append({"kind": "detector", "setting": f"gpu_dtype={dtype}"} | row)
     return rows
 
 
