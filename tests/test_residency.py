@@ -548,6 +548,52 @@ def test_a_large_swap_in_that_has_waited_takes_the_room_before_later_ones():
     assert starts["big"] < 0.9 + 0.5, starts  # not behind the small one's 1 s request
 
 
+def test_a_short_cold_request_is_served_in_the_room_the_head_cannot_use_yet():
+    """The head (3.5 quotas) waits for two busy instances to drain (2 s), 2 quotas free. A
+    cold model whose swap-in, request and swap-out should be over before that (measured:
+    a request holds it 0.05 s) backfills the free room and is served at once; one whose
+    requests hold it 3 s waits for the drain. The head still goes in when the two end."""
+    starts: dict[str, float] = {}
+
+    async def timed(pool, tenant, label, hold_s):
+        async with pool.use(tenant, time.monotonic() + 10):
+            starts[label] = time.monotonic() - t0
+            assert pool.charged_bytes <= pool.budget_bytes
+            await asyncio.sleep(hold_s)
+
+    async def main():
+        nonlocal t0
+        pool = GpuPool(0, 4 * Q, swap_timeout_s=5)
+        pool.evict_idle_s = 0
+        quotas = {"big": 3.5, "b1": 1, "b2": 1, "quick": 0.5, "slow": 0.5}
+        holds = {"b1": 2.0, "b2": 2.0, "quick": 0.05, "slow": 3.0}
+        t = {}
+        for name, quota in quotas.items():
+            t[name] = Tenant(name, int(quota * Q), lambda reason: None)
+            pool.add(t[name])
+            await pool.starting(t[name], Block())
+            await pool.ready(t[name], cold=name not in ("b1", "b2"))
+            t[name].hold_s = holds.get(name)  # as measured by earlier requests
+        for name in ("b1", "b2"):  # the most wanted, and too large to be hot: none is
+            t[name].demand, t[name].demand_at = 5.0, time.monotonic()
+        t0 = time.monotonic()
+        busy = [asyncio.create_task(timed(pool, t[n], n, 2.0)) for n in ("b1", "b2")]
+        await asyncio.sleep(0.05)
+        big = asyncio.create_task(timed(pool, t["big"], "big", 0.05))
+        await asyncio.sleep(HEAD_AFTER_S + 0.1)
+        later = [
+            asyncio.create_task(timed(pool, t["quick"], "quick", 0.05)),
+            asyncio.create_task(timed(pool, t["slow"], "slow", 0.05)),
+        ]
+        await asyncio.gather(*busy, big, *later)
+
+    t0 = 0.0
+    asyncio.run(main())
+    assert starts["quick"] < 1.5 < 2.0 < starts["big"], starts  # in before the drain ended
+    assert starts["slow"] > 1.9, starts  # not before the drain: it would hold the head up
+    assert starts["big"] < 2.0 + 0.4, starts  # the backfill did not hold the head up
+
+
 def test_the_head_drains_the_instance_whose_requests_end_soonest():
     """Either of two busy instances would make the head's room. It drains the one whose
     requests (measured: how long one holds it) should end soonest, though the other is

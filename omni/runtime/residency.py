@@ -33,7 +33,10 @@ took each piece of room as it came free. So a cold swap-in that has wanted room 
 HEAD_AFTER_S becomes the head: later cold swap-ins neither evict nor take the room it
 still needs, and the resident cold instances hold their new requests (up to
 DRAIN_MAX_S) until it is in. Strict turns from the first moment cost the small models
-more than the large ones gained (a simulation of bench/catalog_bench.py's catalog).
+more than the large ones gained (a simulation of bench/catalog_bench.py's catalog). The
+head's room may still be lent (backfilled): a cold model whose swap-in, request and
+swap-out should be over before the head's victims have drained takes it meanwhile, so
+short requests for small models do not wait behind a large one that cannot go in yet.
 
 While an instance serves, the colder instances of its GPU hold back their steps
 (gpuyield.py), so the hot models do not share the GPU's time slices either. A swap
@@ -493,9 +496,24 @@ class GpuPool:
         taken = self.charged_bytes + self._claimed_by_others(tenant)
         now = time.monotonic()
         head = self._head(now)
-        if head not in (None, tenant) and tenant not in self._hot_set(now):
+        kept = head not in (None, tenant) and tenant not in self._hot_set(now)
+        if kept and not self._backfills(tenant, head, now):
             taken += max(0, head.charge - self._claims.get(head, 0))
         return taken + tenant.charge <= self.budget_bytes
+
+    def _backfills(self, tenant: Tenant, head: Tenant, now: float) -> bool:
+        """Whether cold `tenant` may take room kept for the head: only if its swap-in, a
+        request and its swap-out should be over before the head's room could be free
+        anyway (its victims still serving). While a large model waits for a busy one to
+        drain, the small ones are served in the room it cannot use yet, instead of all
+        waiting behind it (the H100 catalog bench: 16 requests waited with 1.2 GiB free)."""
+        if tenant.hold_s is None:
+            return False  # nothing measured: it could hold the room for long
+        victims = self._head_victims(now) - {tenant}
+        head_waits = max((self._idle_in(t, now) for t in victims), default=0.0)
+        if math.isinf(head_waits):  # a victim's first request: as long as a drain may last
+            head_waits = DRAIN_MAX_S
+        return 2 * self._swap_cost_s(tenant) + tenant.hold_s <= head_waits
 
     def _head(self, now: float) -> Tenant | None:
         """The cold swap-in that has wanted room longest."""
