@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,8 +23,9 @@ import pytest
 
 from edge.tenants import hash_key
 from omni.instance.batcher import Batcher
-from omni.instance.handler import Handler, TensorSpec, gpu_done, gpu_phase
+from omni.instance.handler import Handler, TensorSpec, gpu_done, gpu_phase, gpu_step
 from omni.instance.validate import check_outputs
+from omni.runtime.gpuyield import YieldFlag, YieldGate
 from tests.conftest import REPO, free_port, wait_until
 from tests.nodes import Omnid
 
@@ -103,6 +105,59 @@ def test_with_the_split_off_a_marked_handler_runs_one_call_after_another():
 
 def test_gpu_done_outside_a_worker_does_nothing():
     gpu_done()  # a handler run bare: no worker to tell
+
+
+class Stepping(Handler):
+    """Two GPU steps (gpu_step() between), gpu_done(), then one more gpu_step() in its
+    CPU work; records when each began, from the flag's own clock."""
+
+    inputs = Overlapping.inputs
+    outputs = Overlapping.outputs
+
+    def __init__(self, clock):
+        self.clock, self.marks = clock, []
+
+    def infer(self, batch):
+        self.marks.append(("start", self.clock()))
+        gpu_step()
+        self.marks.append(("step", self.clock()))
+        gpu_done()
+        gpu_step()  # CPU work: never waits
+        self.marks.append(("cpu", self.clock()))
+        return [{"y": r["x"]} for r in batch]
+
+
+def test_a_handler_waits_for_a_hotter_model_before_its_batch_and_between_its_gpu_steps(
+    tmp_path,
+):
+    """While omnid raises the instance's yield flag (a hotter model of its GPU serves),
+    a batch does not start, and a handler's gpu_step() holds its next GPU step, each for
+    at most the flag's bound; its CPU work does not wait. The waits are in its stats."""
+    flag = YieldFlag(tmp_path / "gpu.yield", max_defer_s=1.0)
+    gate = YieldGate(tmp_path / "gpu.yield")
+
+    async def main():
+        handler = Stepping(time.monotonic)
+        check = partial(check_outputs, specs=handler.outputs, max_bytes=1 << 20)
+        batcher = Batcher(handler.infer, check, max_batch_size=1, gate=gate)
+        flag.set(True)
+        t0 = time.monotonic()
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.2, flag.set, False)  # the hot model's request ends
+        first = await batcher.submit({"x": np.array([1], np.float32)})
+        flag.set(True)  # and stays raised: the next batch waits out the bound, twice
+        second = await batcher.submit({"x": np.array([2], np.float32)})
+        await batcher.close()
+        return t0, handler.marks, first, second
+
+    t0, marks, first, second = asyncio.run(main())
+    assert float(first["y"][0]) == 1.0 and float(second["y"][0]) == 2.0
+    (_, start1), (_, step1), (_, cpu1), (_, start2), (_, step2), (_, cpu2) = marks
+    assert 0.15 < start1 - t0 < 0.9  # until the flag dropped, not the whole bound
+    assert step1 - start1 < 0.5  # dropped: the step goes on
+    assert start2 - cpu1 >= 0.99 and step2 - start2 >= 0.99  # held up to the bound each
+    assert cpu2 - step2 < 0.5  # after gpu_done(): no wait
+    assert gate.stats()["yield_steps"] == 3 and gate.stats()["yield_wait_s"] >= 2.1
 
 
 # ---------------------------------------------------------------- through omnid and the edge

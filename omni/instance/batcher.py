@@ -127,8 +127,10 @@ class Batcher:
         max_queue_delay_s: float = 0.0,
         infer_timeout_s: float = 60.0,
         split: bool = True,
+        gate: Callable[[], None] | None = None,
     ):
         self._infer = infer
+        self.gate = gate  # waits while a hotter model of the GPU serves (gpuyield.py)
         self._check = check_outputs
         self.max_batch_size = max(1, max_batch_size)
         self.max_queue_delay_s = max(0.0, max_queue_delay_s)
@@ -291,6 +293,8 @@ class Batcher:
     ) -> list[Tensors | InferError]:
         """In the worker thread, under the batch's timeout (checking a hostile result may
         take as long as it likes too): each request's checked outputs, or its error."""
+        if self.gate is not None:
+            self.gate()  # the batch's first GPU step, like an engine's each
         started, gpu_ended = time.monotonic(), None
 
         def mark() -> None:
@@ -298,7 +302,7 @@ class Batcher:
             gpu_ended = time.monotonic()
             gpu_done()
 
-        set_gpu_done_callback(mark)
+        set_gpu_done_callback(mark, self.gate)
         try:
             results = self._infer(inputs)
         finally:

@@ -9,7 +9,8 @@ A handler whose answer ends with CPU work (encoding an image, resampling audio) 
 `gpu_done()` (or leaves a `with gpu_phase():` block) where its GPU work for the batch is
 over: the worker tells omnid and the edge at once, and they give the GPU's permit to the
 next request while the CPU work finishes (the seeds' CPU-GPU split). The worker also
-times both phases, for the model's predicted ETA.
+times both phases, for the model's predicted ETA. A handler whose batch is many GPU
+steps calls `gpu_step()` between them, so a hotter model of its GPU goes first there.
 
 A request's answer never depends on its batch-mates: a handler refuses one request by
 returning a HandlerError in that request's place (`each` and `together` do this), and a
@@ -103,16 +104,28 @@ def together(
     return [item if isinstance(item, HandlerError) else next(results) for item in items]
 
 
-_phase = threading.local()  # the batch infer() runs in this thread: its GPU-done callback
+_phase = threading.local()  # the batch infer() runs in this thread: its callback and gate
 
 
 def gpu_done() -> None:
     """From infer(): this batch's GPU work is over; what remains is CPU work. Once per
     call (later calls do nothing); outside a worker (a handler run bare), nothing."""
     callback = getattr(_phase, "callback", None)
+    _phase.gate = None  # its CPU work does not wait for the GPU
     if callback is not None:
         _phase.callback = None
         callback()
+
+
+def gpu_step() -> None:
+    """From infer(), between the GPU steps of one batch (a denoising step, a decoder
+    token): wait here while a hotter model of this GPU serves, for at most the bound
+    omnid sets (gpuyield.py). A batch of long GPU work otherwise shares the GPU's time
+    slices with the hot model's steps, and the hot model's latency grows. The worker
+    also waits so before each batch; outside a worker, or after gpu_done(), nothing."""
+    gate = getattr(_phase, "gate", None)
+    if gate is not None:
+        gate()
 
 
 @contextlib.contextmanager
@@ -123,9 +136,11 @@ def gpu_phase() -> Iterator[None]:
     gpu_done()
 
 
-def set_gpu_done_callback(callback: Callable[[], None] | None) -> None:
-    """The worker's side (batcher.py): what gpu_done() calls in this thread."""
-    _phase.callback = callback
+def set_gpu_done_callback(
+    callback: Callable[[], None] | None, gate: Callable[[], None] | None = None
+) -> None:
+    """The worker's side (batcher.py): what gpu_done() and gpu_step() call in this thread."""
+    _phase.callback, _phase.gate = callback, gate
 
 
 class Handler:

@@ -20,6 +20,7 @@ from pathlib import Path
 from aiohttp import web
 
 from omni.api import oip, phased
+from omni.runtime.gpuyield import YieldGate
 
 from .batcher import Batcher, InferError
 from .handler import Handler, TensorSpec
@@ -92,6 +93,7 @@ class PythonBackend:
         self.handler.load(model_dir, settings.device)
         self.inputs, self.outputs = declared(self.handler.inputs), declared(self.handler.outputs)
         delay_ms = settings.max_queue_delay_ms
+        self.gate = YieldGate(Path(settings.yield_path)) if settings.yield_path else None
         self.batcher = Batcher(
             self.handler.infer,
             partial(check_outputs, specs=self.outputs, max_bytes=settings.max_output_bytes),
@@ -99,6 +101,7 @@ class PythonBackend:
             (self.handler.max_queue_delay_ms if delay_ms is None else delay_ms) / 1000,
             settings.infer_timeout_s,
             split=settings.gpu_split,
+            gate=self.gate,
         )
 
     def add_routes(self, app: web.Application) -> None:
@@ -110,7 +113,8 @@ class PythonBackend:
         return self.batcher.hung
 
     def stats(self) -> dict:
-        return self.batcher.stats()
+        gated = self.gate.stats() if self.gate is not None else {}
+        return {**self.batcher.stats(), **gated}
 
     async def close(self) -> None:
         await self.batcher.close()

@@ -402,6 +402,7 @@ class Instance:
             ("kv_host", "kv_host_"),
             ("kv_disk", "kv_disk_"),
             ("batching", "batch_"),  # a handler's dynamic batching (omni/instance/batcher.py)
+            ("gpu_yield", "yield_"),  # its waits for hotter models of its GPU (gpuyield.py)
         ):
             part = {k: v for k, v in self.engine_stats.items() if k.startswith(prefix)}
             if part:

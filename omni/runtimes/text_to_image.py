@@ -11,7 +11,8 @@ starting noise: a result does not depend on its batch-mates (on the CPU, beyond 
 that PNG's 8 bits hide; on a GPU in float16, kernels chosen by batch size may round
 differently). The GPU's part ends with the decoded pixels (`denoise`): there the handler
 calls gpu_done(), and the PNG encoding (`encode`) runs on the CPU while the GPU serves the
-next request.
+next request. Between denoising steps it calls gpu_step(): a hotter model of its GPU
+goes first there, instead of sharing the GPU with a whole batch's steps.
 
 Weights: a model directory as diffusers saves a pipeline (`save_pretrained`: a
 model_index.json and a folder per component), e.g. `hf download stabilityai/sd-turbo
@@ -45,6 +46,7 @@ from omni.instance.handler import (
     TensorSpec,
     each,
     gpu_done,
+    gpu_step,
     together,
 )
 
@@ -77,6 +79,12 @@ def own_side(pipe: DiffusionPipeline) -> int:
     denoiser = getattr(pipe, "unet", None) or getattr(pipe, "transformer", None)
     latent = getattr(pipe, "default_sample_size", None) or denoiser.config.sample_size
     return int(latent * pipe.vae_scale_factor)
+
+
+def between_steps(pipe, step: int, timestep, tensors: dict) -> dict:
+    """diffusers' step callback: each step's end is a point to yield the GPU at."""
+    gpu_step()
+    return tensors
 
 
 def png(pixels: np.ndarray) -> dict[str, np.ndarray]:
@@ -160,6 +168,7 @@ class TextToImage(Handler):
                 guidance_scale=self.guidance,
                 generator=[torch.Generator().manual_seed(jobs[i].seed) for i in group],
                 output_type="np",
+                callback_on_step_end=between_steps,
             ).images
             pixels.update(zip(group, images, strict=True))
         return [pixels[i] for i in range(len(jobs))]

@@ -120,6 +120,18 @@ def test_the_vae_decodes_a_batchs_images_one_at_a_time(painter, model_dir):
         (model_dir / CONFIG_NAME).write_text(settings)
 
 
+def test_each_denoising_step_is_a_point_to_yield_the_gpu_at(painter):
+    """gpu_step() after each step, in the batch's GPU phase: a hotter model's request on
+    the GPU goes first there (the worker's gate; here a counter)."""
+    steps = []
+    set_gpu_done_callback(lambda: None, gate=lambda: steps.append(True))
+    try:
+        served(painter, [request("a red square"), request("a blue circle")])
+    finally:
+        set_gpu_done_callback(None)
+    assert len(steps) == STEPS
+
+
 def test_the_gpu_work_is_marked_done_before_the_png_encoding(painter):
     calls = []
     set_gpu_done_callback(lambda: calls.append(True))
