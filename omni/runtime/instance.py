@@ -146,7 +146,15 @@ class Backoff:
 
 # what omnid keeps of an instance's health answers: speculation's counters, the KV tiers',
 # and the load a router weighs (queued prompt tokens, KV blocks in use)
-ENGINE_STATS = ("spec_", "kv_host_", "kv_disk_", "kv_blocks_", "queued_prompt_tokens", "batch_")
+ENGINE_STATS = (
+    "spec_",
+    "kv_host_",
+    "kv_disk_",
+    "kv_blocks_",
+    "queued_prompt_tokens",
+    "batch_",
+    "yield_",
+)
 
 
 class Instance:
