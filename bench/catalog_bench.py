@@ -124,6 +124,8 @@ def config_toml(instances: list[Instance], args, budget: int, cold: bool) -> str
         lines += [f'runtime = "{inst.kind.runtime}"', f"permits = {args.permits}"]
         if inst.kind.handler:
             lines += [f'handler = "{inst.kind.handler}"', f"infer_timeout = {args.timeout}"]
+            if inst.kind.max_batch is not None:
+                lines.append(f"max_batch_size = {inst.kind.max_batch}")
         if not inst.gpu_split:
             lines.append("gpu_split = false")
         if (q := quota(inst, args)) is not None:

@@ -50,6 +50,7 @@ class Kind:
     quota_gib: float | None  # GPU memory quota; None: a CPU instance
     handler: str | None = None  # runtime = "python": the handler, module:Class
     settings: str = ""  # the handler's omni-model.toml
+    max_batch: int | None = None  # the catalog's max_batch_size; None: the handler's own
 
     @property
     def runtime(self) -> str:
@@ -330,6 +331,9 @@ KINDS = (
         2.5,
         "omni.runtimes.object_detector:ObjectDetector",
         HALF,
+        # a batch of 8 800x1066 images: 1.1 GiB live in float16, and PyTorch's allocator
+        # held 1.6-2.4 GiB for it under the shim (H100), which omnid charges
+        max_batch=4,
     ),
     Kind(
         "t2i",
