@@ -145,7 +145,8 @@ class Backoff:
 
 
 # what omnid keeps of an instance's health answers: speculation's counters, the KV tiers',
-# and the load a router weighs (queued prompt tokens, KV blocks in use)
+# the load a router weighs (queued prompt tokens, KV blocks in use), a handler's batching
+# and the waits for hotter models of its GPU
 ENGINE_STATS = (
     "spec_",
     "kv_host_",
