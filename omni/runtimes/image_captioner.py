@@ -31,6 +31,7 @@ from omni.instance.handler import Answers, Handler, TensorSpec, each, together
 from .images import max_pixels, read_image
 from .model_config import read_model_config
 from .tensors import bytes_tensor
+from .token_steps import yielding
 
 DEFAULT_MAX_NEW_TOKENS = 32
 
@@ -69,6 +70,7 @@ class ImageCaptioner(Handler):
                 max_new_tokens=self.max_new_tokens,
                 do_sample=False,
                 num_beams=1,
+                logits_processor=yielding(),
             )
         return self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
 

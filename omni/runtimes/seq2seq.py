@@ -32,6 +32,7 @@ from omni.instance.handler import Answers, Handler, HandlerError, TensorSpec, ea
 
 from .model_config import read_model_config
 from .tensors import bytes_tensor, single_text
+from .token_steps import yielding
 
 DEFAULT_MAX_NEW_TOKENS = 128
 DEFAULT_MAX_INPUT_TOKENS = 1024
@@ -97,6 +98,7 @@ class Seq2Seq(Handler):
             tokens = self.model.generate(
                 input_ids=padded["input_ids"].to(self.device),
                 attention_mask=padded["attention_mask"].to(self.device),
+                logits_processor=yielding(),
                 **self.options,
             )
         texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True)

@@ -31,6 +31,7 @@ from omni.instance.handler import Answers, Handler, HandlerError, TensorSpec, ea
 from .audio import SAMPLE_RATE, decode_audio
 from .model_config import read_model_config
 from .tensors import bytes_tensor, single_bytes
+from .token_steps import yielding
 
 MAX_SECONDS = 30.0  # Whisper's window: longer audio would be cut silently
 PROMPT_TOKENS = 4  # <|startoftranscript|><|en|><|transcribe|><|notimestamps|>
@@ -89,7 +90,7 @@ class WhisperASR(Handler):
             clips, sampling_rate=SAMPLE_RATE, return_tensors="pt"
         ).input_features.to(self.device, self.dtype)
         with torch.inference_mode():
-            tokens = self.model.generate(features, **self.options)
+            tokens = self.model.generate(features, logits_processor=yielding(), **self.options)
         texts = self.processor.batch_decode(tokens, skip_special_tokens=True)
         return [text.strip() for text in texts]
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import soundfile
 
-from omni.instance.handler import Handler, HandlerError
+from omni.instance.handler import Handler, HandlerError, set_gpu_done_callback
 from omni.instance.validate import check_inputs, check_outputs
 from omni.runtimes.audio import SAMPLE_RATE, decode_audio
 from omni.runtimes.model_config import CONFIG_NAME
@@ -30,6 +30,17 @@ def served(handler: Handler, batch: list[dict[str, np.ndarray]]) -> list[dict[st
     for refused in (r for r in results if isinstance(r, HandlerError)):
         raise refused
     return [check_outputs(result, handler.outputs, MAX_RESPONSE_BYTES) for result in results]
+
+
+def yield_points(handler: Handler, batch: list[dict[str, np.ndarray]]) -> tuple[list, int]:
+    """`served`, counting the handler's gpu_step() calls in the batch's GPU phase (the
+    worker's yield gate; here a counter)."""
+    steps: list[bool] = []
+    set_gpu_done_callback(lambda: None, gate=lambda: steps.append(True))
+    try:
+        return served(handler, batch), len(steps)
+    finally:
+        set_gpu_done_callback(None)
 
 
 def as_request(**tensors: bytes) -> dict[str, np.ndarray]:

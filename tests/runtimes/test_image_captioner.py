@@ -16,7 +16,7 @@ from omni.instance.validate import TensorError
 from omni.runtimes.image_captioner import ImageCaptioner
 from omni.runtimes.model_config import CONFIG_NAME
 
-from .conftest import as_request, served
+from .conftest import as_request, served, yield_points
 from .vision import (
     PHOTOS,
     WORDS,
@@ -98,3 +98,11 @@ def test_bad_files_fail_alone_naming_the_image(captioner):
 def test_a_wrong_tensor_is_refused_before_the_handler(captioner):
     with pytest.raises(TensorError, match=r"unknown input 'picture'; this model takes \['image'\]"):
         served(captioner, [{"picture": np.array([b"a"], dtype=object)}])
+
+
+def test_each_decoded_token_is_a_point_to_yield_the_gpu_at(captioner):
+    """gpu_step() between the decoder's steps; the captions are those without it."""
+    batch = [as_request(image=f) for f in FILES.values()]
+    results, steps = yield_points(captioner, batch)
+    assert steps >= 1
+    assert [r["text"][0] for r in results] == [r["text"][0] for r in served(captioner, batch)]

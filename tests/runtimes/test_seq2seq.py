@@ -20,7 +20,7 @@ from omni.runtime.defaults import MINILM_DIR, MINILM_PACKAGE, package_dir
 from omni.runtimes.model_config import CONFIG_NAME
 from omni.runtimes.seq2seq import Seq2Seq, model_dtype
 
-from .conftest import as_request, served
+from .conftest import as_request, served, yield_points
 
 PREFIX = "summarize: "
 MAX_NEW_TOKENS = 8
@@ -125,3 +125,11 @@ def test_the_gpu_dtype_is_a_setting():
     assert model_dtype({"dtype": "bfloat16"}, "cuda:0") == torch.bfloat16
     with pytest.raises(ValueError, match="dtype"):
         model_dtype({"dtype": "int8"}, "cuda:0")
+
+
+def test_each_decoded_token_is_a_point_to_yield_the_gpu_at(seq2seq):
+    """gpu_step() between the decoder's steps; the texts are those without it."""
+    batch = [request("translate English to German: a red house"), request("summarize: hi")]
+    results, steps = yield_points(seq2seq, batch)
+    assert steps >= 1
+    assert texts(results) == texts(served(seq2seq, batch))

@@ -25,7 +25,7 @@ from transformers import (
 from omni.instance.handler import HandlerError
 from omni.runtimes.whisper_asr import WhisperASR
 
-from .conftest import as_request, served, wav_bytes
+from .conftest import as_request, served, wav_bytes, yield_points
 
 SPECIAL_TOKENS = ("<|startoftranscript|>", "<|en|>", "<|transcribe|>", "<|notimestamps|>")
 
@@ -102,3 +102,11 @@ def test_the_same_clip_gives_the_same_transcript(asr):
 def test_audio_longer_than_whisper_hears_is_refused(asr):
     with pytest.raises(HandlerError, match="30 s"):
         served(asr, [noise_clip(31.0, 5)])
+
+
+def test_each_decoded_token_is_a_point_to_yield_the_gpu_at(asr):
+    """gpu_step() between the decoder's steps; the transcripts are those without it."""
+    clips = [noise_clip(1.0, seed) for seed in range(2)]
+    results, steps = yield_points(asr, clips)
+    assert steps >= 1
+    assert texts(results) == texts(served(asr, clips))
