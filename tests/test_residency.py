@@ -508,42 +508,59 @@ def test_growth_past_its_charge_sends_idle_instances_out_once_the_request_ends()
     assert {t["b"].state, t["c"].state} == {Residency.RESIDENT, Residency.SWAPPED}
 
 
+def head_scenario(
+    quotas: dict[str, float],
+    busy_s: float,
+    later: list[tuple[str, str, float]],
+    holds: dict[str, float] | None = None,
+    demands: dict[str, float] | None = None,
+) -> dict[str, float]:
+    """On a 4-quota GPU, `b1` and `b2` (resident, the others cold) serve `busy_s`
+    requests; 0.05 s in, `big` asks for room; past HEAD_AFTER_S the `later` requests
+    (tenant, label, seconds held) arrive. `holds` and `demands`: request times and
+    demand as if measured before. When each request began, from the first; the budget
+    holds throughout."""
+    starts: dict[str, float] = {}
+
+    async def main():
+        pool = GpuPool(0, 4 * Q, swap_timeout_s=5)
+        pool.evict_idle_s = 0
+        t = {}
+        for name, quota in quotas.items():
+            t[name] = Tenant(name, int(quota * Q), lambda reason: None)
+            pool.add(t[name])
+            await pool.starting(t[name], Block())
+            await pool.ready(t[name], cold=name not in ("b1", "b2"))
+        for name, hold_s in (holds or {}).items():
+            t[name].hold_s = hold_s
+        for name, demand in (demands or {}).items():
+            t[name].demand, t[name].demand_at = demand, time.monotonic()
+        t0 = time.monotonic()
+
+        async def timed(name: str, label: str, hold_s: float) -> None:
+            async with pool.use(t[name], time.monotonic() + 10):
+                starts[label] = time.monotonic() - t0
+                assert pool.charged_bytes <= pool.budget_bytes
+                await asyncio.sleep(hold_s)
+
+        busy = [asyncio.create_task(timed(n, n, busy_s)) for n in ("b1", "b2")]
+        await asyncio.sleep(0.05)
+        big = asyncio.create_task(timed("big", "big", 0.05))
+        await asyncio.sleep(HEAD_AFTER_S + 0.1)
+        await asyncio.gather(*busy, big, *(timed(*request) for request in later))
+
+    asyncio.run(main())
+    return starts
+
+
 def test_a_large_swap_in_that_has_waited_takes_the_room_before_later_ones():
     """A 3.5-quota model waits while two resident ones serve. Past HEAD_AFTER_S it is the
     head: a small cold model arriving then does not take the free room, and a new
     request for a resident one waits (drains), so the large one goes in as soon as the
     two are idle. Taking turns by arrival, it would wait for the small one's request too."""
-    starts: dict[str, float] = {}
-
-    async def timed(pool, tenant, label, hold_s):
-        async with pool.use(tenant, time.monotonic() + 10):
-            starts[label] = time.monotonic() - t0
-            await asyncio.sleep(hold_s)
-
-    async def main():
-        nonlocal t0
-        pool = GpuPool(0, 4 * Q, swap_timeout_s=5)
-        pool.evict_idle_s = 0
-        quotas = {"big": int(3.5 * Q), "b1": Q, "b2": Q, "small": Q}
-        t = {}
-        for name, quota in quotas.items():
-            t[name] = Tenant(name, quota, lambda reason: None)
-            pool.add(t[name])
-            await pool.starting(t[name], Block())
-            await pool.ready(t[name], cold=name in ("big", "small"))
-        t0 = time.monotonic()
-        busy = [asyncio.create_task(timed(pool, t[n], n, 0.9)) for n in ("b1", "b2")]
-        await asyncio.sleep(0.05)
-        big = asyncio.create_task(timed(pool, t["big"], "big", 0.05))
-        await asyncio.sleep(HEAD_AFTER_S + 0.1)
-        later = [
-            asyncio.create_task(timed(pool, t["small"], "small", 1.0)),
-            asyncio.create_task(timed(pool, t["b1"], "b1 again", 0.05)),
-        ]
-        await asyncio.gather(*busy, big, *later)
-
-    t0 = 0.0
-    asyncio.run(main())
+    quotas = {"big": 3.5, "b1": 1, "b2": 1, "small": 1}
+    later = [("small", "small", 1.0), ("b1", "b1 again", 0.05)]
+    starts = head_scenario(quotas, 0.9, later)
     assert starts["big"] < starts["small"] and starts["big"] < starts["b1 again"], starts
     assert starts["big"] < 0.9 + 0.5, starts  # not behind the small one's 1 s request
 
@@ -553,42 +570,12 @@ def test_a_short_cold_request_is_served_in_the_room_the_head_cannot_use_yet():
     cold model whose swap-in, request and swap-out should be over before that (measured:
     a request holds it 0.05 s) backfills the free room and is served at once; one whose
     requests hold it 3 s waits for the drain. The head still goes in when the two end."""
-    starts: dict[str, float] = {}
-
-    async def timed(pool, tenant, label, hold_s):
-        async with pool.use(tenant, time.monotonic() + 10):
-            starts[label] = time.monotonic() - t0
-            assert pool.charged_bytes <= pool.budget_bytes
-            await asyncio.sleep(hold_s)
-
-    async def main():
-        nonlocal t0
-        pool = GpuPool(0, 4 * Q, swap_timeout_s=5)
-        pool.evict_idle_s = 0
-        quotas = {"big": 3.5, "b1": 1, "b2": 1, "quick": 0.5, "slow": 0.5}
-        holds = {"b1": 2.0, "b2": 2.0, "quick": 0.05, "slow": 3.0}
-        t = {}
-        for name, quota in quotas.items():
-            t[name] = Tenant(name, int(quota * Q), lambda reason: None)
-            pool.add(t[name])
-            await pool.starting(t[name], Block())
-            await pool.ready(t[name], cold=name not in ("b1", "b2"))
-            t[name].hold_s = holds.get(name)  # as measured by earlier requests
-        for name in ("b1", "b2"):  # the most wanted, and too large to be hot: none is
-            t[name].demand, t[name].demand_at = 5.0, time.monotonic()
-        t0 = time.monotonic()
-        busy = [asyncio.create_task(timed(pool, t[n], n, 2.0)) for n in ("b1", "b2")]
-        await asyncio.sleep(0.05)
-        big = asyncio.create_task(timed(pool, t["big"], "big", 0.05))
-        await asyncio.sleep(HEAD_AFTER_S + 0.1)
-        later = [
-            asyncio.create_task(timed(pool, t["quick"], "quick", 0.05)),
-            asyncio.create_task(timed(pool, t["slow"], "slow", 0.05)),
-        ]
-        await asyncio.gather(*busy, big, *later)
-
-    t0 = 0.0
-    asyncio.run(main())
+    quotas = {"big": 3.5, "b1": 1, "b2": 1, "quick": 0.5, "slow": 0.5}
+    holds = {"b1": 2.0, "b2": 2.0, "quick": 0.05, "slow": 3.0}
+    later = [("quick", "quick", 0.05), ("slow", "slow", 0.05)]
+    # b1 and b2 the most wanted, and too large to be hot: none is (by demand alone, the
+    # latest arrival would be, and fit the room left beside the largest charge)
+    starts = head_scenario(quotas, 2.0, later, holds, demands={"b1": 5.0, "b2": 5.0})
     assert starts["quick"] < 1.5 < 2.0 < starts["big"], starts  # in before the drain ended
     assert starts["slow"] > 1.9, starts  # not before the drain: it would hold the head up
     assert starts["big"] < 2.0 + 0.4, starts  # the backfill did not hold the head up
