@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.catalog_bench import picture
 from bench.catalog_models import write_detr, write_sd
+from bench.engine_bench import device_tag
 from bench.results_io import write_result
 from omni.runtimes.model_config import CONFIG_NAME
 from omni.runtimes.object_detector import ObjectDetector
@@ -136,9 +137,7 @@ def main() -> None:
             f"{r['kind']:9} {r['batch']:5}  {r['setting']:22} "
             f"{r['peak_over_weights_mib']:14} MiB {r['seconds']:8.2f}"
         )
-    name = "handler-memory-" + ("h100" if device == "cuda" else "cpu")
-    if device == "cuda" and "H100" not in torch.cuda.get_device_name():
-        name = "handler-memory-" + torch.cuda.get_device_name().split()[-1].lower()
+    name = f"handler-memory-{device_tag()}"
     measure = "torch peak allocation" if device == "cuda" else "peak RSS, sampled every 5 ms"
     print("wrote", write_result(name, {"measure": measure, "cases": rows}))
 
