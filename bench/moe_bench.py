@@ -367,23 +367,49 @@ def profile(args, cfg: dict, device: str, dtype) -> dict:
     else:  # the harness check (--small): no kernels to profile
         decode()
         kernels = []
-    engine.shutdown()
     steps = args.new - 1
     tok_s = runs[-1].get("decode_tok_s")
-    return {
+    result = {
         "pdl": os.environ.get("OMNI_PDL", "1") != "0",
         "decode_tok_s": tok_s,
         "step_us": 1e6 / tok_s if tok_s else None,
-        "kernels": [
-            {
-                "kernel": r["kernel"],
-                "per_step": r["calls"] / steps,
-                "us_per_step": r["cuda_us"] / steps,
-                "share": r["share"],
-            }
-            for r in kernels
-        ],
+        "kernels": per_step(kernels, steps),
+        "batches": {},
     }
+    for batch in args.profile_batches if device == "cuda" else []:
+        result["batches"][str(batch)] = batch_profile(engine, batch, args.prompt + args.new // 2)
+    engine.shutdown()
+    return result
+
+
+def per_step(kernels: list[dict], steps: int) -> list[dict]:
+    return [
+        {
+            "kernel": r["kernel"],
+            "per_step": r["calls"] / steps,
+            "us_per_step": r["cuda_us"] / steps,
+            "share": r["share"],
+        }
+        for r in kernels
+    ]
+
+
+def batch_profile(engine, batch: int, context: int) -> dict:
+    """One decode step of `batch` sequences at `context` tokens each, as the engine runs
+    it (its CUDA graph where one holds the batch): its GPU time, and by kernel."""
+    from bench.diagnostics.profile_engine import cuda_ms, decode_batch, top_kernels
+
+    runner = engine.runner
+    step = decode_batch(runner, batch, context)
+    inputs = runner.prepare_inputs(step, {})
+
+    def run() -> None:
+        runner.run_inputs(inputs, None)
+
+    repeats = 20
+    ms = cuda_ms(run, repeats)
+    kernels = top_kernels(lambda: [run() for _ in range(repeats)], 25)
+    return {"context": context, "step_ms": ms, "kernels": per_step(kernels, repeats)}
 
 
 def hf(args, cfg: dict, device: str, dtype) -> dict:
@@ -451,6 +477,7 @@ def child(side: str, args, out: Path, env: dict | None = None) -> dict:
     argv += ["--new", str(args.new)]
     argv += ["--max-seqs", str(args.max_seqs)] + (["--small"] if args.small else [])
     argv += ["--hf-256"] if args.hf_256 else []
+    argv += ["--profile-batches", ",".join(map(str, args.profile_batches))]
     t0 = time.perf_counter()
     proc = subprocess.run(argv, timeout=args.timeout, env=os.environ | (env or {}))
     if proc.returncode != 0 or not out.exists():
@@ -475,6 +502,12 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument(
         "--profile", action="store_true", help="also a batch-1 step's kernels (profiler)"
+    )
+    ap.add_argument(
+        "--profile-batches",
+        type=lambda s: [int(b) for b in s.split(",") if b],
+        default=[],
+        help="with --profile: decode steps of these batch sizes too, kernel by kernel",
     )
     ap.add_argument("--timeout", type=float, default=420)
     ap.add_argument("--phase", choices=("ours", "hf", "profile"))
@@ -558,6 +591,12 @@ def main() -> None:
         print(f"\nbatch-1 step without dependent launches: {fmt(prof['step_us'])} us, of which")
         for r in prof["kernels"][:12]:
             print(f"{r['us_per_step']:9.1f} us {r['per_step']:6.1f}x  {r['kernel'][:70]}")
+        for b, p in prof.get("batches", {}).items():
+            print(
+                f"\nbatch-{b} decode step at {p['context']} tokens: {p['step_ms']:.2f} ms, of which"
+            )
+            for r in p["kernels"][:15]:
+                print(f"{r['us_per_step']:9.1f} us {r['per_step']:6.1f}x  {r['kernel'][:70]}")
     print(f"wrote {path}")
 
 

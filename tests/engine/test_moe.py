@@ -9,7 +9,7 @@ from torch.nn import functional as F
 
 from omni.engine.checkpoint import CheckpointError
 from omni.engine.kernels import fused_moe_ref, rms_norm_ref
-from omni.engine.kernels.moe import align_by_expert, fused_moe, router, sum_slots
+from omni.engine.kernels.moe import align_by_expert, fused_moe, router, sub_blocks, sum_slots
 from omni.engine.kernels.moe import route as kernel_route
 from omni.engine.kernels.norm import rms_norm
 from omni.engine.moe import MoEConfig, moe_config, route, stack_experts
@@ -114,7 +114,10 @@ def test_align_by_expert_puts_every_slot_in_one_block_of_its_expert():
     assert sorted(seen) == list(range(slots))
 
 
-@pytest.mark.parametrize(("tokens", "experts", "k"), [(37, 8, 2), (3, 6, 3)])
+# one-slot (3 tokens), then programs of 1, 2 and 4 blocks an expert (sub_blocks)
+@pytest.mark.parametrize(
+    ("tokens", "experts", "k"), [(3, 6, 3), (37, 8, 2), (60, 6, 2), (90, 4, 2)]
+)
 def test_fused_moe_kernel_against_the_reference(tokens, experts, k):
     gen = torch.Generator(device=DEVICE).manual_seed(tokens + experts)
     hidden, inter = (512, 384) if GPU else (64, 48)
@@ -226,11 +229,20 @@ def test_eagle_taps_after_a_moe_layer_record_the_summed_hidden_state():
 @pytest.mark.gpu
 def test_fused_moe_rows_do_not_depend_on_the_batch():
     """Bit for bit: a token's output alone, among a few and among many (its experts'
-    blocks then hold other tokens), on the one-slot path (1 and 7 tokens) and grouped."""
+    blocks then hold other tokens), on the one-slot path (1 and 7 tokens) and grouped,
+    with programs of 1, 2 and 4 blocks an expert (40, 100 and 200 or more tokens)."""
     gen = torch.Generator(device=DEVICE).manual_seed(7)
     x, gate_up, down, weights, ids = moe_inputs(gen, 1200, 8, 2, 1024, 512)
     full = fused_moe(x, gate_up, down, weights, ids)
-    for rows in (slice(0, 1), slice(5, 12), slice(100, 300), slice(200, 1000)):
+    assert [sub_blocks(2 * n, 8) for n in (40, 100, 200)] == [1, 2, 4]
+    for rows in (
+        slice(0, 1),
+        slice(5, 12),
+        slice(40, 80),
+        slice(300, 400),
+        slice(100, 300),
+        slice(200, 1000),
+    ):
         part = fused_moe(x[rows], gate_up, down, weights[rows], ids[rows])
         assert torch.equal(part, full[rows]), rows
 

@@ -319,6 +319,32 @@ def _weight_tile(
 
 
 @triton.jit
+def _x_tile(x_ptr, rows, valid, ks, K, TOP_K: tl.constexpr):
+    """The rows' tokens' inputs x[row // TOP_K, ks] [BLOCK_M, BLOCK_K] (zero where invalid)."""
+    tokens = rows // TOP_K
+    return tl.load(
+        x_ptr + tokens[:, None] * K + ks[None, :],
+        mask=valid[:, None] & (ks[None, :] < K),
+        other=0.0,
+    )
+
+
+@triton.jit
+def _store_act(act_ptr, rows, valid, offs_n, acc_g, acc_u, INTER):
+    """act[row, offs_n] = silu(gate) * up, each rounded first as the reference's matmul
+    output."""
+    out_ty = act_ptr.dtype.element_ty
+    gate = acc_g.to(out_ty).to(tl.float32)
+    up = acc_u.to(out_ty).to(tl.float32)
+    act = gate * tl.sigmoid(gate) * up
+    tl.store(
+        act_ptr + rows[:, None] * INTER + offs_n[None, :],
+        act.to(out_ty),
+        mask=valid[:, None] & (offs_n[None, :] < INTER),
+    )
+
+
+@triton.jit
 def _moe_gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -339,52 +365,94 @@ def _moe_gate_up_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SUB: tl.constexpr,
     ONE_SLOT: tl.constexpr,
     QUANT: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     SCALE_COLS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """act[slot] = silu(x[token] @ gate[e].T) * (x[token] @ up[e].T) for a block of slots
-    of expert e, BLOCK_N of the intermediate columns. ONE_SLOT: block b is slot b alone
-    (its expert: the ids, flat), no grouping at all. QUANT: the weights as _weight_tile
-    reads them; up's rows start INTER rows (W_ROW apart) and its scales S_UP after gate's."""
+    """act[slot] = silu(x[token] @ gate[e].T) * (x[token] @ up[e].T) for SUB blocks of
+    BLOCK_M slots of expert e, BLOCK_N of the intermediate columns: each weight tile is
+    read once for the SUB blocks, and each block takes its own dot products, the same
+    whatever SUB is. ONE_SLOT: block b is slot b alone (its expert: the ids, flat), no
+    grouping at all. QUANT: the weights as _weight_tile reads them; up's rows start INTER
+    rows (W_ROW apart) and its scales S_UP after gate's."""
     wait_for_inputs(PDL)
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= EXPERTS:
         return
-    rows = _block_rows(rows_ptr, block, slots, BLOCK_M, ONE_SLOT)
-    valid = rows < slots
-    tokens = rows // TOP_K
+    rows0 = _block_rows(rows_ptr, block * SUB, slots, BLOCK_M, ONE_SLOT)
+    valid0 = rows0 < slots
+    acc_g0 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    acc_u0 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if SUB >= 2:
+        rows1 = _block_rows(rows_ptr, block * SUB + 1, slots, BLOCK_M, ONE_SLOT)
+        valid1 = rows1 < slots
+        acc_g1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_u1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if SUB >= 4:
+        rows2 = _block_rows(rows_ptr, block * SUB + 2, slots, BLOCK_M, ONE_SLOT)
+        rows3 = _block_rows(rows_ptr, block * SUB + 3, slots, BLOCK_M, ONE_SLOT)
+        valid2, valid3 = rows2 < slots, rows3 < slots
+        acc_g2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_u2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_g3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc_u3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_gate = w_ptr + expert.to(tl.int64) * W_EXPERT
     s_gate = s_ptr + expert.to(tl.int64) * S_EXPERT
     w_up, s_up = w_gate + INTER * W_ROW, s_gate + S_UP
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         ks = k * BLOCK_K + offs_k
-        x = tl.load(
-            x_ptr + tokens[:, None] * K + ks[None, :],
-            mask=valid[:, None] & (ks[None, :] < K),
-            other=0.0,
-        )
+        x0 = _x_tile(x_ptr, rows0, valid0, ks, K, TOP_K)
         g = _weight_tile(w_gate, s_gate, offs_n, ks, INTER, K, W_ROW, S_ROW, k * BLOCK_K,
-                         QUANT, SCALE_ROWS, SCALE_COLS, BLOCK_K)  # fmt: skip
+                         QUANT, SCALE_ROWS, SCALE_COLS, BLOCK_K).to(x0.dtype)  # fmt: skip
         u = _weight_tile(w_up, s_up, offs_n, ks, INTER, K, W_ROW, S_ROW, k * BLOCK_K,
-                         QUANT, SCALE_ROWS, SCALE_COLS, BLOCK_K)  # fmt: skip
-        acc_g = tl.dot(x, g.to(x.dtype), acc_g)
-        acc_u = tl.dot(x, u.to(x.dtype), acc_u)
-    out_ty = act_ptr.dtype.element_ty
-    gate = acc_g.to(out_ty).to(tl.float32)  # rounded as the reference's matmul output
-    up = acc_u.to(out_ty).to(tl.float32)
-    act = gate * tl.sigmoid(gate) * up
+                         QUANT, SCALE_ROWS, SCALE_COLS, BLOCK_K).to(x0.dtype)  # fmt: skip
+        acc_g0 = tl.dot(x0, g, acc_g0)
+        acc_u0 = tl.dot(x0, u, acc_u0)
+        if SUB >= 2:
+            x1 = _x_tile(x_ptr, rows1, valid1, ks, K, TOP_K)
+            acc_g1 = tl.dot(x1, g, acc_g1)
+            acc_u1 = tl.dot(x1, u, acc_u1)
+        if SUB >= 4:
+            x2 = _x_tile(x_ptr, rows2, valid2, ks, K, TOP_K)
+            x3 = _x_tile(x_ptr, rows3, valid3, ks, K, TOP_K)
+            acc_g2 = tl.dot(x2, g, acc_g2)
+            acc_u2 = tl.dot(x2, u, acc_u2)
+            acc_g3 = tl.dot(x3, g, acc_g3)
+            acc_u3 = tl.dot(x3, u, acc_u3)
+    _store_act(act_ptr, rows0, valid0, offs_n, acc_g0, acc_u0, INTER)
+    if SUB >= 2:
+        _store_act(act_ptr, rows1, valid1, offs_n, acc_g1, acc_u1, INTER)
+    if SUB >= 4:
+        _store_act(act_ptr, rows2, valid2, offs_n, acc_g2, acc_u2, INTER)
+        _store_act(act_ptr, rows3, valid3, offs_n, acc_g3, acc_u3, INTER)
+
+
+@triton.jit
+def _act_tile(act_ptr, rows, valid, ks, INTER):
+    """act[rows, ks] [BLOCK_M, BLOCK_K] (zero where invalid)."""
+    return tl.load(
+        act_ptr + rows[:, None] * INTER + ks[None, :],
+        mask=valid[:, None] & (ks[None, :] < INTER),
+        other=0.0,
+    )
+
+
+@triton.jit
+def _store_down(out_ptr, weights_ptr, rows, valid, offs_n, acc, HIDDEN, out_ty):
+    """out[row, offs_n] = the row's routing weight times its output, rounded first to
+    `out_ty` as the reference's matmul output; fp32."""
+    weight = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
+    y = acc.to(out_ty).to(tl.float32) * weight[:, None]
     tl.store(
-        act_ptr + rows[:, None] * INTER + offs_n[None, :],
-        act.to(out_ty),
-        mask=valid[:, None] & (offs_n[None, :] < INTER),
+        out_ptr + rows[:, None] * HIDDEN + offs_n[None, :],
+        y,
+        mask=valid[:, None] & (offs_n[None, :] < HIDDEN),
     )
 
 
@@ -408,49 +476,62 @@ def _moe_down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SUB: tl.constexpr,
     ONE_SLOT: tl.constexpr,
     QUANT: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     SCALE_COLS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out[slot] = weight[slot] * (act[slot] @ down[e].T), fp32, for a block of slots of
-    expert e and BLOCK_N of the hidden columns (QUANT: the weights as _weight_tile reads
+    """out[slot] = weight[slot] * (act[slot] @ down[e].T), fp32, for SUB blocks of BLOCK_M
+    slots of expert e (each weight tile read once for them, each block its own dot
+    products) and BLOCK_N of the hidden columns (QUANT: the weights as _weight_tile reads
     them)."""
     # Before the wait (PDL): the kernel right before is gate/up, and the routing and the
-    # grouping were done before it (pdl.py): this block's expert, rows and routing weights
-    # are read while gate/up ends. (Asking L2 for its first two weight tiles there too was
-    # slower on the H100 at batch 1: 293.0 against 296.2 tok/s, .probe.)
+    # grouping were done before it (pdl.py): this block's expert and rows are read while
+    # gate/up ends. (Asking L2 for its first two weight tiles there too was slower on the
+    # H100 at batch 1: 293.0 against 296.2 tok/s, .probe.)
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= EXPERTS:
         wait_for_inputs(PDL)
         return
-    rows = _block_rows(rows_ptr, block, slots, BLOCK_M, ONE_SLOT)
-    valid = rows < slots
-    weight = tl.load(weights_ptr + rows, mask=valid, other=0.0).to(tl.float32)
+    rows0 = _block_rows(rows_ptr, block * SUB, slots, BLOCK_M, ONE_SLOT)
+    valid0 = rows0 < slots
+    acc0 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if SUB >= 2:
+        rows1 = _block_rows(rows_ptr, block * SUB + 1, slots, BLOCK_M, ONE_SLOT)
+        valid1 = rows1 < slots
+        acc1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if SUB >= 4:
+        rows2 = _block_rows(rows_ptr, block * SUB + 2, slots, BLOCK_M, ONE_SLOT)
+        rows3 = _block_rows(rows_ptr, block * SUB + 3, slots, BLOCK_M, ONE_SLOT)
+        valid2, valid3 = rows2 < slots, rows3 < slots
+        acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     w_base = w_ptr + expert.to(tl.int64) * W_EXPERT
     s_base = s_ptr + expert.to(tl.int64) * S_EXPERT
     wait_for_inputs(PDL)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k in range(0, tl.cdiv(INTER, BLOCK_K)):
         ks = k * BLOCK_K + offs_k
-        a = tl.load(
-            act_ptr + rows[:, None] * INTER + ks[None, :],
-            mask=valid[:, None] & (ks[None, :] < INTER),
-            other=0.0,
-        )
+        a0 = _act_tile(act_ptr, rows0, valid0, ks, INTER)
         w = _weight_tile(w_base, s_base, offs_n, ks, HIDDEN, INTER, W_ROW, S_ROW, k * BLOCK_K,
-                         QUANT, SCALE_ROWS, SCALE_COLS, BLOCK_K)  # fmt: skip
-        acc = tl.dot(a, w.to(a.dtype), acc)
-    y = acc.to(act_ptr.dtype.element_ty).to(tl.float32) * weight[:, None]
-    tl.store(
-        out_ptr + rows[:, None] * HIDDEN + offs_n[None, :],
-        y,
-        mask=valid[:, None] & (offs_n[None, :] < HIDDEN),
-    )
+                         QUANT, SCALE_ROWS, SCALE_COLS, BLOCK_K).to(a0.dtype)  # fmt: skip
+        acc0 = tl.dot(a0, w, acc0)
+        if SUB >= 2:
+            acc1 = tl.dot(_act_tile(act_ptr, rows1, valid1, ks, INTER), w, acc1)
+        if SUB >= 4:
+            acc2 = tl.dot(_act_tile(act_ptr, rows2, valid2, ks, INTER), w, acc2)
+            acc3 = tl.dot(_act_tile(act_ptr, rows3, valid3, ks, INTER), w, acc3)
+    out_ty = act_ptr.dtype.element_ty
+    _store_down(out_ptr, weights_ptr, rows0, valid0, offs_n, acc0, HIDDEN, out_ty)
+    if SUB >= 2:
+        _store_down(out_ptr, weights_ptr, rows1, valid1, offs_n, acc1, HIDDEN, out_ty)
+    if SUB >= 4:
+        _store_down(out_ptr, weights_ptr, rows2, valid2, offs_n, acc2, HIDDEN, out_ty)
+        _store_down(out_ptr, weights_ptr, rows3, valid3, offs_n, acc3, HIDDEN, out_ty)
 
 
 # Tiles: one set for every size. A (token, slot) row chains its dot products over K in
@@ -473,6 +554,14 @@ MOE_TILES = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
 # computed as in a shared block, bit for bit. Beyond, slots share their experts' weight
 # reads. (Which one a step takes follows its size; no row's bits do.)
 ONE_SLOT_MAX = 64
+
+
+def sub_blocks(slots: int, experts: int) -> int:
+    """How many MOE_TILES row blocks of one expert a program takes (1, 2 or 4): enough
+    for the rows an expert gets on average, so that its weight tiles are read once, not
+    once per block. Only the reads follow it: each block's dot products are the same."""
+    mean = slots / experts
+    return 1 if mean <= 12 else 2 if mean <= 28 else 4
 
 
 def fused_moe(
@@ -570,10 +659,11 @@ def _moe(x, shape, stacks, weights, ids, partial: bool, summed: bool) -> torch.T
     block_m, block_n = t.pop("BLOCK_M"), t.pop("BLOCK_N")
     t |= pdl_options(x.device)
     one_slot = slots <= ONE_SLOT_MAX
+    sub = 1 if one_slot else sub_blocks(slots, experts)
     if one_slot:  # a block per slot: its expert's weights are read once per slot
         rows, block_expert = ids, ids.reshape(-1)  # (rows: unread)
     else:
-        rows, block_expert = align_by_expert(ids, experts, block_m)
+        rows, block_expert = align_by_expert(ids, experts, block_m * sub)
     blocks = block_expert.shape[0]
     x = x.contiguous()
     gate_up, down = ({**a} for a in stacks)
@@ -583,7 +673,7 @@ def _moe(x, shape, stacks, weights, ids, partial: bool, summed: bool) -> torch.T
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
     _moe_gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
         x, gu_w, gu_s, act, rows, block_expert, slots, hidden, inter, experts, TOP_K=k,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=MOE_BLOCK_K, ONE_SLOT=one_slot,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=MOE_BLOCK_K, SUB=sub, ONE_SLOT=one_slot,
         **gate_up, **t,
     )  # fmt: skip
     out = (torch.zeros if partial else torch.empty)(
@@ -592,7 +682,7 @@ def _moe(x, shape, stacks, weights, ids, partial: bool, summed: bool) -> torch.T
     _moe_down_kernel[(blocks, triton.cdiv(hidden, block_n))](
         act, down_w, down_s, weights.reshape(-1).contiguous(), out, rows, block_expert,
         slots, hidden, inter, experts, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_K=MOE_BLOCK_K, ONE_SLOT=one_slot, **down, **t,
+        BLOCK_K=MOE_BLOCK_K, SUB=sub, ONE_SLOT=one_slot, **down, **t,
     )  # fmt: skip
     out = out.view(tokens, k, hidden)
     return sum_slots(out, x.dtype) if summed else out

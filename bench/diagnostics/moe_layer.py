@@ -1,0 +1,174 @@
+"""One mixture-of-experts layer's experts (kernels/moe.py's fused_moe) at decode batch
+sizes, against the bytes they must read: a diagnostic for the MoE-speed work, not a
+benchmark with a target.
+
+For Moonlight-16B-A3B's and Qwen3-30B-A3B's expert shapes, random bf16 weights and a
+uniform random top-k routing, each batch size's layer time under a CUDA graph (eight
+layers a replay, two weight sets taking turns so that L2 holds no layer's experts), the
+share of each kernel, and the rate at which it reads its distinct experts' weights,
+against the card's copy bandwidth. Variants of the tiles (sub_blocks, the columns a
+program takes, warps, stages) run on the same inputs; each says whether its outputs are
+the default's bit for bit. Prints a table, writes bench/results/moe-layer-<gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.diagnostics.profile_engine import top_kernels
+from bench.engine_bench import device_tag, measure_bandwidth
+from bench.results_io import write_result
+from omni.engine.kernels import moe
+
+# (experts, top-k, hidden, intermediate) as the published configs give them
+SHAPES = {"moonlight-16b-a3b": (64, 6, 2048, 1408), "qwen3-30b-a3b": (128, 8, 2048, 768)}
+LAYERS = 8  # launches a graph replay; weights alternate between two sets
+# name: (sub_blocks override or None, tile overrides)
+VARIANTS = {
+    "default": (None, {}),
+    "one block a program": (1, {}),
+    "two blocks a program": (2, {}),
+    "four blocks a program": (4, {}),
+    "128 columns": (None, {"BLOCK_N": 128}),
+    "32 columns": (None, {"BLOCK_N": 32}),
+    "4 stages": (None, {"num_stages": 4}),
+    "8 warps, 128 columns": (None, {"BLOCK_N": 128, "num_warps": 8}),
+}
+
+
+def inputs(shape: tuple[int, int, int, int], tokens: int, seed: int):
+    experts, k, hidden, _ = shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen, device="cuda").to(torch.bfloat16)
+    scores = torch.rand(tokens, experts, generator=gen, device="cuda")
+    top, ids = scores.topk(k, dim=-1)
+    weights = (top / top.sum(-1, keepdim=True)).to(torch.bfloat16)
+    return x, weights, ids
+
+
+def weight_sets(shape: tuple[int, int, int, int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    experts, _, hidden, inter = shape
+    sets = []
+    for s in range(2):
+        gen = torch.Generator(device="cuda").manual_seed(100 + s)
+        gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen, device="cuda")
+        down = torch.randn(experts, hidden, inter, generator=gen, device="cuda")
+        sets.append(
+            ((gate_up * hidden**-0.5).to(torch.bfloat16), (down * inter**-0.5).to(torch.bfloat16))
+        )
+    return sets
+
+
+class Variant:
+    """moe's tiles and sub_blocks as a variant sets them, while the block runs."""
+
+    def __init__(self, sub: int | None, tiles: dict):
+        self.sub, self.tiles = sub, tiles
+
+    def __enter__(self) -> None:
+        self.saved = dict(moe.MOE_TILES), moe.sub_blocks
+        moe.MOE_TILES.update(self.tiles)
+        if self.sub is not None:
+            moe.sub_blocks = lambda slots, experts: self.sub
+
+    def __exit__(self, *exc) -> None:
+        moe.MOE_TILES.clear()
+        moe.MOE_TILES.update(self.saved[0])
+        moe.sub_blocks = self.saved[1]
+
+
+def graph_of(fn) -> torch.cuda.CUDAGraph:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def measure(shape, sets, tokens: int, variant: Variant, reference: torch.Tensor | None):
+    x, weights, ids = inputs(shape, tokens, seed=tokens)
+    with variant:
+        out = moe.fused_moe(x, *sets[0], weights, ids)
+
+        def layers() -> None:
+            for i in range(LAYERS):
+                moe.fused_moe(x, *sets[i % 2], weights, ids)
+
+        graph = graph_of(layers)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    repeats = 20
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    layer_us = start.elapsed_time(end) * 1e3 / repeats / LAYERS
+    kernels = top_kernels(lambda: [graph.replay() for _ in range(5)], 8)
+    _, _, hidden, inter = shape
+    hit = int(torch.unique(ids).numel())
+    weight_bytes = hit * 3 * inter * hidden * 2
+    return {
+        "tokens": tokens,
+        "layer_us": round(layer_us, 2),
+        "experts_hit": hit,
+        "weight_bytes": weight_bytes,
+        "weight_read_bytes_per_s": weight_bytes / (layer_us * 1e-6),
+        "kernels": [
+            {"kernel": r["kernel"][:60], "us_per_layer": round(r["cuda_us"] / 5 / LAYERS, 2)}
+            for r in kernels
+        ],
+        "bits_equal_to_default": None if reference is None else bool(torch.equal(out, reference)),
+    }, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--tokens", default="1,8,64,128,256,512")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    args = ap.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",")]
+    bw = measure_bandwidth(1 << 31, 50)
+    results: dict = {"bandwidth": bw, "shapes": {}}
+    for name in args.shapes.split(","):
+        shape = SHAPES[name]
+        sets = weight_sets(shape)
+        rows: dict = {}
+        for n in tokens:
+            reference = None
+            for vname in args.variants.split(","):
+                sub, tiles = VARIANTS[vname]
+                r, out = measure(shape, sets, n, Variant(sub, tiles), reference)
+                reference = out if reference is None else reference
+                r["of_copy_bandwidth"] = r["weight_read_bytes_per_s"] / bw["bytes_per_s"]
+                rows.setdefault(vname, []).append(r)
+                same = {None: "", True: "same bits", False: "OTHER BITS"}[
+                    r["bits_equal_to_default"]
+                ]
+                top = ", ".join(f"{k['kernel'][:24]} {k['us_per_layer']}" for k in r["kernels"][:4])
+                print(
+                    f"{name} {n:>4} tok {vname:>24}: {r['layer_us']:8.1f} us"
+                    f" {r['of_copy_bandwidth']:6.1%} of copy bw ({r['experts_hit']} experts)"
+                    f" {same}  [{top}]",
+                    flush=True,
+                )
+        results["shapes"][name] = {"shape": shape, "variants": rows}
+        del sets
+        torch.cuda.empty_cache()
+    write_result(f"moe-layer-{device_tag()}", results)
+
+
+if __name__ == "__main__":
+    main()
