@@ -38,7 +38,7 @@ VARIANTS = {
     "128 columns": (None, {"BLOCK_N": 128}),
     "32 columns": (None, {"BLOCK_N": 32}),
     "4 stages": (None, {"num_stages": 4}),
-    "8 warps, 128 columns": (None, {"BLOCK_N": 128, "num_warps": 8}),
+    "8 warps and 128 columns": (None, {"BLOCK_N": 128, "num_warps": 8}),
 }
 
 

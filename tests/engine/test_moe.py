@@ -106,12 +106,35 @@ def test_align_by_expert_puts_every_slot_in_one_block_of_its_expert():
     seen = []
     for block, expert in zip(blocks.tolist(), block_expert.tolist(), strict=True):
         real = [r for r in block if r < slots]
-        if expert == 5:  # past the last group: nothing in it
+        if expert >= 5:  # past the last group: nothing in it
             assert not real
             continue
         assert all(ids.reshape(-1)[r] == expert for r in real)
         seen += real
     assert sorted(seen) == list(range(slots))
+
+
+def test_align_by_expert_gives_each_expert_its_fewest_blocks():
+    """Random ids with some of another rank's (id == experts): each expert's slots fill
+    ceil(count / block) blocks of its own, once each; the other rank's only blocks that
+    no kernel runs."""
+    gen = torch.Generator().manual_seed(3)
+    experts, block = 20, 16
+    ids = torch.randint(0, experts + 1, (300, 3), generator=gen).to(DEVICE)
+    rows, block_expert = align_by_expert(ids, experts, block)
+    flat = ids.reshape(-1).tolist()
+    placed: dict[int, list[int]] = {}
+    for members, expert in zip(rows.view(-1, block).tolist(), block_expert.tolist(), strict=True):
+        real = [r for r in members if r < len(flat)]
+        if expert >= experts:  # unused: the other rank's slots, or none
+            assert all(flat[r] == experts for r in real)
+            continue
+        assert real and all(flat[r] == expert for r in real)
+        placed.setdefault(expert, []).append(len(real))
+    for expert in range(experts):
+        count = flat.count(expert)
+        assert sum(placed.get(expert, [])) == count
+        assert len(placed.get(expert, [])) == -(-count // block)
 
 
 # one-slot (3 tokens), then programs of 1, 2 and 4 blocks an expert (sub_blocks)

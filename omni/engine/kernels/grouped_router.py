@@ -24,9 +24,17 @@ from .pdl import pdl_options, wait_for_inputs
 # powers of two from 128, until a token has at most PIECES_MAX parts (8 KiB: 64 MiB for
 # an 8,192-token chunk), and the tile's experts shrink as it grows: the programs a
 # token's product spreads over stay hidden * experts / TILE (448 for DeepSeek-V3's).
+# A program runs rows_per_program() tokens, one after the other: few enough that a
+# decode step's tokens spread over many programs (64 in a row took 33 us of a batch-64
+# step's layer on the H200), and up to ROWS_MAX so that a long prefill reads each tile
+# from L2 rarely. Each token's sum is the same whichever program runs it.
 TILE = 4096
 PIECES_MAX = 2048
-ROWS = 64
+ROWS_MAX = 64
+
+
+def rows_per_program(m: int) -> int:
+    return min(ROWS_MAX, max(1, m // 32))
 
 
 def part_width(hidden: int, experts: int) -> int:
@@ -37,18 +45,18 @@ def part_width(hidden: int, experts: int) -> int:
     return width
 
 
-@triton.jit(do_not_specialize=["M"])  # a step of a new size never waits for a build
+@triton.jit(do_not_specialize=["M", "ROWS"])  # a step of a new size never waits for a build
 def _grouped_parts_kernel(
     x_ptr,
     w_ptr,
     parts_ptr,
     M,
+    ROWS,
     HIDDEN,
     EXPERTS,
     PARTS,
     BLOCK_E: tl.constexpr,
     PART_K: tl.constexpr,
-    ROWS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """parts[row, p, e] = sum over part p's columns of x[row] * w[e] in fp32, for BLOCK_E
@@ -192,10 +200,11 @@ def grouped_router(
     if not m:
         return weights, ids
     pdl = pdl_options(x.device)
-    grid = (triton.cdiv(m, ROWS), n_parts, triton.cdiv(experts, block_e))
+    rows = rows_per_program(m)
+    grid = (triton.cdiv(m, rows), n_parts, triton.cdiv(experts, block_e))
     _grouped_parts_kernel[grid](
-        x.contiguous(), weight.contiguous(), parts, m, hidden, experts, n_parts,
-        BLOCK_E=block_e, PART_K=width, ROWS=ROWS, num_warps=4, **pdl,
+        x.contiguous(), weight.contiguous(), parts, m, rows, hidden, experts, n_parts,
+        BLOCK_E=block_e, PART_K=width, num_warps=4, **pdl,
     )  # fmt: skip
     group = experts // groups
     _grouped_route_kernel[(m,)](

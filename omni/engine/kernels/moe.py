@@ -235,30 +235,85 @@ def sum_slots_ref(slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # The Triton path: tokens grouped by expert on the device, then two grouped matmuls.
 
 
+@triton.jit
+def _rank_kernel(ids_ptr, counts_ptr, ranks_ptr, slots, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    """Each (token, slot) its place among its expert's: counts[e] taken and raised by one,
+    atomically (which slot comes first follows the GPU's timing: only the groups' members
+    count, as no row's bits depend on its place in a block)."""
+    wait_for_inputs(PDL)
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < slots
+    expert = tl.load(ids_ptr + i, mask=ok, other=0)
+    tl.store(ranks_ptr + i, tl.atomic_add(counts_ptr + expert, 1, mask=ok), mask=ok)
+
+
+@triton.jit
+def _place_kernel(
+    ids_ptr,
+    counts_ptr,
+    ranks_ptr,
+    rows_ptr,
+    block_expert_ptr,
+    slots,
+    blocks,
+    GROUPS,
+    BLOCK_M: tl.constexpr,
+    E_P: tl.constexpr,
+    CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """For CHUNK slots: each one's row, its group's first row plus its rank; for CHUNK
+    rows: padding (`slots`) where a group's slots end before its last block does, and
+    at each block's first row the block's group (GROUPS or more: past the last group)."""
+    wait_for_inputs(PDL)
+    es = tl.arange(0, E_P)
+    counts = tl.load(counts_ptr + es, mask=es < GROUPS, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, axis=0)
+    start = end - padded
+    i = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    ok = i < slots
+    expert = tl.load(ids_ptr + i, mask=ok, other=0)
+    rank = tl.load(ranks_ptr + i, mask=ok, other=0)
+    first = tl.sum(tl.where(es[None, :] == expert[:, None], start[None, :], 0), axis=1)
+    tl.store(rows_ptr + first + rank, i, mask=ok)
+    in_rows = i < blocks * BLOCK_M
+    group = tl.sum((end[None, :] <= i[:, None]).to(tl.int32), axis=1)
+    mine = es[None, :] == group[:, None]
+    used = i - tl.sum(tl.where(mine, start[None, :], 0), axis=1)
+    pad = used >= tl.sum(tl.where(mine, counts[None, :], 0), axis=1)
+    tl.store(rows_ptr + i, slots, mask=in_rows & pad)
+    tl.store(block_expert_ptr + i // BLOCK_M, group, mask=in_rows & (i % BLOCK_M == 0))
+
+
 def align_by_expert(ids: torch.Tensor, experts: int, block_m: int):
     """Each (token, slot) of ids [tokens, k] grouped by expert, each group padded to whole
     blocks of block_m: (rows [blocks * block_m] with tokens * k as padding, the expert of
-    each block [blocks], E where the block is unused). Torch ops on the device, sizes from
-    the shapes alone: no wait for the GPU, so a CUDA graph can hold it. Ids equal to E
-    (another rank's experts) form a last group whose blocks are unused."""
+    each block [blocks], E or more where the block is unused). Three launches (a count's
+    reset, the ranks, the places), sizes from the shapes alone: no wait for the GPU, so a
+    CUDA graph holds it. Ids equal to E (another rank's experts) form a last group whose
+    blocks are unused."""
     slots = ids.numel()
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    # (not bincount: its output size follows the largest id, a wait for the GPU)
-    counts = torch.zeros(experts + 1, dtype=torch.int64, device=ids.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = torch.cumsum(padded, 0)
-    start = torch.cumsum(counts, 0) - counts
+    groups = experts + 1
     # enough for any grouping: each expert that has slots adds at most one partial block
-    blocks = (slots + block_m - 1) // block_m + min(slots, experts + 1)
-    rows = torch.full((blocks * block_m,), slots, dtype=torch.int64, device=ids.device)
-    expert_of = flat[order]
-    rank = torch.arange(slots, device=ids.device) - start[expert_of]
-    rows[padded_end[expert_of] - padded[expert_of] + rank] = order
-    block_start = torch.arange(blocks, device=ids.device) * block_m
-    block_expert = torch.searchsorted(padded_end, block_start, right=True)
-    return rows, block_expert  # block_expert == experts: past the last group
+    blocks = (slots + block_m - 1) // block_m + min(slots, groups)
+    counts = torch.zeros(groups, dtype=torch.int32, device=ids.device)
+    ranks = torch.empty(slots, dtype=torch.int32, device=ids.device)
+    rows = torch.empty(blocks * block_m, dtype=torch.int64, device=ids.device)
+    block_expert = torch.empty(blocks, dtype=torch.int64, device=ids.device)
+    if not slots:
+        return rows, block_expert.fill_(groups)
+    flat = ids.reshape(-1).contiguous()
+    pdl = pdl_options(ids.device)
+    _rank_kernel[(triton.cdiv(slots, 1024),)](flat, counts, ranks, slots, BLOCK=1024, **pdl)
+    e_p = triton.next_power_of_2(groups)
+    chunk = max(16, 16384 // e_p)  # the [chunk, E_P] compares: 64 values a thread
+    grid = (triton.cdiv(max(slots, blocks * block_m), chunk),)
+    _place_kernel[grid](
+        flat, counts, ranks, rows, block_expert, slots, blocks, groups, BLOCK_M=block_m,
+        E_P=e_p, CHUNK=chunk, num_warps=8, **pdl,
+    )  # fmt: skip
+    return rows, block_expert  # block_expert >= experts: past the last group
 
 
 @triton.jit

@@ -1,0 +1,134 @@
+"""MLA decode attention (kernels/mla.py) at decode batch sizes, with variants of its tile:
+a diagnostic for the MLA-speed work, not a benchmark with a target.
+
+Random latent caches (512 + 64 values a token), decode rows of Moonlight's 16 heads and
+DeepSeek-V3's 128, contexts of 192 and 1,024 tokens; each variant's time per call under
+a CUDA graph and whether its output is the default's bit for bit. Prints a table, writes
+bench/results/mla-decode-<gpu>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.engine_bench import device_tag
+from bench.results_io import write_result
+from omni.engine.kernels import mla
+
+LATENT, ROPE, BLOCK = 512, 64, 16
+CALLS = 8  # launches a graph replay, each over its own cache (L2 holds none of them)
+# name: (TILE_M, bf16 (BLOCK_N, launch options) or None for the default's)
+VARIANTS = {
+    "default": (None, None),
+    "tile 16": (16, None),
+    "tile 16, 8 warps": (16, (64, {"num_warps": 8, "num_stages": 2})),
+    "8 warps": (None, (64, {"num_warps": 8, "num_stages": 2})),
+    "32 keys a step": (None, (32, {"num_warps": 4, "num_stages": 2})),
+    "3 stages": (None, (64, {"num_warps": 4, "num_stages": 3})),
+}
+
+
+def batch(seqs: int, context: int, heads: int, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    per_seq = -(-context // BLOCK)
+    n_blocks = seqs * per_seq
+    caches = [
+        torch.randn(n_blocks, BLOCK, 1, LATENT + ROPE, generator=gen, device="cuda").to(
+            torch.bfloat16
+        )
+        for _ in range(CALLS)
+    ]
+    order = torch.randperm(n_blocks, generator=gen, device="cuda").int()
+    table = order.view(seqs, per_seq).contiguous()
+    q = torch.randn(seqs, heads, LATENT + ROPE, generator=gen, device="cuda").to(torch.bfloat16)
+    lens = torch.full((seqs,), context, dtype=torch.int32, device="cuda")
+    cu = torch.arange(seqs + 1, dtype=torch.int32, device="cuda")
+    return q, caches, table, lens, cu
+
+
+class Variant:
+    def __init__(self, tile_m, steps):
+        self.tile_m, self.steps = tile_m, steps
+
+    def __enter__(self) -> None:
+        self.saved = mla.TILE_M, dict(mla.STEPS)
+        if self.tile_m:
+            mla.TILE_M = self.tile_m
+        if self.steps:
+            mla.STEPS[2] = self.steps
+
+    def __exit__(self, *exc) -> None:
+        mla.TILE_M = self.saved[0]
+        mla.STEPS.clear()
+        mla.STEPS.update(self.saved[1])
+
+
+def measure(inputs, variant: Variant) -> tuple[float, torch.Tensor]:
+    q, caches, table, lens, cu = inputs
+    scale = (128 + ROPE) ** -0.5
+    with variant:
+        out = mla.mla_attention(q, caches[0], table, lens, cu, scale, LATENT)
+
+        def calls() -> None:
+            for cache in caches:
+                mla.mla_attention(q, cache, table, lens, cu, scale, LATENT)
+
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            calls()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            calls()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(20):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / 20 / CALLS, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seqs", default="1,64,256")
+    ap.add_argument("--contexts", default="192,1024")
+    ap.add_argument("--heads", default="16,128")
+    args = ap.parse_args()
+    rows = []
+    for heads in (int(h) for h in args.heads.split(",")):
+        for context in (int(c) for c in args.contexts.split(",")):
+            for seqs in (int(s) for s in args.seqs.split(",")):
+                inputs = batch(seqs, context, heads, seed=seqs + context)
+                kv_bytes = seqs * context * (LATENT + ROPE) * 2
+                reference = None
+                for name, (tile_m, steps) in VARIANTS.items():
+                    us, out = measure(inputs, Variant(tile_m, steps))
+                    same = None if reference is None else bool(torch.equal(out, reference))
+                    reference = out if reference is None else reference
+                    rows.append(
+                        {"heads": heads, "context": context, "seqs": seqs, "variant": name,
+                         "us": round(us, 2), "kv_bytes": kv_bytes,
+                         "bits_equal_to_default": same}
+                    )  # fmt: skip
+                    flag = {None: "", True: "same bits", False: "OTHER BITS"}[same]
+                    print(
+                        f"{heads:>3} heads {context:>5} ctx {seqs:>4} seqs {name:>18}:"
+                        f" {us:8.2f} us ({kv_bytes / us / 1e3:7.1f} GB/s of K/V) {flag}",
+                        flush=True,
+                    )
+                del inputs
+    write_result(f"mla-decode-{device_tag()}", {"rows": rows})
+
+
+if __name__ == "__main__":
+    main()
