@@ -84,6 +84,16 @@ SHAPES = {  # (N, K) of Llama-3-8B's weights, q/k/v and gate/up fused
     "down": (4096, 14336),
     "lm_head": (128256, 4096),
 }
+# (N, K) of Moonlight-16B-A3B's dense weights (--model moonlight): MLA's q and kv_a, o,
+# the two shared experts fused, the lm head; 27 layers
+MOONLIGHT_SHAPES = {
+    "q": (3072, 2048),
+    "kv_a": (576, 2048),
+    "o": (2048, 2048),
+    "shared_gate_up": (5632, 2048),
+    "shared_down": (2048, 2816),
+    "lm_head": (163840, 2048),
+}
 PER_STEP = {"lm_head": 1}  # runs per decode step; the other shapes once per layer
 LAYERS = 32
 M_ORDER = (1, 128, 256, 16, 4, 64, 32, 512)
@@ -492,6 +502,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="result file (default bench/results/...)")
     ap.add_argument("--m", help=f"row counts to sweep, in order (default {M_ORDER})")
     ap.add_argument("--fp8", action="store_true", help="the W8A8 kernels (a GPU with FP8)")
+    ap.add_argument("--model", choices=("llama3-8b", "moonlight"), default="llama3-8b")
     args = ap.parse_args()
     if args.small:
         args.warmup, args.iters = 1, 3
@@ -501,6 +512,9 @@ def main() -> None:
     shapes, m_order = (SMALL_SHAPES, SMALL_M_ORDER) if args.small else (SHAPES, M_ORDER)
     if args.m:
         m_order = tuple(int(m) for m in args.m.split(","))
+    if args.model == "moonlight" and not args.small:
+        global LAYERS
+        shapes, LAYERS = MOONLIGHT_SHAPES, 27
     if args.fp8:  # the lm head stays bf16 in an FP8 model
         shapes = {name: shape for name, shape in shapes.items() if name != "lm_head"}
         # up to FEW_ROWS rows FP8 runs the few-rows kernel, whose tiles fp8_few_rows.py
@@ -514,6 +528,7 @@ def main() -> None:
     notes = "no L2 flush: the o (33.5 MB) and qkv (50 MB) weights fit the 50 MB L2 in part"
     data = {"settings": settings, "notes": notes, **res}
     kind = "tune-linear-fp8" if args.fp8 else "tune-linear"
+    kind += "-moonlight" if args.model == "moonlight" else ""
     print("wrote", save(f"{kind}-{gpu_tag()}", data, args.out))
 
 
