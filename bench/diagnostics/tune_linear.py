@@ -144,7 +144,7 @@ def candidates(m: int, current: list[Tile], small: bool, tma: bool, fp8: bool = 
         return list(dict.fromkeys([*current, *extra]))
     if tma and m >= TMA_MIN_ROWS:
         dims = TMA_SMALL if m <= 128 else TMA_MID if m <= 1024 else TMA_LARGE
-        space = (Tile._make(t) for t in itertools.product(*dims))
+        space = (Tile(*t) for t in itertools.product(*dims))
         fits = [
             t
             for t in space
@@ -155,7 +155,7 @@ def candidates(m: int, current: list[Tile], small: bool, tma: bool, fp8: bool = 
         return list(dict.fromkeys(current + fits))
     mid = [SPACE_PREFILL, SPACE_MID] if m < 512 else [SPACE_LARGE]
     spaces = [SPACE_DECODE] if m <= 64 else mid
-    space = (Tile._make(t) for dims in spaces for t in itertools.product(*dims))
+    space = (Tile(*t) for dims in spaces for t in itertools.product(*dims))
     fits = [
         t
         for t in space
@@ -169,7 +169,7 @@ def fp8_candidates(m: int, current: list[Tile], tma: bool) -> list[Tile]:
     """--fp8: fp8_tiles' first, then tiles of 64+ rows taking K 128 at a time (e4m3 in, a
     bf16 tile out of the TMA kernel's epilogue)."""
     if tma and m >= TMA_MIN_ROWS:
-        space = (Tile._make(t) for t in itertools.product(*FP8_TMA))
+        space = (Tile(*t) for t in itertools.product(*FP8_TMA))
         fits = [
             t
             for t in space
@@ -182,7 +182,7 @@ def fp8_candidates(m: int, current: list[Tile], tma: bool) -> list[Tile]:
         dims = ((64,), (32, 64, 128), (128,), (4, 8), (3, 4, 5, 6))
         fits = [
             t
-            for t in (Tile._make(t) for t in itertools.product(*dims))
+            for t in (Tile(*t) for t in itertools.product(*dims))
             if (t.block_m + t.block_n) * t.block_k * t.stages <= SHARED_MEMORY
         ]
     return list(dict.fromkeys(current + fits))
