@@ -305,8 +305,9 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(experts, cfg.hidden_size, device=device))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(experts, device=device))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [tokens, k] fp32, expert ids [tokens, k])."""
+    def forward(self, x: torch.Tensor, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [tokens, k + shared] fp32, expert ids [tokens, k + shared]): `shared`
+        slots of the shared experts where they are stacked after the routed ones."""
         cfg = self.cfg
         return ops(x.device).grouped_router(
             x,
@@ -317,6 +318,7 @@ class Router(nn.Module):
             cfg.topk_group,
             cfg.moe.renormalize,
             cfg.routed_scaling_factor,
+            shared,
         )
 
 
@@ -349,19 +351,30 @@ class QuantizedExperts(nn.Module):
 
 
 class DeepseekMoE(nn.Module):
-    """Routed experts plus the shared experts every token takes."""
+    """Routed experts plus the shared experts every token takes: an MLP of their own, or,
+    folded (fold_shared_experts), experts stacked after the routed ones that the router
+    gives every token, so that one pair of MoE launches runs both (two linear launches,
+    an add and a SiLU fewer a layer, each latency-bound at decode sizes)."""
 
     def __init__(self, cfg: DeepseekV3Config, device=None):
         super().__init__()
+        self.cfg = cfg
         self.gate = Router(cfg, device)
         self.experts = Experts(cfg.moe, cfg.hidden_size, device)
+        self.shared = 0  # shared experts stacked in self.experts
         self.shared_experts = None
         if cfg.shared_intermediate:
             shared = dataclasses.replace(cfg, intermediate_size=cfg.shared_intermediate)
             self.shared_experts = MLP(shared, device)
 
+    def fold_shared(self, device=None) -> None:
+        """Take the shared experts into the routed stacks (fold_shared_experts' layout)."""
+        self.shared = self.cfg.shared_intermediate // self.cfg.moe.intermediate
+        moe = dataclasses.replace(self.cfg.moe, experts=self.cfg.moe.experts + self.shared)
+        self.experts, self.shared_experts = Experts(moe, self.cfg.hidden_size, device), None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
+        weights, ids = self.gate(x, self.shared)
         experts = self.experts
         if isinstance(experts, QuantizedExperts):
             out = experts(x, weights, ids)
@@ -489,6 +502,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         quantized = stack_quantized_experts(state, cfg, scheme, dtype, source)
         dense_moe = dataclasses.replace(cfg.moe, dense_layers=cfg.moe.dense_layers | quantized)
         stack_experts(state, "deepseek_v3", dense_moe, cfg.num_layers, source)
+        folded = fold_shared_experts(state, dense_moe, cfg)
         if cfg.rope_interleave:
             permute_rope_rows(state, cfg, scheme, dtype)
         for i in range(cfg.num_layers):  # the router in fp32, as HF keeps it
@@ -501,9 +515,41 @@ class DeepseekV3ForCausalLM(nn.Module):
         quantize_modules(model, state, scheme)
         for i in quantized:
             model.model.layers[i].mlp.experts = QuantizedExperts(cfg, scheme, device="meta")
+        for i in folded:
+            model.model.layers[i].mlp.fold_shared(device="meta")
         assign_state(model, state, source, skipped=("rotary_emb",))
         model.inv_freq = rope_parameters(cfg)[0].to(state["lm_head.weight"].device)
         return model.eval()
+
+
+def fold_shared_experts(state: dict, moe, cfg: DeepseekV3Config) -> frozenset[int]:
+    """Stack each MoE layer's shared experts after its routed ones (their `n` experts of
+    the routed width: gate/up rows [gate_j; up_j], down's columns j), where the routed
+    experts are stacked plain (moe: not in its dense layers) and the shared MLP's two
+    weights are plain tensors of the stacks' dtype: the layers folded."""
+    inter, n = cfg.moe.intermediate, cfg.shared_intermediate // cfg.moe.intermediate
+    folded = set()
+    if cfg.moe.expert_parallel > 1:  # (each rank's run of experts: not for DeepSeek yet)
+        return frozenset()
+    for i in range(cfg.num_layers) if n else ():
+        prefix = f"model.layers.{i}.mlp."
+        names = [f"{prefix}shared_experts.{p}_proj.weight" for p in ("gate_up", "down")]
+        stacks = [f"{prefix}experts.{p}" for p in ("gate_up", "down")]
+        if i in moe.dense_layers or not all(k in state for k in names + stacks):
+            continue
+        gate_up, down = (state[k] for k in names)
+        if gate_up.dtype != state[stacks[0]].dtype or down.dtype != state[stacks[1]].dtype:
+            continue
+        hidden = gate_up.shape[-1]
+        gate, up = gate_up.view(2, n, inter, hidden).unbind(0)
+        shared_gate_up = torch.cat([gate, up], dim=1)
+        shared_down = down.view(hidden, n, inter).permute(1, 0, 2)
+        for name, extra in zip(stacks, (shared_gate_up, shared_down), strict=True):
+            state[name] = torch.cat([state[name], extra.to(state[name].device)])
+        for name in names:
+            del state[name]
+        folded.add(i)
+    return frozenset(folded)
 
 
 def drop_prediction_layers(state: dict, num_layers: int) -> None:

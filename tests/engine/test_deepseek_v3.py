@@ -128,6 +128,11 @@ def hf_logits(hf, ids: list[int]) -> torch.Tensor:
 def test_logits_match_transformers_through_chunks_decode_and_a_batch(tiny):
     hf, ckpt = tiny
     model = DeepseekV3ForCausalLM.load(ckpt)
+    moe_layers = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "shared")]
+    assert moe_layers and all(  # the shared expert runs as a stacked one, after the routed
+        m.shared == 1 and m.shared_experts is None and m.experts.gate_up.shape[0] == 8 + 1
+        for m in moe_layers
+    )
     runner = ModelRunner(model, block_size=8, num_blocks=64)
     # chunked prefill (17 + 13 in chunks of 5), then one token at a time: the absorbed form
     ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(2)).tolist()

@@ -100,6 +100,23 @@ def test_the_kernels_choose_what_the_reference_chooses(name, tokens, renormalize
     torch.testing.assert_close(weights[clear], want_w[clear], rtol=1e-6, atol=0)
 
 
+def test_shared_experts_take_the_last_slots_at_weight_one():
+    """With `shared`, the routed slots as without, then ids experts, experts + 1, ... at
+    weight 1, in the kernels and the reference alike."""
+    shape = SHAPES["moonlight"]
+    x, weight, bias = router_inputs(shape, 5)
+    args = (shape.k, shape.groups, shape.top_groups, True, SCALE)
+    alone_w, alone_ids = grouped_router(x, weight, bias, *args)
+    for route in (grouped_router, grouped_router_ref):
+        weights, ids = route(x, weight, bias, *args, 2)
+        assert weights.shape == ids.shape == (5, shape.k + 2)
+        assert ids[:, shape.k :].tolist() == [[shape.experts, shape.experts + 1]] * 5
+        assert weights[:, shape.k :].eq(1).all()
+    weights, ids = grouped_router(x, weight, bias, *args, 2)
+    assert torch.equal(ids[:, : shape.k], alone_ids)
+    assert torch.equal(weights[:, : shape.k], alone_w)
+
+
 def test_ties_go_to_the_lower_group_and_expert():
     """Every score equal (zero weights and bias): the first top_groups groups, then their
     first k experts in order (torch.topk promises no order among ties; the kernel's, as

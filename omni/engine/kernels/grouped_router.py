@@ -148,13 +148,16 @@ def _grouped_route_kernel(
     TOP_GROUPS: tl.constexpr,
     K: tl.constexpr,
     K_P: tl.constexpr,
+    SHARED: tl.constexpr,
+    SHARED_P: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """One token's choice from its logit parts: sigmoid scores, shifted by the bias; the
     TOP_GROUPS groups whose two best shifted scores add up highest; the K best shifted
     scores within them (ties to the lower id), weighted by their unshifted scores,
-    rescaled to sum to 1 on request, times `scale`."""
+    rescaled to sum to 1 on request, times `scale`; then SHARED slots of the shared
+    experts (ids EXPERTS on), each of weight 1."""
     g = tl.arange(0, GROUPS_P)[:, None]
     j = tl.arange(0, GROUP_P)[None, :]
     ok = (g < GROUPS) & (j < GROUP)
@@ -181,22 +184,37 @@ def _grouped_route_kernel(
     weights = tl.where(keep, weights, 0.0)
     if RENORMALIZE:
         weights = weights / (tl.sum(weights, axis=0) + 1e-20)
-    tl.store(weights_ptr + t * K + slots, weights * scale, mask=keep)
-    tl.store(ids_ptr + t * K + slots, top, mask=keep)
+    row = t.to(tl.int64) * (K + SHARED)
+    tl.store(weights_ptr + row + slots, weights * scale, mask=keep)
+    tl.store(ids_ptr + row + slots, top, mask=keep)
+    if SHARED > 0:
+        js = tl.arange(0, SHARED_P)
+        always = js < SHARED
+        tl.store(weights_ptr + row + K + js, tl.full((SHARED_P,), 1.0, tl.float32), mask=always)
+        tl.store(ids_ptr + row + K + js, (EXPERTS + js).to(tl.int64), mask=always)
 
 
 def grouped_router(
-    x, weight, bias, k: int, groups: int, top_groups: int, renormalize: bool, scale: float
+    x,
+    weight,
+    bias,
+    k: int,
+    groups: int,
+    top_groups: int,
+    renormalize: bool,
+    scale: float,
+    shared: int = 0,
 ):
     """grouped_router_ref's choice and weights (moe.py), in two launches: the fp32 logits in
     parts over the hidden size, then each token's choice in a program of its own.
-    (weights [tokens, k] fp32, expert ids [tokens, k] int64.)"""
+    (weights [tokens, k + shared] fp32, expert ids [tokens, k + shared] int64: `shared`
+    slots of the shared experts after the routed ones.)"""
     (m, hidden), experts = x.shape, weight.shape[0]
     width = part_width(hidden, experts)
     n_parts, block_e = triton.cdiv(hidden, width), TILE // width
     parts = torch.empty(m, n_parts, experts, dtype=torch.float32, device=x.device)
-    weights = torch.empty(m, k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(m, k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(m, k + shared, dtype=torch.float32, device=x.device)
+    ids = torch.empty(m, k + shared, dtype=torch.int64, device=x.device)
     if not m:
         return weights, ids
     pdl = pdl_options(x.device)
@@ -211,6 +229,8 @@ def grouped_router(
         parts, bias.contiguous(), weights, ids, float(scale), experts, groups, group,
         PARTS=n_parts, GROUPS_P=triton.next_power_of_2(groups),
         GROUP_P=triton.next_power_of_2(group), TOP_GROUPS=top_groups, K=k,
-        K_P=triton.next_power_of_2(k), RENORMALIZE=renormalize, num_warps=1, **pdl,
+        K_P=triton.next_power_of_2(k), SHARED=shared,
+        SHARED_P=max(1, triton.next_power_of_2(shared)), RENORMALIZE=renormalize,
+        num_warps=1, **pdl,
     )  # fmt: skip
     return weights, ids

@@ -176,13 +176,23 @@ def router_ref(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool)
 
 
 def grouped_router_ref(
-    x, weight, bias, k: int, groups: int, top_groups: int, renormalize: bool, scale: float
+    x,
+    weight,
+    bias,
+    k: int,
+    groups: int,
+    top_groups: int,
+    renormalize: bool,
+    scale: float,
+    shared: int = 0,
 ):
     """DeepSeek-V3's router, in fp32 as HF runs it: (weights [tokens, k] fp32, expert ids
     [tokens, k]). Sigmoid scores; `bias` (e_score_correction_bias) shifts them for the
     choice only: the `top_groups` of `groups` expert groups whose two best shifted scores
     sum highest, then the k best shifted scores within those. The weights are the chosen
-    experts' unshifted scores, rescaled to sum to 1 on request, times `scale`."""
+    experts' unshifted scores, rescaled to sum to 1 on request, times `scale`. `shared`:
+    that many more slots a token, the shared experts stacked after the routed ones (ids
+    experts, experts + 1, ...), each of weight 1."""
     scores = F.linear(x.float(), weight.float()).sigmoid()
     tokens, experts = scores.shape
     shifted = (scores + bias.float()).view(tokens, groups, experts // groups)
@@ -194,7 +204,12 @@ def grouped_router_ref(
     weights = scores.gather(1, ids)
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * scale, ids
+    weights = weights * scale
+    if shared:
+        always = torch.arange(experts, experts + shared, device=ids.device).expand(tokens, -1)
+        ids = torch.cat([ids, always], dim=1)
+        weights = torch.cat([weights, weights.new_ones(tokens, shared)], dim=1)
+    return weights, ids
 
 
 def fused_moe_ref(
