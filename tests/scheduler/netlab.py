@@ -30,7 +30,6 @@ Run as a script, this file is the relay: `python netlab.py relay TAP_A TAP_B DEL
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import ipaddress
 import os
@@ -48,7 +47,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-CLONE_NEWNET = 0x40000000
 TUNSETIFF = 0x400454CA
 IFF_TAP, IFF_NO_PI = 0x0002, 0x1000
 NETNS_DIR = Path("/var/run/netns")
@@ -198,12 +196,11 @@ class NetLab:
     def popen_in(self, where: LabNode | str, argv: Sequence[str], **kwargs: Any):
         """subprocess.Popen of argv inside a lab namespace (a LabNode, or a node's or
         namespace's name). The lab stops it on close() if it still runs."""
+        # nsenter, not a preexec_fn calling setns: Python code between fork and exec can
+        # deadlock in a process with threads (a gRPC client's, an earlier test's), and the
+        # child then never ran (seen once as "the delay relay did not start")
         path = NETNS_DIR / self._netns_name(where)
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            proc = subprocess.Popen(argv, preexec_fn=lambda: _setns(fd), **kwargs)
-        finally:
-            os.close(fd)
+        proc = subprocess.Popen(["nsenter", f"--net={path}", "--", *argv], **kwargs)
         self._procs.append(proc)
         return proc
 
@@ -349,17 +346,6 @@ def _popen_kwargs(kwargs: dict) -> dict:
     if kwargs.get("input") is not None:
         out["stdin"] = subprocess.PIPE
     return out
-
-
-def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _setns(fd: int) -> None:
-    """Move the calling thread (in a child before exec: the process) into a netns."""
-    if _libc().setns(fd, CLONE_NEWNET) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"setns: {os.strerror(err)}")
 
 
 def _create_netns(name: str) -> None:
