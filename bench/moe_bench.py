@@ -46,6 +46,7 @@ import torch  # noqa: E402
 
 from bench.engine_bench import (  # noqa: E402
     Deadline,
+    JitBuilds,
     OursRunner,
     StepTimeline,
     batch_run,
@@ -333,9 +334,10 @@ def ours(args, cfg: dict, device: str, dtype) -> dict:
     def timed_steps(batch: int) -> dict:
         """run() at `batch`, with its decode steps' rate at the full batch (the step
         timeline's band that holds it)."""
-        with StepTimeline(engine) as timeline:
+        with StepTimeline(engine) as timeline, JitBuilds() as jit:
             res = run(batch, args.new, 200 + batch)
         res["steps"] = steps = timeline.summary(time.perf_counter())
+        res["jit_builds"] = jit.result()  # kernels the warm-up missed: their steps waited
         lo, hi = next(b for b in StepTimeline.DECODE_BANDS if b[0] <= batch <= b[1])
         band = steps.get(f"decode b={lo}-{hi}")
         res["decode_step_tok_s"] = 1e3 * batch / band["ms_per_step"] if band else None

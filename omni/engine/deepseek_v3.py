@@ -379,7 +379,9 @@ class DeepseekMoE(nn.Module):
         if isinstance(experts, QuantizedExperts):
             out = experts(x, weights, ids)
         else:
-            out = ops(x.device).fused_moe(x, experts.gate_up, experts.down, weights, ids)
+            out = ops(x.device).fused_moe(
+                x, experts.gate_up, experts.down, weights, ids, shared=self.shared
+            )
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
 

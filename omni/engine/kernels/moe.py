@@ -213,7 +213,7 @@ def grouped_router_ref(
 
 
 def fused_moe_ref(
-    x, gate_up, down, weights, ids, partial: bool = False, summed: bool = True
+    x, gate_up, down, weights, ids, partial: bool = False, summed: bool = True, shared: int = 0
 ) -> torch.Tensor:
     """sum_j weights[t, j] * down[e] @ (silu(gate[e] @ x[t]) * up[e] @ x[t]), e = ids[t, j].
 
@@ -222,7 +222,8 @@ def fused_moe_ref(
     apart, then summed per token in slot order in fp32. `partial`: an id equal to the
     number of experts is another rank's expert (moe.local_ids), its slot adds nothing.
     `summed=False`: the weighted slots [tokens, k, hidden] in fp32, for the next RMS norm
-    to add up (kernels/norm.py)."""
+    to add up (kernels/norm.py). `shared`: the last experts every token takes (fused_moe's
+    hint; the sums are the same)."""
     tokens, k = ids.shape
     slots = torch.zeros(tokens * k, x.shape[-1], dtype=torch.float32, device=x.device)
     flat = ids.reshape(-1)
@@ -250,7 +251,7 @@ def sum_slots_ref(slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # The Triton path: tokens grouped by expert on the device, then two grouped matmuls.
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slots"])  # (sizes: a step of a new size never waits for a build)
 def _rank_kernel(ids_ptr, counts_ptr, ranks_ptr, slots, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """Each (token, slot) its place among its expert's: counts[e] taken and raised by one,
     atomically (which slot comes first follows the GPU's timing: only the groups' members
@@ -262,7 +263,7 @@ def _rank_kernel(ids_ptr, counts_ptr, ranks_ptr, slots, BLOCK: tl.constexpr, PDL
     tl.store(ranks_ptr + i, tl.atomic_add(counts_ptr + expert, 1, mask=ok), mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slots", "blocks"])
 def _place_kernel(
     ids_ptr,
     counts_ptr,
@@ -414,7 +415,7 @@ def _store_act(act_ptr, rows, valid, offs_n, acc_g, acc_u, INTER):
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slots"])
 def _moe_gate_up_kernel(
     x_ptr,
     w_ptr,
@@ -526,7 +527,7 @@ def _store_down(out_ptr, weights_ptr, rows, valid, offs_n, acc, HIDDEN, out_ty):
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["slots"])
 def _moe_down_kernel(
     act_ptr,
     w_ptr,
@@ -635,7 +636,7 @@ def sub_blocks(slots: int, experts: int) -> int:
 
 
 def fused_moe(
-    x, gate_up, down, weights, ids, partial: bool = False, summed: bool = True
+    x, gate_up, down, weights, ids, partial: bool = False, summed: bool = True, shared: int = 0
 ) -> torch.Tensor:
     """fused_moe_ref's sums with the Triton kernels: tokens grouped by expert on the
     device (align_by_expert), the gate/up matmul with SiLU-and-mul, then the down matmul
@@ -643,9 +644,11 @@ def fused_moe(
     in order. Each (token, slot) row is its own chain of dot products over K, whatever
     other rows share its block: a token's output does not depend on its neighbours.
     `partial`: ids equal to the number of experts are other ranks' (no block runs them;
-    their slots stay zero). `summed=False`: the slots, unsummed (as fused_moe_ref)."""
+    their slots stay zero). `summed=False`: the slots, unsummed (as fused_moe_ref).
+    `shared`: the stacks' last experts are shared ones that every token takes; the blocks
+    a program takes (sub_blocks) then follow the routed experts' rows alone."""
     stacks = _stack_args(gate_up, None, None, gate_up.shape[1] // 2), _stack_args(down)
-    return _moe(x, gate_up.shape, stacks, weights, ids, partial, summed)
+    return _moe(x, gate_up.shape, stacks, weights, ids, partial, summed, shared)
 
 
 def fused_moe_quantized(
@@ -718,7 +721,7 @@ def _stack_args(w, scale=None, block=None, inter=None) -> dict:
     return args
 
 
-def _moe(x, shape, stacks, weights, ids, partial: bool, summed: bool) -> torch.Tensor:
+def _moe(x, shape, stacks, weights, ids, partial: bool, summed: bool, shared: int = 0):
     """fused_moe's launches over `stacks` (_stack_args: gate_up's, down's); `shape` the
     dense gate_up's [experts, 2I, hidden]."""
     tokens, k = ids.shape
@@ -729,7 +732,7 @@ def _moe(x, shape, stacks, weights, ids, partial: bool, summed: bool) -> torch.T
     block_m, block_n = t.pop("BLOCK_M"), t.pop("BLOCK_N")
     t |= pdl_options(x.device)
     one_slot = slots <= ONE_SLOT_MAX
-    sub = 1 if one_slot else sub_blocks(slots, experts)
+    sub = 1 if one_slot else sub_blocks(slots - tokens * shared, experts - shared)
     if one_slot:  # a block per slot: its expert's weights are read once per slot
         rows, block_expert = ids, ids.reshape(-1)  # (rows: unread)
     else:
