@@ -142,8 +142,11 @@ STEPS = {
     4: (32, {"num_warps": 4, "num_stages": 1}),
 }
 MERGE_HEADS = 16  # a merge program's heads: 16 x latent 512 fp32 sums fit its registers
-# batch-dependent arguments not worth a build each (attention.py's ANY_BATCH says why)
+# batch-dependent arguments not worth a build each (attention.py's ANY_BATCH says why);
+# split_stride is 1 where a step's tables are short (prompts of up to 128 tokens): its
+# build, missed by the warm-up, held a 64-prompt step 1.9 s on the H200
 ANY_BATCH = ["block_tables_ptr", "seq_lens_ptr", "cu_q_ptr", "max_blocks", "n_seqs"]
+ANY_BATCH += ["split_stride"]
 
 
 @triton.jit
