@@ -22,13 +22,17 @@ weights (about 61 GB for Qwen3, 32 GB for Moonlight) is on the GPU at a time. Me
 and ours against HF at batch 64 (the issue asks for at least 5x), and the K/V bytes a
 token against Llama-3-8B's (131,072). --profile adds where a batch-1 step's GPU time
 goes, kernel by kernel (in a child of its own, without dependent launches;
-"batch1_profile"). Prints a table, writes bench/results/moe-<device>.json (Qwen3) or
-moe-moonlight-<device>.json. --small: a tiny shape on the CPU, to check the harness.
+"batch1_profile"). --quantized (DeepSeek-V3's architecture): batch-1 decode of the same
+model with its weights as DeepSeek-V3 and Kimi K2.5 ship them, block-FP8 (every
+projection of the layers) and INT4 by groups of 32 (the routed experts), each in a child
+of its own, against bf16. Prints a table, writes bench/results/moe-<device>.json (Qwen3)
+or moe-moonlight-<device>.json. --small: a tiny shape on the CPU, to check the harness.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -284,17 +288,51 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [rng.integers(0, vocab, length).tolist() for _ in range(n)]
 
 
-def build_ours(args, cfg: dict, device: str, dtype):
-    """Our engine on the random weights, warmed up with its CUDA graphs: (engine, setup)."""
+# the projections DeepSeek-V3's FP8 checkpoints store in block FP8 (all in the layers)
+FP8_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                   "o_proj", "gate_proj", "up_proj", "down_proj")  # fmt: skip
+
+
+def stored(name: str, t: torch.Tensor, weights: str) -> dict[str, torch.Tensor]:
+    """A tensor (HF name) as a checkpoint of `weights` stores it: "fp8", every projection
+    of the layers in e4m3 with a scale a 128 x 128 block; "int4", the routed experts
+    packed eight to an int32 with a bf16 scale a group of 32 (Kimi K2.5); else as it is.
+    Random values of the bf16 weights' size (the speed does not depend on them)."""
+    base, proj = name.removesuffix(".weight"), name.removesuffix(".weight").rsplit(".", 1)[-1]
+    if weights == "bf16" or t.dim() != 2 or ".layers." not in name:
+        return {name: t}
+    n, k = t.shape
+    if weights == "fp8" and proj in FP8_PROJECTIONS:
+        scale = 0.02 / 64  # std 0.02 as about 64: well inside e4m3's range
+        blocks = torch.full((-(-n // 128), -(-k // 128)), scale, device=t.device)
+        return {
+            name: (t.float() / scale).to(torch.float8_e4m3fn),
+            base + ".weight_scale_inv": blocks,
+        }
+    if weights == "int4" and is_routed(name):
+        packed = torch.randint(-(2**31), 2**31 - 1, (n, -(-k // 8)), dtype=torch.int32,
+                               device=t.device)  # fmt: skip
+        scale = torch.full((n, -(-k // 32)), 0.02 / 4, dtype=torch.bfloat16, device=t.device)
+        shape = torch.tensor([n, k], dtype=torch.int64, device=t.device)
+        return {base + ".weight_packed": packed, base + ".weight_scale": scale,
+                base + ".weight_shape": shape}  # fmt: skip
+    return {name: t}
+
+
+def build_ours(args, cfg: dict, device: str, dtype, weights: str = "bf16"):
+    """Our engine on the random weights, warmed up with its CUDA graphs: (engine, setup).
+    `weights`: "fp8" or "int4" store them as stored() says (DeepSeek-V3's architecture)."""
     from omni.engine.checkpoint import Checkpoint
     from omni.engine.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM
     from omni.engine.engine import Engine
     from omni.engine.llama import LlamaConfig, LlamaForCausalLM
+    from omni.engine.quant_weights import FP8_BLOCK, INT4_GROUP, WeightScheme
     from tests.checkpoints import text_tokenizer
 
     deepseek = cfg["model_type"] == "deepseek_v3"
     config_class = DeepseekV3Config if deepseek else LlamaConfig
     model_class = DeepseekV3ForCausalLM if deepseek else LlamaForCausalLM
+    scheme = {"fp8": WeightScheme(FP8_BLOCK), "int4": WeightScheme(INT4_GROUP)}.get(weights)
 
     t0 = time.perf_counter()
     state = {}
@@ -303,19 +341,26 @@ def build_ours(args, cfg: dict, device: str, dtype):
         if name.endswith("experts.gate_up_proj"):  # as the Hub ships them: one per expert
             prefix, inter = name.removesuffix("experts.gate_up_proj"), shape[1] // 2
             for e in range(shape[0]):
-                state[f"{prefix}experts.{e}.gate_proj.weight"] = t[e, :inter]
-                state[f"{prefix}experts.{e}.up_proj.weight"] = t[e, inter:]
+                gate, up = (
+                    f"{prefix}experts.{e}.gate_proj.weight",
+                    f"{prefix}experts.{e}.up_proj.weight",
+                )
+                state |= stored(gate, t[e, :inter], weights) | stored(up, t[e, inter:], weights)
         elif name.endswith("experts.down_proj"):
             prefix = name.removesuffix("experts.down_proj")
             for e in range(shape[0]):
-                state[f"{prefix}experts.{e}.down_proj.weight"] = t[e]
+                state |= stored(f"{prefix}experts.{e}.down_proj.weight", t[e], weights)
         else:
-            state[name] = t
+            state |= stored(name, t, weights)
         del t
     with tempfile.TemporaryDirectory() as tmp:
         tokenizer = text_tokenizer(Path(tmp), cfg["vocab_size"])
         mcfg = config_class.from_checkpoint(Checkpoint(Path(tmp), cfg))
-    model = model_class.from_state(mcfg, state)
+    if scheme is None:
+        model = model_class.from_state(mcfg, state)
+    else:
+        mcfg = dataclasses.replace(mcfg, quantization=scheme.kind)
+        model = model_class.from_state(mcfg, state, "random", scheme)
     del state
     engine = Engine(model, tokenizer, max_seqs=args.max_seqs)
     engine.warm_up(graphs=True)
@@ -347,6 +392,16 @@ def ours(args, cfg: dict, device: str, dtype) -> dict:
     result["throughput"] = [timed_steps(b) for b in THROUGHPUT_BATCHES]
     engine.shutdown()
     return result
+
+
+def quantized_decode(args, cfg: dict, device: str, dtype) -> dict:
+    """Batch-1 decode (three runs) of the model in args.weights (stored())."""
+    engine, setup = build_ours(args, cfg, device, dtype, args.weights)
+    runner = OursRunner(engine, Deadline(time.time() + args.timeout))
+    runs = [batch_run(runner, prompts(1, args.prompt, cfg["vocab_size"], 100 + i), args.new)
+            for i in range(3)]  # fmt: skip
+    engine.shutdown()
+    return {"weights": args.weights, "setup": setup, "decode": runs}
 
 
 def profile(args, cfg: dict, device: str, dtype) -> dict:
@@ -480,6 +535,7 @@ def child(side: str, args, out: Path, env: dict | None = None) -> dict:
     argv += ["--max-seqs", str(args.max_seqs)] + (["--small"] if args.small else [])
     argv += ["--hf-256"] if args.hf_256 else []
     argv += ["--profile-batches", ",".join(map(str, args.profile_batches))]
+    argv += ["--weights", args.weights]
     t0 = time.perf_counter()
     proc = subprocess.run(argv, timeout=args.timeout, env=os.environ | (env or {}))
     if proc.returncode != 0 or not out.exists():
@@ -512,14 +568,19 @@ def main() -> None:
         help="with --profile: decode steps of these batch sizes too, kernel by kernel",
     )
     ap.add_argument("--timeout", type=float, default=420)
-    ap.add_argument("--phase", choices=("ours", "hf", "profile"))
+    ap.add_argument(
+        "--quantized", action="store_true", help="also batch-1 decode in block-FP8 and INT4"
+    )
+    ap.add_argument("--weights", choices=("bf16", "fp8", "int4"), default="bf16")
+    ap.add_argument("--phase", choices=("ours", "hf", "profile", "quantized"))
     ap.add_argument("--phase-out")
     args = ap.parse_args()
     cfg = SHAPES[args.shape](args.small)
     on_gpu = torch.cuda.is_available() and not args.small
     device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
     if args.phase:
-        side = {"ours": ours, "hf": hf, "profile": profile}[args.phase]
+        side = {"ours": ours, "hf": hf, "profile": profile, "quantized": quantized_decode}
+        side = side[args.phase]
         Path(args.phase_out).write_text(json.dumps(side(args, cfg, device, dtype)))
         return
 
@@ -531,6 +592,11 @@ def main() -> None:
             sides["hf"] = child("hf", args, Path(tmp) / "hf.json")
         if args.profile:
             prof = child("profile", args, Path(tmp) / "profile.json", {"OMNI_PDL": "0"})
+        if args.quantized and cfg["model_type"] == "deepseek_v3":
+            for weights in ("fp8", "int4"):
+                quant_args = argparse.Namespace(**{**vars(args), "weights": weights})
+                out = Path(tmp) / f"{weights}.json"
+                sides[f"ours-{weights}"] = child("quantized", quant_args, out)
     # the floors: the bytes of a step at batch 1, 64 and 256, K/V at the run's mean context
     context = args.prompt + args.new // 2
     weights = active_bytes_per_token(cfg, itemsize)
@@ -560,6 +626,15 @@ def main() -> None:
     data = {"config": cfg, "args": vars(args), "bandwidth": bw, "sides": sides} | summary
     if args.profile:
         data["batch1_profile"] = prof
+    quantized = {
+        w: best(sides[f"ours-{w}"].get("decode", []), "decode_tok_s")
+        for w in ("fp8", "int4")
+        if f"ours-{w}" in sides
+    }
+    if quantized:
+        data["quantized_batch1"] = {"bf16": ours_b1, **quantized} | {
+            f"{w}_vs_bf16": v / ours_b1 for w, v in quantized.items() if v and ours_b1
+        }
     path = write_result(name, data)
 
     hf_b1 = best(sides.get("hf", {}).get("decode", []), "decode_tok_s")
@@ -586,6 +661,9 @@ def main() -> None:
     )
     if "ours_vs_hf_at_64" in summary:
         print(f"ours / HF at batch 64: {summary['ours_vs_hf_at_64']:.2f}x")
+    for w, v in quantized.items():
+        ratio = f" ({v / ours_b1:.2f}x bf16)" if v and ours_b1 else ""
+        print(f"{f'decode b=1 tok/s, {w}':30s} {fmt(v):>10s}{ratio}")
     for s, d in sides.items():
         if "error" in d:
             print(f"{s}: {d['error']}")

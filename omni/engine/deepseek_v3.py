@@ -495,11 +495,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         model = cls(cfg, device="meta")
         drop_prediction_layers(state, cfg.num_layers)
         dtype = _model_dtype(state)
-        # on a GPU the routed experts are dequantized at load for now: the quantized MoE
-        # kernels pass under the interpreter, not yet their GPU test (test_quant_moe.py)
-        on_gpu = state["lm_head.weight"].device.type == "cuda"
-        keep = runs_quantized_on_gpu if on_gpu else runs_quantized
-        dequantize_where(state, scheme, dtype, keep=keep)
+        dequantize_where(state, scheme, dtype, keep=runs_quantized)
         fuse_gate_up(state, cfg, scheme, dtype)
         quantized = stack_quantized_experts(state, cfg, scheme, dtype, source)
         dense_moe = dataclasses.replace(cfg.moe, dense_layers=cfg.moe.dense_layers | quantized)
@@ -566,11 +562,6 @@ def runs_quantized(linear: str) -> bool:
     """Whether a quantized Linear (HF name) stays so: not kv_b_proj (MLA reads it as a
     matrix). (The routed experts stay so where a layer's all are: stack_quantized_experts.)"""
     return not linear.endswith("kv_b_proj")
-
-
-def runs_quantized_on_gpu(linear: str) -> bool:
-    """runs_quantized, but not the routed experts (see from_state)."""
-    return runs_quantized(linear) and ".mlp.experts." not in linear
 
 
 def stack_quantized_experts(

@@ -208,3 +208,21 @@ def test_a_quantized_deepseek_keeps_its_experts_quantized(tmp_path, kind):
         fused_moe_quantized_ref(*args, experts.block),
         **({"atol": 3e-2, "rtol": 3e-2} if GPU else tolerance(torch.float32)),
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_a_quantized_deepseek_on_the_gpu_runs_its_experts_quantized(tmp_path, kind):
+    """Loaded on the GPU, the tiny quantized DeepSeek keeps its routed experts as stored
+    and its logits (prefill, then decode steps under the engine's kernels) are those of
+    its dequantized weights, within bf16's rounding."""
+    from omni.engine.deepseek_v3 import DeepseekV3ForCausalLM, QuantizedExperts
+
+    from .test_deepseek_v3 import deepseek_config
+    from .test_quant_weights import logits, quantized_checkpoints
+
+    quantized, dense = quantized_checkpoints(tmp_path, deepseek_config(24), kind)
+    model = DeepseekV3ForCausalLM.load(quantized, "cuda", torch.bfloat16)
+    assert all(isinstance(layer.mlp.experts, QuantizedExperts) for layer in model.model.layers[1:])
+    want = logits(DeepseekV3ForCausalLM.load(dense, "cuda", torch.bfloat16))
+    torch.testing.assert_close(logits(model), want, atol=0.15, rtol=0.05)
