@@ -209,19 +209,39 @@ class LatentAttention(nn.Module):
         self.scale = softmax_scale(cfg)
         self.rope_factor = rope_parameters(cfg)[1]  # YaRN's scale of the rotated parts
 
-    def query(self, x: torch.Tensor) -> torch.Tensor:
-        if self.cfg.q_lora_rank is None:
-            return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+    def fuse_inputs(self, device=None) -> None:
+        """One Linear for the two projections of x, q's first (q_proj or q_a_proj) and the
+        latent's (kv_a_proj_with_mqa), stacked along their outputs (fuse_latent_inputs):
+        one launch where two each waited out a launch's latency at decode sizes."""
+        cfg, first = self.cfg, first_q_projection(self.cfg)
+        width = getattr(self, first).out_features + self.kv_a_proj_with_mqa.out_features
+        self.q_kv_a_proj = Linear(cfg.hidden_size, width, bias=False, device=device)
+        delattr(self, first)
+        del self.kv_a_proj_with_mqa
+
+    def inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [tokens, heads * (nope + rope)], [latent | rope key] [tokens, latent + rope]),
+        each possibly a view with strided rows."""
+        cfg = self.cfg
+        if hasattr(self, "q_kv_a_proj"):
+            fused, width = self.q_kv_a_proj(x), cfg.kv_lora_rank + cfg.qk_rope_head_dim
+            first, kv = fused.split([fused.shape[-1] - width, width], dim=-1)
+        else:
+            first = (self.q_proj if cfg.q_lora_rank is None else self.q_a_proj)(x)
+            kv = self.kv_a_proj_with_mqa(x)
+        if cfg.q_lora_rank is None:
+            return first, kv
+        return self.q_b_proj(self.q_a_layernorm(first.contiguous())), kv
 
     def forward(self, x: torch.Tensor, step, cache: torch.Tensor, inv_freq) -> torch.Tensor:
         """x [tokens, hidden] -> [tokens, hidden]; the tokens' latent rows go to this
         layer's `cache` [blocks, block_size, 1, latent + rope] on the way."""
         cfg, n, kernels = self.cfg, x.shape[0], ops(x.device)
         nope, rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
-        q = self.query(x).view(n, cfg.num_heads, nope + rope)
+        q, kv = self.inputs(x)
+        q = q.view(n, cfg.num_heads, nope + rope)
         q_nope, q_rope = q.split([nope, rope], dim=-1)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([cfg.kv_lora_rank, rope], dim=-1)
+        latent, k_rope = kv.split([cfg.kv_lora_rank, rope], dim=-1)
         latent = self.kv_a_layernorm(latent.contiguous())
         if self.rope_factor != 1.0:  # rotation is linear: scaling before it is the same
             q_rope, k_rope = q_rope * self.rope_factor, k_rope * self.rope_factor
@@ -503,6 +523,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         folded = fold_shared_experts(state, dense_moe, cfg)
         if cfg.rope_interleave:
             permute_rope_rows(state, cfg, scheme, dtype)
+        fused_inputs = fuse_latent_inputs(state, cfg, scheme, dtype)
         for i in range(cfg.num_layers):  # the router in fp32, as HF keeps it
             for name in ("weight", "e_score_correction_bias"):
                 key = f"model.layers.{i}.mlp.gate.{name}"
@@ -515,9 +536,40 @@ class DeepseekV3ForCausalLM(nn.Module):
             model.model.layers[i].mlp.experts = QuantizedExperts(cfg, scheme, device="meta")
         for i in folded:
             model.model.layers[i].mlp.fold_shared(device="meta")
+        for i in fused_inputs:
+            model.model.layers[i].self_attn.fuse_inputs(device="meta")
         assign_state(model, state, source, skipped=("rotary_emb",))
         model.inv_freq = rope_parameters(cfg)[0].to(state["lm_head.weight"].device)
         return model.eval()
+
+
+def first_q_projection(cfg: DeepseekV3Config) -> str:
+    """The projection of x that q starts from: q_proj, or the low-rank q_a_proj."""
+    return "q_proj" if cfg.q_lora_rank is None else "q_a_proj"
+
+
+def fuse_latent_inputs(
+    state: dict, cfg: DeepseekV3Config, scheme: WeightScheme | None, dtype
+) -> frozenset[int]:
+    """Stack each layer's first q projection and kv_a_proj_with_mqa into q_kv_a_proj
+    (LatentAttention.fuse_inputs) where both are plain, or both quantized with FP8's row
+    blocks lining up, and neither has a bias: the layers fused."""
+    fused = set()
+    for i in range(cfg.num_layers):
+        prefix = f"model.layers.{i}.self_attn."
+        parts = [prefix + first_q_projection(cfg), prefix + "kv_a_proj_with_mqa"]
+        kinds = {is_quantized(state, p, scheme) for p in parts}
+        plain = kinds == {False} and all(f"{p}.weight" in state for p in parts)
+        if len(kinds) != 1 or any(f"{p}.bias" in state for p in parts):
+            continue
+        if not plain:
+            if kinds != {True} or scheme is None:
+                continue
+            if scheme.kind == FP8_BLOCK and state[f"{parts[0]}.weight"].shape[0] % scheme.block[0]:
+                continue
+        stack_linears(state, parts, prefix + "q_kv_a_proj", scheme, dtype)
+        fused.add(i)
+    return frozenset(fused)
 
 
 def fold_shared_experts(state: dict, moe, cfg: DeepseekV3Config) -> frozenset[int]:

@@ -133,6 +133,9 @@ def test_logits_match_transformers_through_chunks_decode_and_a_batch(tiny):
         m.shared == 1 and m.shared_experts is None and m.experts.gate_up.shape[0] == 8 + 1
         for m in moe_layers
     )
+    # q's first projection and the latent's run as one
+    assert all(hasattr(layer.self_attn, "q_kv_a_proj") for layer in model.model.layers)
+    assert not any(hasattr(layer.self_attn, "kv_a_proj_with_mqa") for layer in model.model.layers)
     runner = ModelRunner(model, block_size=8, num_blocks=64)
     # chunked prefill (17 + 13 in chunks of 5), then one token at a time: the absorbed form
     ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(2)).tolist()
