@@ -365,9 +365,11 @@ class QuantizedExperts(nn.Module):
         for name, t in zip(EXPERT_STACKS, tensors, strict=True):
             self.register_buffer(name, t)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, x, weights, ids, summed: bool = True) -> torch.Tensor:
         stacks = (self.gate_up, self.gate_up_scale, self.down, self.down_scale)
-        return ops(x.device).fused_moe_quantized(x, *stacks, weights, ids, self.block)
+        return ops(x.device).fused_moe_quantized(
+            x, *stacks, weights, ids, self.block, summed=summed
+        )
 
 
 class DeepseekMoE(nn.Module):
@@ -393,14 +395,17 @@ class DeepseekMoE(nn.Module):
         moe = dataclasses.replace(self.cfg.moe, experts=self.cfg.moe.experts + self.shared)
         self.experts, self.shared_experts = Experts(moe, self.cfg.hidden_size, device), None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, summed: bool = True) -> torch.Tensor:
+        """[tokens, hidden]; `summed=False`, where no shared MLP of its own remains: each
+        token's weighted expert outputs [tokens, slots, hidden] in fp32, which the next
+        RMS norm adds up (kernels/norm.py; one launch fewer a layer)."""
         weights, ids = self.gate(x, self.shared)
-        experts = self.experts
+        experts, summed = self.experts, summed or self.shared_experts is not None
         if isinstance(experts, QuantizedExperts):
-            out = experts(x, weights, ids)
+            out = experts(x, weights, ids, summed)
         else:
             out = ops(x.device).fused_moe(
-                x, experts.gate_up, experts.down, weights, ids, shared=self.shared
+                x, experts.gate_up, experts.down, weights, ids, summed=summed, shared=self.shared
             )
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
@@ -423,6 +428,8 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, step, k_cache[self.layer], inv_freq)
         h, residual = self.post_attention_layernorm(h, residual)
+        if isinstance(self.mlp, DeepseekMoE):  # the next norm adds up its slots
+            return self.mlp(h, summed=False), residual
         return self.mlp(h), residual
 
 
