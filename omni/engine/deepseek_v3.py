@@ -250,13 +250,14 @@ class LatentAttention(nn.Module):
         )
         if kernels.mla_prefill is None:  # the GPU: every row absorbed, in one launch
             attended = kernels.mla_attention(
-                self.to_latent(q_nope, q_rope),
+                self.latent_query(q_nope),
                 cache,
                 step.block_tables,
                 step.seq_lens,
                 step.cu_seqlens_q,
                 self.scale,
                 cfg.kv_lora_rank,
+                q_rope=q_rope,
             )
             return self.o_proj(self.from_latent(attended).reshape(n, -1))
         out = x.new_empty(n, cfg.num_heads, cfg.v_head_dim)
@@ -302,12 +303,16 @@ class LatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(cfg.num_heads, -1, cfg.kv_lora_rank)
         return w.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
 
-    def to_latent(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
-        """The absorbed query [rows, heads, latent + rope]: q_nope into the latent space
-        through kv_b_proj's K part, beside the rotated q_rope."""
+    def latent_query(self, q_nope: torch.Tensor) -> torch.Tensor:
+        """q_nope in the latent space through kv_b_proj's K part: [rows, heads, latent]
+        (strided: head-major underneath)."""
         w_uk = self.absorbing_weights()[0]
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
-        return torch.cat([q_latent, q_rope], dim=-1)
+        return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+
+    def to_latent(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
+        """The absorbed query [rows, heads, latent + rope]: latent_query beside the
+        rotated q_rope."""
+        return torch.cat([self.latent_query(q_nope), q_rope], dim=-1)
 
     def from_latent(self, attended: torch.Tensor) -> torch.Tensor:
         """Each head's attended latent [rows, heads, latent] out through kv_b_proj's V

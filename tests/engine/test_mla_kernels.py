@@ -101,6 +101,18 @@ def test_mla_attention_over_several_head_groups(gen):
     assert_near(out, mla_attention_ref(q, cache, table, lens, cu, 0.1, LATENT), torch.float32)
 
 
+def test_a_query_in_two_parts_gives_the_joined_querys_bits(gen):
+    """The latent part head-major underneath (as a batched product leaves it) and the
+    rope part in a tensor of its own: the same bits as the one joined query."""
+    seq_lens, q_lens = grown(*MIXED)
+    q, cache, table, lens, cu = latent_batch(gen, seq_lens, q_lens, HEADS[0], 16)
+    latent = q[..., :LATENT].transpose(0, 1).contiguous().transpose(0, 1)
+    rope = q[..., LATENT:].clone()
+    joined = mla_attention(q, cache, table, lens, cu, 0.2, LATENT)
+    parts = mla_attention(latent, cache, table, lens, cu, 0.2, LATENT, q_rope=rope)
+    assert torch.equal(parts, joined)
+
+
 def test_the_reference_is_the_decode_reference_at_one_row(gen):
     q, cache, table, lens, cu = latent_batch(gen, [5, 40, 17], [1, 1, 1], HEADS[0], 8)
     want = mla_decode_ref(q, cache, table, lens, 0.2, LATENT)

@@ -179,8 +179,9 @@ def _split_layout(
 
 @triton.jit(do_not_specialize=ANY_BATCH)
 def _mla_kernel(
-    q_ptr, cache_ptr, out_ptr, part_ptr, lse_ptr, block_tables_ptr, seq_lens_ptr, cu_q_ptr,
-    scale, n_seqs, max_blocks, n_heads, q_row, q_head, cache_block, cache_row, split_stride,
+    q_ptr, qr_ptr, cache_ptr, out_ptr, part_ptr, lse_ptr, block_tables_ptr, seq_lens_ptr,
+    cu_q_ptr, scale, n_seqs, max_blocks, n_heads, q_row, q_head, qr_row, qr_head,
+    cache_block, cache_row, split_stride,
     LATENT: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr, MAX_S: tl.constexpr, MIN_TILES: tl.constexpr, PDL: tl.constexpr,
@@ -205,8 +206,9 @@ def _mla_kernel(
         offs_n = tl.arange(0, BLOCK_N)
         rope_ok = (offs_r < ROPE)[None, :]
         q_at = (q_ptr + (q_start + row) * q_row + head * q_head)[:, None]
+        qr_at = (qr_ptr + (q_start + row) * qr_row + head * qr_head)[:, None]
         q_lat = tl.load(q_at + offs_d[None, :], mask=ok[:, None], other=0.0)
-        q_rope = tl.load(q_at + LATENT + offs_r[None, :], mask=ok[:, None] & rope_ok, other=0.0)
+        q_rope = tl.load(qr_at + offs_r[None, :], mask=ok[:, None] & rope_ok, other=0.0)
         q_pos = length - n_rows + row
         hi = tl.minimum(length, length - n_rows + (tile + 1) * ROWS)  # the tile's last row + 1
         for split in range(tl.program_id(2), n_splits, tl.num_programs(2)):
@@ -312,17 +314,24 @@ def _split_programs(tiles: int, device: torch.device) -> int:
 
 
 def mla_attention(
-    q, cache, block_tables, seq_lens, cu_seqlens_q, scale, latent_dim, programs=None
+    q, cache, block_tables, seq_lens, cu_seqlens_q, scale, latent_dim, programs=None, q_rope=None
 ) -> torch.Tensor:
-    """mla_attention_ref on the GPU: q [tokens, heads, latent + rope] (rows and heads may
-    be strided, each head's values packed), cache [blocks, block_size, 1, latent + rope];
+    """mla_attention_ref on the GPU: q [tokens, heads, latent + rope], or its latent part
+    with `q_rope` [tokens, heads, rope] apart (no copy to join them); rows and heads may be
+    strided, each head's values packed. cache [blocks, block_size, 1, latent + rope];
     returns [tokens, heads, latent_dim] in q's dtype. The launch reads shapes only (no
     wait for the device): a CUDA graph can hold it. `programs` per row tile share a decode
     row's splits (default: by the GPU's size); it changes the speed, never the output."""
-    tokens, heads, width = q.shape
-    rope = width - latent_dim
+    if q_rope is None:
+        q, q_rope = q[..., :latent_dim], q[..., latent_dim:]
+    tokens, heads, _ = q.shape
+    rope = q_rope.shape[-1]
+    if q.shape[-1] != latent_dim or q_rope.shape[:2] != q.shape[:2]:
+        raise ValueError("q's latent part must be latent_dim wide, beside q_rope's rows")
     if latent_dim < 16 or latent_dim & (latent_dim - 1) or q.stride(2) != 1:
         raise ValueError("the latent width must be a power of two >= 16, q's values packed")
+    if q_rope.stride(2) != 1:
+        raise ValueError("q_rope's values must be packed")
     block_h = min(TILE_M, max(16, triton.next_power_of_2(heads)))
     rows, groups = TILE_M // block_h, triton.cdiv(heads, block_h)
     if tokens <= cu_seqlens_q.shape[0] - 1:  # decode: a row a sequence, no tile to share
@@ -342,9 +351,9 @@ def mla_attention(
     layout = {"BLOCK_N": block_n, "MAX_S": MAX_SPLITS, "MIN_TILES": MIN_SPLIT_TILES}
     pdl = pdl_options(q.device)
     _mla_kernel[(tiles, groups, programs)](
-        q, cache, out, part, lse, block_tables, seq_lens, cu_seqlens_q,
+        q, q_rope, cache, out, part, lse, block_tables, seq_lens, cu_seqlens_q,
         scale, n_seqs, block_tables.shape[1], heads, q.stride(0), q.stride(1),
-        cache.stride(0), cache.stride(1), stride,
+        q_rope.stride(0), q_rope.stride(1), cache.stride(0), cache.stride(1), stride,
         LATENT=latent_dim, ROPE=rope, ROPE_P2=max(16, triton.next_power_of_2(rope)),
         BLOCK_SIZE=block_size, BLOCK_H=block_h, ROWS=rows, **layout, **pdl,
         **launch,
