@@ -231,7 +231,7 @@ class LatentAttention(nn.Module):
             kv = self.kv_a_proj_with_mqa(x)
         if cfg.q_lora_rank is None:
             return first, kv
-        return self.q_b_proj(self.q_a_layernorm(first.contiguous())), kv
+        return self.q_b_proj(self.q_a_layernorm(first)), kv
 
     def forward(self, x: torch.Tensor, step, cache: torch.Tensor, inv_freq) -> torch.Tensor:
         """x [tokens, hidden] -> [tokens, hidden]; the tokens' latent rows go to this
@@ -242,7 +242,7 @@ class LatentAttention(nn.Module):
         q = q.view(n, cfg.num_heads, nope + rope)
         q_nope, q_rope = q.split([nope, rope], dim=-1)
         latent, k_rope = kv.split([cfg.kv_lora_rank, rope], dim=-1)
-        latent = self.kv_a_layernorm(latent.contiguous())
+        latent = self.kv_a_layernorm(latent)  # (a strided view: the norm reads it so)
         if self.rope_factor != 1.0:  # rotation is linear: scaling before it is the same
             q_rope, k_rope = q_rope * self.rope_factor, k_rope * self.rope_factor
         q_rope = kernels.mla_rope_and_cache(

@@ -50,10 +50,14 @@ def rand(*shape, gen, scale=1.0):
     return (torch.randn(*shape, generator=gen, device=DEVICE) * scale).to(DTYPE)
 
 
+@pytest.mark.parametrize("strided", [False, True])  # rows of a wider projection's output
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm(gen, with_residual):
+def test_rms_norm(gen, with_residual, strided):
     hidden = SHAPE[3]
     x, w = rand(37, hidden, gen=gen), rand(hidden, gen=gen)
+    if strided:
+        x = torch.cat([rand(37, 24, gen=gen), x], dim=1)[:, 24:]
+        assert x.stride(0) == hidden + 24
     res = rand(37, hidden, gen=gen) if with_residual else None
     out, new_res = rms_norm(x, w, 1e-6, res)
     ref, ref_res = rms_norm_ref(x, w, 1e-6, res)

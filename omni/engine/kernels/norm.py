@@ -52,6 +52,7 @@ def _rms_norm_kernel(
     q_ptr,
     scale_ptr,
     n_cols,
+    x_row,
     eps,
     HAS_RESIDUAL: tl.constexpr,
     SLOTS: tl.constexpr,
@@ -73,7 +74,7 @@ def _rms_norm_kernel(
         x = add_slots(x_ptr, row, cols, mask, n_cols, SLOTS, BLOCK)
         x = x.to(res_out_ptr.dtype.element_ty).to(tl.float32)
     else:
-        x = tl.load(x_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + row * x_row + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         x += residual
         tl.store(res_out_ptr + row * n_cols + cols, x.to(res_out_ptr.dtype.element_ty), mask=mask)
@@ -105,9 +106,10 @@ def rms_norm(
         slots = x.shape[1]
         x2, dtype = x.contiguous(), residual.dtype
         shape = residual.shape
-    else:
+    else:  # rows may be strided (a view of a wider projection's output): no copy
         shape = x.shape
-        x2, dtype = x.reshape(-1, shape[-1]).contiguous(), x.dtype
+        strided = x.dim() == 2 and x.stride(-1) == 1
+        x2, dtype = x if strided else x.reshape(-1, shape[-1]).contiguous(), x.dtype
     rows, cols = x2.shape[0], shape[-1]
     out = empty_rows(rows, cols, dtype, x2.device)  # feeds a linear layer
     res_in = residual.reshape(-1, cols).contiguous() if residual is not None else x2
@@ -126,6 +128,7 @@ def rms_norm(
         q,
         scale,
         cols,
+        x2.stride(0) if not slots else cols,
         eps,
         HAS_RESIDUAL=residual is not None,
         SLOTS=slots,
