@@ -304,10 +304,8 @@ class LatentAttention(nn.Module):
         return w.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
 
     def latent_query(self, q_nope: torch.Tensor) -> torch.Tensor:
-        """q_nope in the latent space through kv_b_proj's K part: [rows, heads, latent]
-        (strided: head-major underneath)."""
-        w_uk = self.absorbing_weights()[0]
-        return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
+        """q_nope in the latent space through kv_b_proj's K part: [rows, heads, latent]."""
+        return ops(q_nope.device).head_matmul(q_nope, self.absorbing_weights()[0])
 
     def to_latent(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
         """The absorbed query [rows, heads, latent + rope]: latent_query beside the
@@ -316,9 +314,9 @@ class LatentAttention(nn.Module):
 
     def from_latent(self, attended: torch.Tensor) -> torch.Tensor:
         """Each head's attended latent [rows, heads, latent] out through kv_b_proj's V
-        part: [rows, heads, v] (strided)."""
+        part: [rows, heads, v]."""
         w_uv = self.absorbing_weights()[1]
-        return torch.bmm(attended.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        return ops(attended.device).head_matmul(attended, w_uv, transpose=True)
 
 
 class Router(nn.Module):

@@ -19,6 +19,7 @@ from omni.engine.block_manager import BlockManager
 from omni.engine.deepseek_v3 import DeepseekV3ForCausalLM
 from omni.engine.engine import Engine
 from omni.engine.kernels import ops
+from omni.engine.kernels.head_matmul import head_matmul
 from omni.engine.kernels.mla import mla_attention, mla_rope_and_cache
 from omni.engine.kernels.moe import fused_moe
 from omni.engine.model_runner import ModelRunner, SoloSequence
@@ -75,10 +76,11 @@ def mixed_steps(runner: ModelRunner) -> list[torch.Tensor]:
 
 def use_gpu_path(monkeypatch, moe: bool = False) -> None:
     """deepseek_v3.py's kernels as on the GPU: every row absorbed, the MLA Triton kernels
-    (and with `moe` the fused MoE's, test_moe.py's subject, slow here); the rest the CPU's
-    references."""
+    and per-head products (and with `moe` the fused MoE's, test_moe.py's subject, slow
+    here); the rest the CPU's references."""
     table = SimpleNamespace(**vars(ops(torch.device("cpu"))))
     table.mla_rope_and_cache, table.mla_attention = mla_rope_and_cache, mla_attention
+    table.head_matmul = head_matmul
     table.mla_prefill = table.mla_decode = None
     if moe:
         table.fused_moe = fused_moe

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from omni.engine.kernels.head_matmul import head_matmul, head_matmul_ref
 from omni.engine.kernels.mla import (
     mla_attention,
     mla_attention_ref,
@@ -30,6 +31,8 @@ TOL = {
     torch.float16: (5e-3, 5e-3),
     torch.bfloat16: (2e-2, 2e-2),
 }
+# head_matmul against torch's product (fp32 runs as tf32 on the GPU)
+TORCH_TOL = {"atol": 2e-2, "rtol": 2e-2} if GPU else {"atol": 1e-5, "rtol": 1e-5}
 # contexts across page and tile boundaries: (seq_lens, q_lens) with decode rows (one row,
 # one long enough to split), prompts, extensions, and a sequence with no rows (a graph's
 # padding) between them
@@ -111,6 +114,22 @@ def test_a_query_in_two_parts_gives_the_joined_querys_bits(gen):
     joined = mla_attention(q, cache, table, lens, cu, 0.2, LATENT)
     parts = mla_attention(latent, cache, table, lens, cu, 0.2, LATENT, q_rope=rope)
     assert torch.equal(parts, joined)
+
+
+@pytest.mark.parametrize("transpose", [False, True])  # the query's product, the output's
+def test_per_head_products_against_torch_and_alone_as_in_a_batch(gen, transpose):
+    """head_matmul against torch.bmm on strided rows (a view of a wider tensor), and each
+    row's bits the same alone, among a few and among many."""
+    heads, k, n = HEADS[0], 32 if not GPU else 128, 48 if not GPU else 512
+    x = rand(70, heads, k + 8, gen=gen)[..., :k]
+    w = rand(heads, n, k, gen=gen) if transpose else rand(heads, k, n, gen=gen)
+    out = head_matmul(x, w, transpose)
+    assert out.shape == (70, heads, n) and out.is_contiguous()
+    torch.testing.assert_close(out, head_matmul_ref(x, w, transpose), **TORCH_TOL)
+    # (the interpreter's numpy product may sum a row by its place in the tile: there the
+    # rows keep theirs, starting at multiples of 16)
+    for rows in (slice(0, 1), slice(16, 40), slice(32, 70), *([slice(3, 20)] if GPU else [])):
+        assert torch.equal(head_matmul(x[rows], w, transpose), out[rows]), rows
 
 
 def test_the_reference_is_the_decode_reference_at_one_row(gen):

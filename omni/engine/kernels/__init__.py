@@ -16,6 +16,7 @@ from ..fp8 import fp8_linear_ref
 from .activation import silu_and_mul, silu_and_mul_ref
 from .attention import paged_attention_ref, paged_decode, paged_prefill, prefill_work
 from .grouped_router import grouped_router
+from .head_matmul import head_matmul, head_matmul_ref
 from .matmul import linear, linear_ref
 from .mla import (
     mla_attention,
@@ -81,6 +82,7 @@ _KERNELS = SimpleNamespace(
     sum_slots=sum_slots,
     grouped_router=grouped_router,
     mla_rope_and_cache=mla_rope_and_cache,
+    head_matmul=head_matmul,
     # MLA absorbs every row on the GPU, prefill too (deepseek_v3.py): no expanded form
     mla_attention=mla_attention,
     mla_prefill=None,
@@ -100,6 +102,7 @@ _REFERENCES = SimpleNamespace(
     sum_slots=sum_slots_ref,
     grouped_router=grouped_router_ref,
     mla_rope_and_cache=mla_rope_and_cache_ref,
+    head_matmul=head_matmul_ref,
     mla_attention=mla_attention_ref,
     mla_prefill=mla_prefill_ref,
     mla_decode=mla_decode_ref,
