@@ -34,16 +34,18 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from . import safetensors_reader
 from .checkpoint import Checkpoint, CheckpointError
 from .kernels import ops
 from .kernels.prewarm import prewarm_triton
 from .kernels.wq import FP8
 from .kv_cache import KVLayout
 from .llama import MLP, Linear, RMSNorm, assign_state
-from .moe import Experts, MoEConfig, stack_experts
+from .moe import Experts, MoEConfig, local_ids, stack_experts
 from .quant_weights import (
     EXPERT_STACKS,
     FP8_BLOCK,
+    INT4_GROUP,
     WeightScheme,
     cast_state,
     dequantize_linear,
@@ -55,6 +57,14 @@ from .quant_weights import (
     stack_experts_quantized,
     stack_linears,
     weight_scheme,
+)
+from .tensor_parallel import (
+    all_gather_last,
+    all_reduce,
+    embed,
+    rank,
+    rank_rows,
+    shard_state,
 )
 
 SUPPORTED_MODEL_TYPES = {"deepseek_v3", "kimi_k2"}
@@ -259,14 +269,14 @@ class LatentAttention(nn.Module):
                 cfg.kv_lora_rank,
                 q_rope=q_rope,
             )
-            return self.o_proj(self.from_latent(attended).reshape(n, -1))
+            return all_reduce(self.o_proj(self.from_latent(attended).reshape(n, -1)), cfg.tp)
         out = x.new_empty(n, cfg.num_heads, cfg.v_head_dim)
         d = step.num_decodes  # the first d rows: one a decoding sequence
         if d:
             out[:d] = self.absorbed(q_nope[:d], q_rope[:d], step, cache)
         if d < step.seq_lens.shape[0]:
             out[d:] = self.expanded(torch.cat([q_nope[d:], q_rope[d:]], dim=-1), step, cache)
-        return self.o_proj(out.view(n, -1))
+        return all_reduce(self.o_proj(out.view(n, -1)), cfg.tp)
 
     def expanded(self, q: torch.Tensor, step, cache: torch.Tensor) -> torch.Tensor:
         """The prefilling sequences (those after the decoding ones) in the expanded form."""
@@ -368,10 +378,10 @@ class QuantizedExperts(nn.Module):
         for name, t in zip(EXPERT_STACKS, tensors, strict=True):
             self.register_buffer(name, t)
 
-    def forward(self, x, weights, ids, summed: bool = True) -> torch.Tensor:
+    def forward(self, x, weights, ids, summed: bool = True, partial: bool = False):
         stacks = (self.gate_up, self.gate_up_scale, self.down, self.down_scale)
         return ops(x.device).fused_moe_quantized(
-            x, *stacks, weights, ids, self.block, summed=summed
+            x, *stacks, weights, ids, self.block, partial=partial, summed=summed
         )
 
 
@@ -404,11 +414,14 @@ class DeepseekMoE(nn.Module):
         RMS norm adds up (kernels/norm.py; one launch fewer a layer)."""
         weights, ids = self.gate(x, self.shared)
         experts, summed = self.experts, summed or self.shared_experts is not None
+        moe, partial = self.cfg.moe, self.cfg.moe.expert_parallel > 1
+        if partial:  # this rank's experts only; the layer's all-reduce adds the others'
+            ids = local_ids(ids, rank() * moe.local_experts, moe.local_experts)
         if isinstance(experts, QuantizedExperts):
-            out = experts(x, weights, ids, summed)
+            out = experts(x, weights, ids, summed, partial)
         else:
             out = ops(x.device).fused_moe(
-                x, experts.gate_up, experts.down, weights, ids, summed=summed, shared=self.shared
+                x, experts.gate_up, experts.down, weights, ids, partial, summed, self.shared
             )
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
@@ -431,18 +444,20 @@ class DecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x, residual)
         h = self.self_attn(h, step, k_cache[self.layer], inv_freq)
         h, residual = self.post_attention_layernorm(h, residual)
-        if isinstance(self.mlp, DeepseekMoE):  # the next norm adds up its slots
+        tp = self.self_attn.cfg.tp
+        if tp == 1 and isinstance(self.mlp, DeepseekMoE):  # the next norm adds up its slots
             return self.mlp(h, summed=False), residual
-        return self.mlp(h), residual
+        return all_reduce(self.mlp(h), tp), residual
 
 
 class Backbone(nn.Module):
     def __init__(self, cfg: DeepseekV3Config, device=None):
         super().__init__()
-        weight = torch.empty(cfg.vocab_size, cfg.hidden_size, device=device)
+        rows = cfg.vocab_size // cfg.tp  # split over ranks: this rank's share of the vocab
+        weight = torch.empty(rows, cfg.hidden_size, device=device)
         if weight.device.type != "meta":  # (llama.Backbone says why it is made so)
             nn.init.normal_(weight)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=weight)
+        self.embed_tokens = nn.Embedding(rows, cfg.hidden_size, _weight=weight)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, device) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
 
@@ -452,7 +467,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = Backbone(cfg, device)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, device=device)
+        rows = cfg.vocab_size // cfg.tp
+        self.lm_head = Linear(cfg.hidden_size, rows, bias=False, device=device)
         self.register_buffer("inv_freq", rope_parameters(cfg)[0], persistent=False)
 
     @property
@@ -464,7 +480,7 @@ class DeepseekV3ForCausalLM(nn.Module):
     def hidden_states(self, input_ids, step, k_cache, v_cache) -> torch.Tensor:
         """Final hidden states of `input_ids` (flat, several sequences), per the step.
         `v_cache` is the runner's zero-width one: MLA keeps no V."""
-        x, residual = self.model.embed_tokens(input_ids), None
+        x, residual = embed(self.model.embed_tokens, input_ids, self.cfg.tp), None
         for layer in self.model.layers:
             x, residual = layer(x, residual, step, k_cache, self.inv_freq)
         x, _ = self.model.norm(x, residual)
@@ -472,7 +488,7 @@ class DeepseekV3ForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return all_gather_last(self.lm_head(hidden).float(), self.cfg.tp)
 
     @classmethod
     def load(
@@ -491,11 +507,11 @@ class DeepseekV3ForCausalLM(nn.Module):
         DeepSeek-V3 has no support for yet is refused by name)."""
         scheme = weight_scheme(ckpt.config, ckpt.path / "config.json")  # (or its refusal)
         refused = {
-            "tensor parallelism": tp > 1,
-            "expert parallelism": experts,
             # quantizing a bf16 checkpoint at load; a quantized checkpoint's own scheme loads
             "quantization at load": quantization is not None,
             "FP8 KV cache": kv_cache_dtype is not None,
+            # (INT4's weight_shape is no tensor to cut in rows or columns)
+            "INT4 over several ranks": tp > 1 and bool(scheme) and scheme.kind == INT4_GROUP,
         }
         if unsupported := [name for name, asked in refused.items() if asked]:
             raise CheckpointError(f"{ckpt.path}: no {', '.join(unsupported)} for DeepSeek-V3 yet")
@@ -504,14 +520,24 @@ class DeepseekV3ForCausalLM(nn.Module):
         if scheme and gpu and (problem := gpu_problem(scheme, gpu)):  # W8A16/W4A16's least
             raise CheckpointError(f"{ckpt.path}: {problem}")
         cfg = DeepseekV3Config.from_checkpoint(ckpt)
+        sharded = shard_config(cfg, tp, experts)  # (an odd split fails before any load)
         warming = prewarm_triton() if cuda else None
+        read_dtype = dtype if scheme is None else None  # (the reader would cast fp32 scales)
+        if tp == 1:
+            state = ckpt.load_tensors(device, read_dtype)
+        else:  # a file at a time, only this rank's rows (llama.py's load does the same)
+            n_experts = cfg.moe.experts if experts else 0
+            state, rows = {}, rank_rows(tp_rank, tp, n_experts)
+            for path in ckpt.shard_files():
+                part = safetensors_reader.load_tensors([path], device, read_dtype, rows=rows)
+                shard_state(part, tp_rank, tp, n_experts, rows_read=True)
+                state.update(part)
         if scheme is None:
-            model = cls.from_state(cfg, ckpt.load_tensors(device, dtype), ckpt.path)
+            model = cls.from_state(sharded, state, ckpt.path)
         else:
-            state = ckpt.load_tensors(device, None)  # (the reader would cast fp32 scales)
             cast_state(state, dtype)
-            cfg = dataclasses.replace(cfg, quantization=scheme.kind)
-            model = cls.from_state(cfg, state, ckpt.path, scheme)
+            sharded = dataclasses.replace(sharded, quantization=scheme.kind)
+            model = cls.from_state(sharded, state, ckpt.path, scheme)
         if warming:
             warming.join()
         return model
@@ -551,6 +577,39 @@ class DeepseekV3ForCausalLM(nn.Module):
         assign_state(model, state, source, skipped=("rotary_emb",))
         model.inv_freq = rope_parameters(cfg)[0].to(state["lm_head.weight"].device)
         return model.eval()
+
+
+def shard_config(cfg: DeepseekV3Config, tp: int, experts: bool = False) -> DeepseekV3Config:
+    """One rank's shard of `cfg` over `tp` ranks (tensor_parallel.py): the heads, the
+    dense and shared MLPs' widths and the vocabulary split; the routed experts shared out
+    whole (`experts`: expert parallelism) or each split by its width. The latent and its
+    cache are every rank's whole."""
+    if tp == 1:
+        return cfg
+    need = {
+        "attention heads": cfg.num_heads,
+        "intermediate size": cfg.intermediate_size,
+        "shared experts' width": cfg.shared_intermediate,
+        "vocabulary": cfg.vocab_size,
+    }
+    if experts:
+        need["experts"] = cfg.moe.experts
+    else:
+        need["experts' intermediate size"] = cfg.moe.intermediate
+    if odd := [f"{what} ({n})" for what, n in need.items() if n % tp]:
+        raise CheckpointError(f"cannot split over {tp} ranks: {', '.join(odd)} not divisible")
+    if experts:
+        moe = dataclasses.replace(cfg.moe, expert_parallel=tp)
+    else:
+        moe = dataclasses.replace(cfg.moe, intermediate=cfg.moe.intermediate // tp)
+    return dataclasses.replace(
+        cfg,
+        num_heads=cfg.num_heads // tp,
+        intermediate_size=cfg.intermediate_size // tp,
+        shared_intermediate=cfg.shared_intermediate // tp,
+        moe=moe,
+        tp=tp,
+    )
 
 
 def first_q_projection(cfg: DeepseekV3Config) -> str:

@@ -33,7 +33,7 @@ from .moe import MoEConfig, SparseMoE, moe_config, stack_experts
 from .tensor_parallel import (
     all_gather_last,
     all_reduce,
-    rank,
+    embed,
     rank_rows,
     shard_config,
     shard_state,
@@ -349,16 +349,8 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings; split over ranks, each looks up the ids in its share of the
-        vocabulary (zeros elsewhere) and the shares are summed."""
-        table, tp = self.model.embed_tokens, self.cfg.tp
-        if tp == 1:
-            return table(input_ids)
-        rows = table.num_embeddings
-        local = input_ids - rank() * rows
-        mine = (local >= 0) & (local < rows)
-        x = table(torch.where(mine, local, 0)) * mine.unsqueeze(-1).to(table.weight.dtype)
-        return all_reduce(x, tp)
+        """Token embeddings (split over ranks: tensor_parallel.embed)."""
+        return embed(self.model.embed_tokens, input_ids, self.cfg.tp)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

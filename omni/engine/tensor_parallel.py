@@ -75,6 +75,8 @@ def shard_config(cfg, tp: int, experts: bool = False):
 # anything else (norms, routers) is replicated. Names as in HF checkpoints, per layer.
 _SPLITS = (
     ("self_attn.q_proj.", "rows"),
+    ("self_attn.q_b_proj.", "rows"),  # DeepSeek-V3's MLA: q's and kv_b's rows by head
+    ("self_attn.kv_b_proj.", "rows"),
     ("self_attn.k_proj.", "rows"),
     ("self_attn.v_proj.", "rows"),
     ("self_attn.o_proj.weight", "cols"),
@@ -158,6 +160,18 @@ def all_reduce(x: torch.Tensor, tp: int) -> torch.Tensor:
     if tp > 1:
         dist.all_reduce(x)
     return x
+
+
+def embed(table: torch.nn.Embedding, input_ids: torch.Tensor, tp: int) -> torch.Tensor:
+    """Token embeddings; split over ranks, each looks up the ids in its share of the
+    vocabulary (zeros elsewhere) and the shares are summed."""
+    if tp == 1:
+        return table(input_ids)
+    rows = table.num_embeddings
+    local = input_ids - rank() * rows
+    mine = (local >= 0) & (local < rows)
+    x = table(torch.where(mine, local, 0)) * mine.unsqueeze(-1).to(table.weight.dtype)
+    return all_reduce(x, tp)
 
 
 def all_gather_last(x: torch.Tensor, tp: int) -> torch.Tensor:

@@ -269,8 +269,8 @@ def test_prediction_layers_are_skipped_and_the_registry_names_the_class(tmp_path
     assert model_class(kimi) is DeepseekV3ForCausalLM
     llama = Checkpoint(tmp_path, {"architectures": ["LlamaForCausalLM"], "model_type": "llama"})
     assert model_class(llama) is LlamaForCausalLM
-    with pytest.raises(CheckpointError, match="no tensor parallelism for DeepSeek-V3"):
-        DeepseekV3ForCausalLM.load(ckpt, tp=2)
+    with pytest.raises(CheckpointError, match=r"split over 3 ranks: attention heads \(4\)"):
+        DeepseekV3ForCausalLM.load(ckpt, tp=3)  # refused before anything is read
     with pytest.raises(CheckpointError, match="no FP8 KV cache for DeepSeek-V3"):
         load_model(ckpt, "cuda", kv_cache_dtype="fp8")  # refused before anything touches a GPU
     del state["model.layers.2.mlp.gate.e_score_correction_bias"]

@@ -57,6 +57,30 @@ def test_two_ranks_compute_what_one_computes(arch, experts, tmp_path):
         torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize(("q_lora_rank", "experts"), [(24, False), (None, True)])
+def test_a_deepseek_over_two_ranks_computes_what_one_computes(q_lora_rank, experts, tmp_path):
+    """DeepSeek-V3's architecture over two ranks: MLA's heads split (the latent cache
+    whole on each), the dense and shared MLPs split, the routed experts each split by
+    width or shared out whole; the same greedy tokens and logits as one rank's."""
+    from omni.engine.deepseek_v3 import DeepseekV3ForCausalLM
+
+    from .test_deepseek_v3 import deepseek_config
+    from .test_deepseek_v3 import tiny_checkpoint as deepseek_checkpoint
+
+    _, ckpt = deepseek_checkpoint(tmp_path / "ckpt", deepseek_config(q_lora_rank))
+    rng = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 96, (n,), generator=rng).tolist() for n in (5, 29, 12)]
+    want_tokens, want_logits = greedy_steps(DeepseekV3ForCausalLM.load(ckpt), prompts, STEPS)
+    got = run_ranks(run_rank, 2, tmp_path, str(ckpt.path), prompts, STEPS, experts)
+    tokens, logits, vocab_rows, held = got
+    assert vocab_rows == 96 // 2
+    # (experts, 2 x width): 4 of the 8 whole; or all 8 halved, the shared one's half after
+    assert tuple(held) == ((4, 64) if experts else (9, 32))
+    assert tokens == want_tokens
+    for got, want in zip(logits, want_logits, strict=True):
+        torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-4, rtol=1e-4)
+
+
 def test_a_model_that_does_not_split_evenly_is_refused(tmp_path):
     _, ckpt = tiny_checkpoint(tmp_path, ARCHES["qwen3_moe"]())  # one KV head
     cfg = LlamaConfig.from_checkpoint(ckpt)

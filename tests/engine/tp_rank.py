@@ -9,6 +9,7 @@ import torch
 from omni.engine.checkpoint import Checkpoint
 from omni.engine.llama import LlamaForCausalLM
 from omni.engine.model_runner import ModelRunner
+from omni.engine.models import load_model
 from omni.engine.sampling import SamplingParams
 from omni.engine.tensor_parallel import join, leave
 
@@ -22,14 +23,14 @@ def run_rank(
     try:
         torch.set_num_threads(1)
         ckpt = Checkpoint.open(Path(ckpt))
-        model = LlamaForCausalLM.load(ckpt, tp=tp, tp_rank=rank, experts=experts)
+        model = load_model(ckpt, tp=tp, tp_rank=rank, experts=experts)  # (by architecture)
         tokens, logits = greedy_steps(model, prompts, steps)
         if rank == 0:
             # (as numpy: a tensor would travel as a shared-memory handle, gone when this
             # process exits before the parent reads it)
             arrays = [x.numpy() for x in logits]
-            mlp = model.model.layers[0].mlp
-            held = mlp.experts.gate_up.shape[:2] if hasattr(mlp, "experts") else None
+            moe = [layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "experts")]
+            held = moe[0].experts.gate_up.shape[:2] if moe else None  # the first MoE layer's
             out.put((tokens, arrays, model.model.embed_tokens.num_embeddings, held))
     finally:
         leave()
