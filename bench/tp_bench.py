@@ -18,8 +18,15 @@ Engine. Measured per case:
    spread over the ranks' GPUs, at the copy bandwidth measured on each;
 3. throughput at batch 64: that many 128-token prompts, 128 new tokens each, at once.
 
+A case "dsv3:4:ep" is DeepSeek-V3's shape instead (256 experts, top-8, its real widths,
+block-FP8 weights as it ships them, cut to --layers layers: the first three dense), its
+routed experts shared out whole over the ranks (expert parallelism), attention split by
+heads; its floor counts each rank's share of a token's bytes (attention, the dense and
+shared MLPs, its eight experts, the lm head). --name names the result file (the MoE
+issue's is moe-<device>).
+
 Prints a table, writes bench/results/tp-<device>.json. --small: tiny shapes on the CPU
-(gloo), to check the harness.
+(gloo), to check the harness (the DeepSeek case in bf16 there).
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from bench import engine_bench as eb  # noqa: E402
-from bench.moe_bench import prompts  # noqa: E402
+from bench.moe_bench import moonlight_config, prompts  # noqa: E402
 from bench.overcommit_bench import tensor_shapes  # noqa: E402
 from bench.results_io import write_result  # noqa: E402
 
@@ -60,6 +67,92 @@ def llama3_config(size: str) -> dict:
         cfg.update(hidden_size=8192, num_hidden_layers=80, num_attention_heads=64)
         cfg.update(intermediate_size=28672)
     return cfg
+
+
+def deepseek_v3_config(layers: int, small: bool) -> dict:
+    """DeepSeek-V3's config.json shape (its widths, 256 experts, top-8 of 8 groups' best 4,
+    one shared expert, the first three layers dense), `layers` deep; or a tiny one."""
+    cfg = moonlight_config(small)
+    if not small:
+        cfg.update(hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048)
+        cfg.update(n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1)
+        cfg.update(n_group=8, topk_group=4, routed_scaling_factor=2.5, q_lora_rank=1536)
+        cfg.update(num_attention_heads=128, num_key_value_heads=128, vocab_size=129280)
+        cfg.update(first_k_dense_replace=3, rope_theta=10000.0, max_position_embeddings=4096)
+        cfg["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        }
+    cfg["num_hidden_layers"] = layers if not small else 2
+    return cfg
+
+
+def write_deepseek_checkpoint(root: Path, cfg: dict, seed: int) -> tuple[Path, dict]:
+    """moe_bench's random tensors of `cfg` (block-FP8 where its config says so, as
+    moe_bench.stored makes them), one expert's tensors apart as the Hub ships them, in
+    safetensors shards of about SHARD_BYTES, with a tokenizer: its path and what was
+    written."""
+    from safetensors.torch import save_file
+
+    from bench.moe_bench import random_tensor, stored
+    from bench.moe_bench import tensor_shapes as moe_shapes
+    from tests.checkpoints import text_tokenizer
+
+    t0 = time.perf_counter()
+    path = root / f"deepseek-{cfg['num_hidden_layers']}-{seed}"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    weights = "fp8" if "quantization_config" in cfg else "bf16"
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    shard, size, files, total = {}, 0, 0, 0
+
+    def flush() -> None:
+        nonlocal shard, size, files
+        if shard:
+            files += 1
+            save_file(shard, str(path / f"model-{files:05d}.safetensors"), {"format": "pt"})
+            shard, size = {}, 0
+
+    for name, shape in moe_shapes(cfg).items():
+        t = random_tensor(name, shape, seed, dev, dtype)
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            prefix, inter = name.rsplit("experts.", 1)[0], shape[1] // 2
+            parts = {}
+            for e in range(shape[0]):
+                if name.endswith("gate_up_proj"):
+                    parts[f"{prefix}experts.{e}.gate_proj.weight"] = t[e, :inter]
+                    parts[f"{prefix}experts.{e}.up_proj.weight"] = t[e, inter:]
+                else:
+                    parts[f"{prefix}experts.{e}.down_proj.weight"] = t[e]
+        else:
+            parts = {name: t}
+        for part_name, part in parts.items():
+            for key, value in stored(part_name, part, weights).items():
+                shard[key] = value.contiguous().cpu()
+                size += shard[key].numel() * shard[key].element_size()
+            if size >= SHARD_BYTES:
+                flush()
+        total += sum(v.numel() * v.element_size() for v in parts.values())
+        del t, parts
+    flush()
+    (path / "config.json").write_text(json.dumps(cfg))
+    text_tokenizer(path, cfg["vocab_size"])
+    return path, {"files": files, "write_s": round(time.perf_counter() - t0, 1)}
+
+
+def deepseek_bytes_per_token(cfg: dict, context: int) -> int:
+    """moe_bench's batch-1 step bytes: one byte a weight where the checkpoint is FP8 (the
+    lm head's bf16 counted at two), two where bf16; the latent K/V at two."""
+    from bench.moe_bench import kv_bytes_per_token, step_bytes
+
+    fp8 = "quantization_config" in cfg
+    weights = step_bytes(cfg, 1 if fp8 else 2, 1, 0)["weights"]
+    if fp8:
+        weights += cfg["vocab_size"] * cfg["hidden_size"]  # the lm head stays bf16
+    return weights + kv_bytes_per_token(cfg, 2) * context
 
 
 def write_checkpoint(root: Path, cfg: dict, seed: int) -> tuple[Path, dict]:
@@ -81,7 +174,7 @@ def serve_case(args, started: float) -> dict:
     """Rank 0 of `args.tp`: what an omnid instance runs (engine_loader.start_ranks), timed."""
     from omni.engine.checkpoint import Checkpoint
     from omni.engine.engine import Engine
-    from omni.engine.llama import LlamaForCausalLM
+    from omni.engine.models import load_model
     from omni.engine.tokenizer import TextTokenizer
     from omni.instance.engine_loader import start_ranks
 
@@ -89,8 +182,8 @@ def serve_case(args, started: float) -> dict:
     device, dtype = ("cuda", torch.bfloat16) if on_gpu else ("cpu", torch.float32)
     ckpt = Checkpoint.open(Path(args.ckpt))
     if args.tp > 1:
-        start_ranks(ckpt, args.tp, on_gpu)
-    model = LlamaForCausalLM.load(ckpt, device, dtype, tp=args.tp)
+        start_ranks(ckpt, args.tp, on_gpu, args.experts)
+    model = load_model(ckpt, device, dtype, tp=args.tp, experts=args.experts)
     loaded = time.perf_counter()
     engine = Engine(model, TextTokenizer(ckpt), max_seqs=args.max_seqs)
     engine.warm_up(when_idle=True)
@@ -128,6 +221,7 @@ def child(args, case: dict, ckpt: Path, out: Path) -> dict:
     argv += ["--tp", str(case["tp"]), "--prompt", str(args.prompt), "--new", str(args.new)]
     argv += ["--batch", str(args.batch), "--max-seqs", str(args.max_seqs)]
     argv += ["--small"] if args.small else []
+    argv += ["--experts"] if case.get("experts") else []
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(argv, timeout=args.timeout, env=os.environ | SAFE_ENV)
@@ -175,6 +269,9 @@ def main() -> None:
     ap.add_argument("--ckpt")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--launched", type=float)
+    ap.add_argument("--experts", action="store_true", help="(a case's) expert parallelism")
+    ap.add_argument("--layers", type=int, default=8, help="the DeepSeek-V3 case's depth")
+    ap.add_argument("--name", help="the result file's name (default tp-<device>)")
     args = ap.parse_args()
     if args.phase_out:
         started = time.perf_counter()  # (before anything heavy is imported)
@@ -185,8 +282,9 @@ def main() -> None:
     gpus = torch.cuda.device_count() if on_gpu else 0
     cases = []
     for item in args.cases.split(","):
-        size, tp = item.split(":")
-        cases.append({"size": "tiny" if args.small else size, "tp": int(tp)})
+        size, tp, *how = item.split(":")
+        small = ("dsv3-tiny" if size == "dsv3" else "tiny") if args.small else size
+        cases.append({"size": small, "tp": int(tp), "experts": how == ["ep"]})
     if on_gpu and max(c["tp"] for c in cases) > gpus:
         sys.exit(f"needs {max(c['tp'] for c in cases)} GPUs, sees {gpus}")
     bandwidth = []
@@ -202,16 +300,25 @@ def main() -> None:
     results, written = [], {}
     try:
         for case in cases:
-            cfg = llama3_config(case["size"])
+            deepseek = case["size"].startswith("dsv3")
+            if deepseek:
+                cfg = deepseek_v3_config(args.layers, args.small)
+            else:
+                cfg = llama3_config(case["size"])
             if case["size"] not in written:
                 for other in list(written):  # one checkpoint in memory at a time
                     shutil.rmtree(written.pop(other)[0], ignore_errors=True)
-                written[case["size"]] = write_checkpoint(root, cfg, args.seed)
+                writer = write_deepseek_checkpoint if deepseek else write_checkpoint
+                written[case["size"]] = writer(root, cfg, args.seed)
                 print(f"wrote {case['size']}: {written[case['size']][1]}", flush=True)
             ckpt = written[case["size"]][0]
             with tempfile.TemporaryDirectory() as tmp:
                 got = child(args, case, ckpt, Path(tmp) / "out.json")
-            per_token = bytes_per_token(cfg, args.prompt + args.new // 2)
+            context = args.prompt + args.new // 2
+            if deepseek:
+                per_token = deepseek_bytes_per_token(cfg, context)
+            else:
+                per_token = bytes_per_token(cfg, context)
             floor = case["tp"] * bw / per_token  # each GPU reads its 1/tp share at once
             b1 = max((r.get("decode_tok_s", 0) for r in got.get("decode", [])), default=0)
             results.append(
@@ -226,6 +333,7 @@ def main() -> None:
                 shutil.rmtree(path, ignore_errors=True)
     tag = eb.device_tag()
     name = "tp-small" if args.small else f"tp-{tag}x{gpus}" if gpus > 1 else f"tp-{tag}"
+    name = args.name or name
     write_result(name, {"args": {k: str(v) for k, v in vars(args).items()},
                         "bandwidth": bandwidth, "cases": results})  # fmt: skip
 
@@ -237,7 +345,8 @@ def main() -> None:
         thr = r.get("throughput", [{}])[0].get("output_tok_s", 0)
         frac = f"{r['fraction_of_floor']:.1%}" if r.get("fraction_of_floor") else "-"
         cold = r.get("cold_start_to_first_token_s", r.get("error", "-"))
-        print(f"{r['size'] + ' tp' + str(r['tp']):<10}{cold!s:>12}{b1:>11.1f}"
+        label = f"{r['size']} {'ep' if r.get('experts') else 'tp'}{r['tp']}"
+        print(f"{label:<10}{cold!s:>12}{b1:>11.1f}"
               f"{r['floor_tok_s']:>9.1f}{frac:>10}{thr:>14.0f}")  # fmt: skip
     print(f"\nwrote bench/results/{name}.json")
 
