@@ -191,6 +191,11 @@ class Election:
                     await watch.cancel()
 
     async def resign(self) -> None:
+        """Give up the lead: its lease revoked, or already expired (a renewal that came too
+        late on a loaded host), which ends the lead as well."""
         if self.lease is not None:
-            await self.lease.revoke()
+            try:
+                await self.lease.revoke()
+            except aetcd.exceptions.ClientError as exc:
+                log.warning("%s: lease %x not revoked: %s", self.name, self.lease.id, exc)
             self.lease = None

@@ -142,3 +142,21 @@ def test_one_leader_and_the_standby_takes_over_when_it_dies(etcd):
     assert run(leader()) == "b"
     second.kill()
     second.wait()
+
+
+def test_a_leader_whose_lease_ran_out_resigns_without_an_error(etcd):
+    """A renewal too late on a loaded host: the lease is gone when the leader resigns.
+    Resigning still ends the lead (the key went with the lease), and raises nothing."""
+
+    async def main():
+        store = ClusterStore(port=etcd.port)
+        election = Election(store, "late", ttl_s=TTL)
+        await asyncio.wait_for(election.campaign(), 10)
+        assert await election.leader() == "late"
+        await store.client.revoke_lease(election.lease.id)  # as if it had run out
+        await election.resign()
+        after = await election.leader(), election.lease
+        await store.close()
+        return after
+
+    assert run(main()) == (None, None)
