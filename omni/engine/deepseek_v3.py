@@ -252,12 +252,13 @@ class LatentAttention(nn.Module):
         q = q.view(n, cfg.num_heads, nope + rope)
         q_nope, q_rope = q.split([nope, rope], dim=-1)
         latent, k_rope = kv.split([cfg.kv_lora_rank, rope], dim=-1)
-        latent = self.kv_a_layernorm(latent)  # (a strided view: the norm reads it so)
         if self.rope_factor != 1.0:  # rotation is linear: scaling before it is the same
             q_rope, k_rope = q_rope * self.rope_factor, k_rope * self.rope_factor
+        norm = self.kv_a_layernorm  # applied on the latent's way to the cache
         q_rope = kernels.mla_rope_and_cache(
-            q_rope, latent, k_rope, step.positions, inv_freq, cache, step.slot_mapping
-        )
+            q_rope, latent, k_rope, step.positions, inv_freq, cache, step.slot_mapping,
+            norm.weight, norm.eps,
+        )  # fmt: skip
         if kernels.mla_prefill is None:  # the GPU: every row absorbed, in one launch
             attended = kernels.mla_attention(
                 self.latent_query(q_nope),

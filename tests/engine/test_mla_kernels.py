@@ -18,6 +18,7 @@ from omni.engine.kernels.mla import (
     mla_rope_and_cache,
     mla_rope_and_cache_ref,
 )
+from omni.engine.kernels.norm import rms_norm
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"
@@ -204,10 +205,12 @@ def test_absorbed_attention_computes_what_the_expanded_form_computes(gen):
     assert_near(got, want, torch.float32)
 
 
+@pytest.mark.parametrize("normed", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_mla_rope_and_cache(gen, dtype):
+def test_mla_rope_and_cache(gen, dtype, normed):
     """q's rope parts and the rope key as views into their projections' rows (strided),
-    slot -1 rows written nowhere; every other cache row untouched."""
+    slot -1 rows written nowhere; every other cache row untouched. `normed`: the latent
+    RMS-normed on its way, as the norm kernel norms it."""
     tokens, heads, nope, block = 11, 12, 16, 8
     q = rand(tokens, heads, nope + ROPE, gen=gen, dtype=dtype)
     kv_a = rand(tokens, LATENT + ROPE, gen=gen, dtype=dtype)
@@ -218,13 +221,20 @@ def test_mla_rope_and_cache(gen, dtype):
     slots[[2, 7]] = -1
     cache = rand(6, block, 1, LATENT + ROPE, gen=gen, dtype=dtype)
     want_cache = cache.clone()
-    want = mla_rope_and_cache_ref(q_rope, latent, k_rope, positions, inv_freq, want_cache, slots)
-    got = mla_rope_and_cache(q_rope, latent, k_rope, positions, inv_freq, cache, slots)
+    weight = rand(LATENT, gen=gen) if normed else None
+    args = (q_rope, latent, k_rope, positions, inv_freq)
+    want = mla_rope_and_cache_ref(*args, want_cache, slots, weight, 1e-6)
+    got = mla_rope_and_cache(*args, cache, slots, weight, 1e-6)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # sin and cos: libm's against Triton's
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
     torch.testing.assert_close(cache, want_cache, atol=tol, rtol=tol)
     rows = cache.view(-1, LATENT + ROPE)
-    assert torch.equal(rows[slots[slots >= 0], :LATENT], latent[slots >= 0])  # as it is
+    stored = rows[slots[slots >= 0], :LATENT]
+    if normed:  # as the norm kernel norms it (its reduction order: the tolerance)
+        torch.testing.assert_close(stored, rms_norm(latent, weight, 1e-6)[0][slots >= 0],
+                                   atol=tol, rtol=tol)  # fmt: skip
+    else:
+        assert torch.equal(stored, latent[slots >= 0])  # as it is
     untouched = torch.ones(rows.shape[0], dtype=torch.bool, device=DEVICE)
     untouched[slots[slots >= 0]] = False
     assert torch.equal(rows[untouched], want_cache.view(-1, LATENT + ROPE)[untouched])

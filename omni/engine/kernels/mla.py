@@ -42,12 +42,18 @@ NEG_INF = tl.constexpr(-1.0e30)  # finite: a fully masked row gives 0, not NaN
 
 
 def mla_rope_and_cache_ref(
-    q_rope, latent, k_rope, positions, inv_freq, cache, slot_mapping
+    q_rope, latent, k_rope, positions, inv_freq, cache, slot_mapping, norm=None, eps=1e-6
 ) -> torch.Tensor:
     """Returns q_rope [tokens, heads, rope] rotated; writes each token's [latent | rotated
     k_rope] row into `cache` [blocks, block_size, 1, latent + rope] at its slot (-1:
     nowhere). Rotate-half layout (deepseek_v3.py permutes the checkpoint's interleaved
-    rope rows into it at load)."""
+    rope rows into it at load). `norm`: the latent's RMS norm weight (kv_a_layernorm),
+    applied to the latent on its way (as norm.rms_norm_ref, in the latent's dtype)."""
+    if norm is not None:
+        xf = latent.float()
+        latent = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm.float()).to(
+            latent.dtype
+        )
     width = latent.shape[-1]
     rope_part, latent_part = cache[..., width:], cache[..., :width]  # views: writes land
     return rope_and_cache_ref(
@@ -373,12 +379,13 @@ ROPE_HEADS = 8  # query heads a rope program rotates: one angle computation serv
 @triton.jit(do_not_specialize=["pos_ptr", "slot_ptr"])
 def _mla_rope_cache_kernel(
     q_ptr, latent_ptr, k_ptr, q_out_ptr, pos_ptr, inv_freq_ptr, cache_ptr, slot_ptr,
-    n_heads, q_row, q_head, latent_row, k_row, cache_row,
+    norm_ptr, eps, n_heads, q_row, q_head, latent_row, k_row, cache_row,
     LATENT: tl.constexpr, LATENT_P2: tl.constexpr, HALF: tl.constexpr,
-    HALF_P2: tl.constexpr, HEADS: tl.constexpr, PDL: tl.constexpr,
+    HALF_P2: tl.constexpr, HEADS: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (token, group): HEADS query heads' rope parts rotated, or (the last group)
-    the token's cache row: its latent as it is, then its rope key rotated."""
+    the token's cache row: its latent (NORM: RMS-normed, rounded to its dtype), then its
+    rope key rotated."""
     t = tl.program_id(0)
     group = tl.program_id(1)
     j = tl.arange(0, HALF_P2)
@@ -400,7 +407,12 @@ def _mla_rope_cache_kernel(
         if slot >= 0:
             row = cache_ptr + slot.to(tl.int64) * cache_row
             d = tl.arange(0, LATENT_P2)
-            value = tl.load(latent_ptr + t * latent_row + d, mask=d < LATENT)
+            value = tl.load(latent_ptr + t * latent_row + d, mask=d < LATENT, other=0.0)
+            if NORM:  # rms_norm's math: fp32, rounded to the latent's dtype
+                x = value.to(tl.float32)
+                w = tl.load(norm_ptr + d, mask=d < LATENT, other=0.0).to(tl.float32)
+                rstd = tl.rsqrt(tl.sum(x * x, axis=0) / LATENT + eps)
+                value = (x * rstd * w).to(latent_ptr.dtype.element_ty)
             tl.store(row + d, value.to(cache_ptr.dtype.element_ty), mask=d < LATENT)
             _rotate_half(k_ptr + t * k_row + j, row + LATENT + j, half_ok, cos, sin, HALF)
 
@@ -418,11 +430,12 @@ def _rotate_half(src_ptr, dst_ptr, mask, cos, sin, HALF: tl.constexpr):
 
 
 def mla_rope_and_cache(
-    q_rope, latent, k_rope, positions, inv_freq, cache, slot_mapping
+    q_rope, latent, k_rope, positions, inv_freq, cache, slot_mapping, norm=None, eps=1e-6
 ) -> torch.Tensor:
-    """mla_rope_and_cache_ref on the GPU, in one launch: q_rope [tokens, heads, rope],
-    latent [tokens, latent], k_rope [tokens, rope] may be views with strided rows (each
-    head's values packed). Returns the rotated q_rope, packed."""
+    """mla_rope_and_cache_ref on the GPU, in one launch (the latent's norm too: a launch
+    of its own fewer a layer): q_rope [tokens, heads, rope], latent [tokens, latent],
+    k_rope [tokens, rope] may be views with strided rows (each head's values packed).
+    Returns the rotated q_rope, packed."""
     tokens, heads, rope = q_rope.shape
     width = latent.shape[1]
     if q_rope.stride(2) != 1 or latent.stride(1) != 1 or k_rope.stride(1) != 1:
@@ -433,9 +446,11 @@ def mla_rope_and_cache(
     half = rope // 2
     _mla_rope_cache_kernel[(tokens, triton.cdiv(heads, ROPE_HEADS) + 1)](
         q_rope, latent, k_rope, q_out, positions, inv_freq, cache, slot_mapping,
+        latent if norm is None else norm, eps,
         heads, q_rope.stride(0), q_rope.stride(1), latent.stride(0), k_rope.stride(0),
         cache.stride(1),
         LATENT=width, LATENT_P2=triton.next_power_of_2(width), HALF=half,
-        HALF_P2=triton.next_power_of_2(half), HEADS=ROPE_HEADS, **pdl_options(q_rope.device),
+        HALF_P2=triton.next_power_of_2(half), HEADS=ROPE_HEADS, NORM=norm is not None,
+        **pdl_options(q_rope.device),
     )  # fmt: skip
     return q_out
