@@ -25,9 +25,9 @@ from .pdl import pdl_options, wait_for_inputs
 # an 8,192-token chunk), and the tile's experts shrink as it grows: the programs a
 # token's product spreads over stay hidden * experts / TILE (448 for DeepSeek-V3's).
 # A program runs rows_per_program() tokens, one after the other: few enough that a
-# decode step's tokens spread over many programs (64 in a row took 33 us of a batch-64
-# step's layer on the H200), and up to ROWS_MAX so that a long prefill reads each tile
-# from L2 rarely. Each token's sum is the same whichever program runs it.
+# decode step's tokens spread over many programs (64 of them in a row made the kernel a
+# batch-64 step's slowest but the experts'), and up to ROWS_MAX so that a long prefill
+# reads each tile from L2 rarely. Each token's sum is the same whichever program runs it.
 TILE = 4096
 PIECES_MAX = 2048
 ROWS_MAX = 64

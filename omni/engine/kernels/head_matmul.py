@@ -3,10 +3,10 @@
 The absorbed query (q_nope through kv_b_proj's K part) and the attended latent back out
 (through its V part) are one small product a head. torch.bmm runs them through cuBLAS,
 which picks its algorithm from the sizes (a row's bits could follow its batch) and cannot
-start before the kernel ahead of it ends; at decode sizes each took 3.4 us of a 115 us
-layer on the H200. Here every output element is one fp32 chain of dot products over K in
-BLOCK_K pieces whatever the rows, launched dependently (pdl.py), and the output comes out
-[rows, heads, N], packed, as the next projection reads it.
+start before the kernel ahead of it ends: at decode sizes a launch's latency each. Here
+every output element is one fp32 chain of dot products over K in BLOCK_K pieces whatever
+the rows, launched dependently (pdl.py), and the output comes out [rows, heads, N],
+packed, as the next projection reads it.
 """
 
 from __future__ import annotations

@@ -149,8 +149,8 @@ STEPS = {
 }
 MERGE_HEADS = 16  # a merge program's heads: 16 x latent 512 fp32 sums fit its registers
 # batch-dependent arguments not worth a build each (attention.py's ANY_BATCH says why);
-# split_stride is 1 where a step's tables are short (prompts of up to 128 tokens): its
-# build, missed by the warm-up, held a 64-prompt step 1.9 s on the H200
+# split_stride is 1 where a step's tables are short (prompts of up to 128 tokens), a
+# variant the warm-up never built: the first such step waited for its build
 ANY_BATCH = ["block_tables_ptr", "seq_lens_ptr", "cu_q_ptr", "max_blocks", "n_seqs"]
 ANY_BATCH += ["split_stride"]
 
@@ -341,7 +341,7 @@ def mla_attention(
     block_h = min(TILE_M, max(16, triton.next_power_of_2(heads)))
     rows, groups = TILE_M // block_h, triton.cdiv(heads, block_h)
     if tokens <= cu_seqlens_q.shape[0] - 1:  # decode: a row a sequence, no tile to share
-        rows = 1  # (16 heads, H200: 15.4 against 18.4 us at batch 1, 50 against 57 at 256)
+        rows = 1  # (faster at 16 heads, the same bits: mla_decode.py)
     n_seqs, block_size = cu_seqlens_q.shape[0] - 1, cache.shape[1]
     out = torch.empty(tokens, heads, latent_dim, dtype=q.dtype, device=q.device)
     if not n_seqs or not tokens:
