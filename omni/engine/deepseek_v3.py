@@ -10,10 +10,9 @@ layers it uses as they are:
   to the host (CUDA graphs hold it); on the CPU for decode rows, while prefill expands
   the latents through kv_b_proj (HF's form, which the CPU tests hold it to).
 - DeepSeekMoE: sigmoid routing limited to the best groups of experts, a score bias that
-  steers the choice but not the weights (kernels/grouped_router.py; the torch reference
-  is kernels/moe.py grouped_router_ref), shared
-  experts every token takes, and dense MLPs in the first `first_k_dense_replace` layers.
-  The routed experts' sums are moe.py's.
+  steers the choice but not the weights (kernels/grouped_router.py, beside its torch
+  reference), shared experts every token takes, and dense MLPs in the first
+  `first_k_dense_replace` layers. The routed experts' sums are moe.py's.
 
 Module names follow the HF checkpoints, so a state dict loads as it is, but for the
 stacked experts and fused gate/up projections. Multi-token-prediction layers (index >=

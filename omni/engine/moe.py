@@ -17,7 +17,7 @@ from torch import nn
 
 from .checkpoint import CheckpointError
 from .kernels import ops
-from .kernels.moe import route_ref
+from .kernels.router import route_ref
 from .tensor_parallel import rank
 
 
@@ -78,7 +78,7 @@ def moe_config(model_type: str, c: dict) -> MoEConfig | None:
     return None
 
 
-route = route_ref  # the definition (kernels/moe.py); the GPU path runs ops.router
+route = route_ref  # the definition (kernels/router.py); the GPU path runs ops.router
 
 
 class Experts(nn.Module):

@@ -13,8 +13,8 @@ from omni.engine.block_manager import BlockManager
 from omni.engine.checkpoint import Checkpoint, CheckpointError
 from omni.engine.deepseek_v3 import DeepseekV3ForCausalLM
 from omni.engine.engine import Engine
+from omni.engine.kernels.grouped_router import grouped_router_ref
 from omni.engine.kernels.mla import mla_decode_ref, mla_prefill_ref
-from omni.engine.kernels.moe import grouped_router_ref
 from omni.engine.llama import LlamaForCausalLM
 from omni.engine.model_runner import ModelRunner, SoloSequence, kv_bytes_per_block
 from omni.engine.models import load_model, model_class

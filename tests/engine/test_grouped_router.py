@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from omni.engine import kernels
-from omni.engine.kernels.grouped_router import grouped_router, part_width
-from omni.engine.kernels.moe import grouped_router_ref
+from omni.engine.kernels.grouped_router import grouped_router, grouped_router_ref, part_width
 
 # (the package's name `grouped_router` is the function: kernels/__init__.py)
 grouped_router_module = importlib.import_module("omni.engine.kernels.grouped_router")

@@ -9,9 +9,10 @@ from torch.nn import functional as F
 
 from omni.engine.checkpoint import CheckpointError
 from omni.engine.kernels import fused_moe_ref, rms_norm_ref
-from omni.engine.kernels.moe import align_by_expert, fused_moe, router, sub_blocks, sum_slots
-from omni.engine.kernels.moe import route as kernel_route
+from omni.engine.kernels.moe import align_by_expert, fused_moe, sub_blocks, sum_slots
 from omni.engine.kernels.norm import rms_norm
+from omni.engine.kernels.router import route as kernel_route
+from omni.engine.kernels.router import router
 from omni.engine.moe import MoEConfig, moe_config, route, stack_experts
 
 

@@ -15,7 +15,7 @@ import torch
 from ..fp8 import fp8_linear_ref
 from .activation import silu_and_mul, silu_and_mul_ref
 from .attention import paged_attention_ref, paged_decode, paged_prefill, prefill_work
-from .grouped_router import grouped_router
+from .grouped_router import grouped_router, grouped_router_ref
 from .head_matmul import head_matmul, head_matmul_ref
 from .matmul import linear, linear_ref
 from .mla import (
@@ -31,14 +31,12 @@ from .moe import (
     fused_moe_quantized,
     fused_moe_quantized_ref,
     fused_moe_ref,
-    grouped_router_ref,
-    router,
-    router_ref,
     sum_slots,
     sum_slots_ref,
 )
 from .norm import rms_norm, rms_norm_ref
 from .rope import rope_and_cache, rope_and_cache_ref
+from .router import router, router_ref
 from .w8a8 import fp8_linear
 from .wq import block_fp8_linear, block_fp8_linear_ref, int4_linear, int4_linear_ref
 

@@ -1,8 +1,9 @@
-"""DeepSeek-V3's grouped sigmoid router (moe.grouped_router_ref) in two kernel launches.
+"""DeepSeek-V3's grouped sigmoid router: its torch definition (grouped_router_ref, as HF
+computes it) and the same choice in two kernel launches.
 
 The reference's torch ops (an fp32 linear, a sigmoid, three top-k's and the gathers around
 them) are some ten launches a layer, its top-k's the dearest of them at batch 1. Here the
-fp32 logits are summed in parts over the hidden size, as moe.router's are, and one program
+fp32 logits are summed in parts over the hidden size, as router.py's are, and one program
 a token makes the whole choice from its parts: sigmoid, bias, group scores, the best groups
 and the top k. A token's bits never depend on the step's other tokens, and nothing waits
 on the host, so CUDA graphs hold it.
@@ -13,8 +14,47 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from torch.nn import functional as F
 
 from .pdl import pdl_options, wait_for_inputs
+
+
+def grouped_router_ref(
+    x,
+    weight,
+    bias,
+    k: int,
+    groups: int,
+    top_groups: int,
+    renormalize: bool,
+    scale: float,
+    shared: int = 0,
+):
+    """DeepSeek-V3's router, in fp32 as HF runs it: (weights [tokens, k] fp32, expert ids
+    [tokens, k]). Sigmoid scores; `bias` (e_score_correction_bias) shifts them for the
+    choice only: the `top_groups` of `groups` expert groups whose two best shifted scores
+    sum highest, then the k best shifted scores within those. The weights are the chosen
+    experts' unshifted scores, rescaled to sum to 1 on request, times `scale`. `shared`:
+    that many more slots a token, the shared experts stacked after the routed ones (ids
+    experts, experts + 1, ...), each of weight 1."""
+    scores = F.linear(x.float(), weight.float()).sigmoid()
+    tokens, experts = scores.shape
+    shifted = (scores + bias.float()).view(tokens, groups, experts // groups)
+    group_scores = shifted.topk(2, dim=-1).values.sum(dim=-1)
+    chosen = group_scores.topk(top_groups, dim=-1).indices
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+    shifted = shifted.masked_fill(~keep[..., None], float("-inf")).view(tokens, experts)
+    ids = shifted.topk(k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    weights = weights * scale
+    if shared:
+        always = torch.arange(experts, experts + shared, device=ids.device).expand(tokens, -1)
+        ids = torch.cat([ids, always], dim=1)
+        weights = torch.cat([weights, weights.new_ones(tokens, shared)], dim=1)
+    return weights, ids
+
 
 # A parts program holds a TILE of the fp32 weights, BLOCK_E experts' rows over PART_K
 # columns, and runs it down ROWS tokens, one at a time: each token's logit parts are
@@ -205,7 +245,7 @@ def grouped_router(
     scale: float,
     shared: int = 0,
 ):
-    """grouped_router_ref's choice and weights (moe.py), in two launches: the fp32 logits in
+    """grouped_router_ref's choice and weights, in two launches: the fp32 logits in
     parts over the hidden size, then each token's choice in a program of its own.
     (weights [tokens, k + shared] fp32, expert ids [tokens, k + shared] int64: `shared`
     slots of the shared experts after the routed ones.)"""
