@@ -107,7 +107,7 @@ def write_deepseek_checkpoint(root: Path, cfg: dict, seed: int) -> tuple[Path, d
     weights = "fp8" if "quantization_config" in cfg else "bf16"
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-    shard, size, files, total = {}, 0, 0, 0
+    shard, size, files = {}, 0, 0
 
     def flush() -> None:
         nonlocal shard, size, files
@@ -135,7 +135,6 @@ def write_deepseek_checkpoint(root: Path, cfg: dict, seed: int) -> tuple[Path, d
                 size += shard[key].numel() * shard[key].element_size()
             if size >= SHARD_BYTES:
                 flush()
-        total += sum(v.numel() * v.element_size() for v in parts.values())
         del t, parts
     flush()
     (path / "config.json").write_text(json.dumps(cfg))
