@@ -142,11 +142,14 @@ def align_by_expert(ids: torch.Tensor, experts: int, block_m: int):
 
 @triton.jit
 def _block_rows(rows_ptr, block, slots, BLOCK_M: tl.constexpr, ONE_SLOT: tl.constexpr):
-    """The (token, slot) rows of a block; `slots` (no row) for its unused places."""
+    """(The (token, slot) rows of a block, `slots` (no row) for its unused places; which
+    of them are rows.)"""
     offs = tl.arange(0, BLOCK_M)
     if ONE_SLOT:
-        return tl.where(offs == 0, block, slots).to(tl.int64)
-    return tl.load(rows_ptr + block * BLOCK_M + offs)
+        rows = tl.where(offs == 0, block, slots).to(tl.int64)
+    else:
+        rows = tl.load(rows_ptr + block * BLOCK_M + offs)
+    return rows, rows < slots
 
 
 # What _weight_tile reads (QUANT): the dense stack, or one stored as kernels/wq.py's formats
@@ -199,7 +202,8 @@ def _weight_tile(
 
 @triton.jit
 def _x_tile(x_ptr, rows, valid, ks, K, TOP_K: tl.constexpr):
-    """The rows' tokens' inputs x[row // TOP_K, ks] [BLOCK_M, BLOCK_K] (zero where invalid)."""
+    """The rows' tokens' inputs x[row // TOP_K, ks] [BLOCK_M, BLOCK_K] (zero where invalid);
+    TOP_K 1: the rows' own (the activations down reads)."""
     tokens = rows // TOP_K
     return tl.load(
         x_ptr + tokens[:, None] * K + ks[None, :],
@@ -262,19 +266,16 @@ def _moe_gate_up_kernel(
     expert = tl.load(block_expert_ptr + block)
     if expert >= EXPERTS:
         return
-    rows0 = _block_rows(rows_ptr, block * SUB, slots, BLOCK_M, ONE_SLOT)
-    valid0 = rows0 < slots
+    rows0, valid0 = _block_rows(rows_ptr, block * SUB, slots, BLOCK_M, ONE_SLOT)
     acc_g0 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     acc_u0 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if SUB >= 2:
-        rows1 = _block_rows(rows_ptr, block * SUB + 1, slots, BLOCK_M, ONE_SLOT)
-        valid1 = rows1 < slots
+        rows1, valid1 = _block_rows(rows_ptr, block * SUB + 1, slots, BLOCK_M, ONE_SLOT)
         acc_g1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_u1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if SUB >= 4:
-        rows2 = _block_rows(rows_ptr, block * SUB + 2, slots, BLOCK_M, ONE_SLOT)
-        rows3 = _block_rows(rows_ptr, block * SUB + 3, slots, BLOCK_M, ONE_SLOT)
-        valid2, valid3 = rows2 < slots, rows3 < slots
+        rows2, valid2 = _block_rows(rows_ptr, block * SUB + 2, slots, BLOCK_M, ONE_SLOT)
+        rows3, valid3 = _block_rows(rows_ptr, block * SUB + 3, slots, BLOCK_M, ONE_SLOT)
         acc_g2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_u2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc_g3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -310,16 +311,6 @@ def _moe_gate_up_kernel(
     if SUB >= 4:
         _store_act(act_ptr, rows2, valid2, offs_n, acc_g2, acc_u2, INTER)
         _store_act(act_ptr, rows3, valid3, offs_n, acc_g3, acc_u3, INTER)
-
-
-@triton.jit
-def _act_tile(act_ptr, rows, valid, ks, INTER):
-    """act[rows, ks] [BLOCK_M, BLOCK_K] (zero where invalid)."""
-    return tl.load(
-        act_ptr + rows[:, None] * INTER + ks[None, :],
-        mask=valid[:, None] & (ks[None, :] < INTER),
-        other=0.0,
-    )
 
 
 @triton.jit
@@ -375,17 +366,14 @@ def _moe_down_kernel(
     if expert >= EXPERTS:
         wait_for_inputs(PDL)
         return
-    rows0 = _block_rows(rows_ptr, block * SUB, slots, BLOCK_M, ONE_SLOT)
-    valid0 = rows0 < slots
+    rows0, valid0 = _block_rows(rows_ptr, block * SUB, slots, BLOCK_M, ONE_SLOT)
     acc0 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if SUB >= 2:
-        rows1 = _block_rows(rows_ptr, block * SUB + 1, slots, BLOCK_M, ONE_SLOT)
-        valid1 = rows1 < slots
+        rows1, valid1 = _block_rows(rows_ptr, block * SUB + 1, slots, BLOCK_M, ONE_SLOT)
         acc1 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     if SUB >= 4:
-        rows2 = _block_rows(rows_ptr, block * SUB + 2, slots, BLOCK_M, ONE_SLOT)
-        rows3 = _block_rows(rows_ptr, block * SUB + 3, slots, BLOCK_M, ONE_SLOT)
-        valid2, valid3 = rows2 < slots, rows3 < slots
+        rows2, valid2 = _block_rows(rows_ptr, block * SUB + 2, slots, BLOCK_M, ONE_SLOT)
+        rows3, valid3 = _block_rows(rows_ptr, block * SUB + 3, slots, BLOCK_M, ONE_SLOT)
         acc2 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         acc3 = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -395,15 +383,15 @@ def _moe_down_kernel(
     wait_for_inputs(PDL)
     for k in range(0, tl.cdiv(INTER, BLOCK_K)):
         ks = k * BLOCK_K + offs_k
-        a0 = _act_tile(act_ptr, rows0, valid0, ks, INTER)
+        a0 = _x_tile(act_ptr, rows0, valid0, ks, INTER, 1)
         w = _weight_tile(w_base, s_base, offs_n, ks, HIDDEN, INTER, W_ROW, S_ROW, k * BLOCK_K,
                          QUANT, SCALE_ROWS, SCALE_COLS, BLOCK_K).to(a0.dtype)  # fmt: skip
         acc0 = tl.dot(a0, w, acc0)
         if SUB >= 2:
-            acc1 = tl.dot(_act_tile(act_ptr, rows1, valid1, ks, INTER), w, acc1)
+            acc1 = tl.dot(_x_tile(act_ptr, rows1, valid1, ks, INTER, 1), w, acc1)
         if SUB >= 4:
-            acc2 = tl.dot(_act_tile(act_ptr, rows2, valid2, ks, INTER), w, acc2)
-            acc3 = tl.dot(_act_tile(act_ptr, rows3, valid3, ks, INTER), w, acc3)
+            acc2 = tl.dot(_x_tile(act_ptr, rows2, valid2, ks, INTER, 1), w, acc2)
+            acc3 = tl.dot(_x_tile(act_ptr, rows3, valid3, ks, INTER, 1), w, acc3)
     out_ty = act_ptr.dtype.element_ty
     _store_down(out_ptr, weights_ptr, rows0, valid0, offs_n, acc0, HIDDEN, out_ty)
     if SUB >= 2:
