@@ -17,8 +17,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.diagnostics.profile_engine import cuda_ms
 from bench.engine_bench import device_tag
 from bench.results_io import write_result
+from omni.engine.cuda_graphs import capture_graph
 from omni.engine.kernels import mla
 
 LATENT, ROPE, BLOCK = 512, 64, 16
@@ -79,23 +81,8 @@ def measure(inputs, variant: Variant) -> tuple[float, torch.Tensor]:
             for cache in caches:
                 mla.mla_attention(q, cache, table, lens, cu, scale, LATENT)
 
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            calls()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            calls()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(20):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / 20 / CALLS, out
+        graph, _ = capture_graph(calls, None)
+    return cuda_ms(graph.replay, 20) * 1e3 / CALLS, out
 
 
 def main() -> None:

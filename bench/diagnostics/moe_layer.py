@@ -21,9 +21,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.diagnostics.profile_engine import top_kernels
+from bench.diagnostics.profile_engine import cuda_ms, top_kernels
 from bench.engine_bench import device_tag, measure_bandwidth
 from bench.results_io import write_result
+from omni.engine.cuda_graphs import capture_graph
 from omni.engine.kernels import moe
 
 # (experts, top-k, hidden, intermediate) as the published configs give them
@@ -83,18 +84,6 @@ class Variant:
         moe.sub_blocks = self.saved[1]
 
 
-def graph_of(fn) -> torch.cuda.CUDAGraph:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph
-
-
 def measure(shape, sets, tokens: int, variant: Variant, reference: torch.Tensor | None):
     x, weights, ids = inputs(shape, tokens, seed=tokens)
     with variant:
@@ -104,17 +93,8 @@ def measure(shape, sets, tokens: int, variant: Variant, reference: torch.Tensor 
             for i in range(LAYERS):
                 moe.fused_moe(x, *sets[i % 2], weights, ids)
 
-        graph = graph_of(layers)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    graph.replay()
-    torch.cuda.synchronize()
-    repeats = 20
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    layer_us = start.elapsed_time(end) * 1e3 / repeats / LAYERS
+        graph, _ = capture_graph(layers, None)
+    layer_us = cuda_ms(graph.replay, 20) * 1e3 / LAYERS
     kernels = top_kernels(lambda: [graph.replay() for _ in range(5)], 8)
     _, _, hidden, inter = shape
     hit = int(torch.unique(ids).numel())
