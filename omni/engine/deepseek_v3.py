@@ -60,6 +60,7 @@ from .quant_weights import (
 from .tensor_parallel import (
     all_gather_last,
     all_reduce,
+    check_splits,
     embed,
     rank,
     rank_rows,
@@ -596,8 +597,7 @@ def shard_config(cfg: DeepseekV3Config, tp: int, experts: bool = False) -> Deeps
         need["experts"] = cfg.moe.experts
     else:
         need["experts' intermediate size"] = cfg.moe.intermediate
-    if odd := [f"{what} ({n})" for what, n in need.items() if n % tp]:
-        raise CheckpointError(f"cannot split over {tp} ranks: {', '.join(odd)} not divisible")
+    check_splits(need, tp)
     if experts:
         moe = dataclasses.replace(cfg.moe, expert_parallel=tp)
     else:

@@ -37,6 +37,14 @@ import torch.distributed as dist
 from .checkpoint import CheckpointError
 
 
+def check_splits(need: dict[str, int], tp: int) -> None:
+    """CheckpointError naming each of a model's sizes (`need`: what, how many) that `tp`
+    ranks cannot share evenly."""
+    odd = [f"{what} ({n})" for what, n in need.items() if n % tp]
+    if odd:
+        raise CheckpointError(f"cannot split over {tp} ranks: {', '.join(odd)} not divisible")
+
+
 def shard_config(cfg, tp: int, experts: bool = False):
     """The config of one rank's shard of `cfg` (a LlamaConfig) over `tp` ranks; `experts`:
     a mixture of experts shares its experts out (expert parallelism)."""
@@ -54,9 +62,7 @@ def shard_config(cfg, tp: int, experts: bool = False):
         need["experts"] = cfg.moe.experts
     elif cfg.moe is not None:
         need["experts' intermediate size"] = cfg.moe.intermediate
-    odd = [f"{what} ({n})" for what, n in need.items() if n % tp]
-    if odd:
-        raise CheckpointError(f"cannot split over {tp} ranks: {', '.join(odd)} not divisible")
+    check_splits(need, tp)
     if experts:
         moe = dataclasses.replace(cfg.moe, expert_parallel=tp)
     else:
