@@ -568,13 +568,13 @@ class DeepseekV3ForCausalLM(nn.Module):
                     state[key] = state[key].float()
         if cfg.tie_embeddings:
             state.setdefault("lm_head.weight", state.get("model.embed_tokens.weight"))
+        for i in fused_inputs:  # (before quantize_modules: a fused FP8 pair stays FP8)
+            model.model.layers[i].self_attn.fuse_inputs(device="meta")
         quantize_modules(model, state, scheme)
         for i in quantized:
             model.model.layers[i].mlp.experts = QuantizedExperts(cfg, scheme, device="meta")
         for i in folded:
             model.model.layers[i].mlp.fold_shared(device="meta")
-        for i in fused_inputs:
-            model.model.layers[i].self_attn.fuse_inputs(device="meta")
         assign_state(model, state, source, skipped=("rotary_emb",))
         model.inv_freq = rope_parameters(cfg)[0].to(state["lm_head.weight"].device)
         return model.eval()

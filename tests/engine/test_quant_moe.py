@@ -210,6 +210,25 @@ def test_a_quantized_deepseek_keeps_its_experts_quantized(tmp_path, kind):
     )
 
 
+def test_fp8_q_and_latent_inputs_whose_blocks_line_up_run_as_one_fp8_linear(tmp_path):
+    """q_a_proj 128 rows (FP8's row block): it and kv_a_proj_with_mqa load as one block-FP8
+    Linear (deepseek_v3.fuse_latent_inputs), with the dequantized weights' logits."""
+    from omni.engine.deepseek_v3 import DeepseekV3ForCausalLM
+    from omni.engine.quant_weights import BlockFP8Linear
+
+    from .test_deepseek_v3 import deepseek_config
+    from .test_quant_weights import logits, quantized_checkpoints
+
+    quantized, dense = quantized_checkpoints(tmp_path, deepseek_config(128), "fp8")
+    model = DeepseekV3ForCausalLM.load(quantized)
+    for layer in model.model.layers:
+        assert isinstance(layer.self_attn.q_kv_a_proj, BlockFP8Linear)
+        assert not hasattr(layer.self_attn, "q_a_proj")
+    torch.testing.assert_close(
+        logits(model), logits(DeepseekV3ForCausalLM.load(dense)), atol=1e-5, rtol=1e-5
+    )
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["fp8", "int4"])
 def test_a_quantized_deepseek_on_the_gpu_runs_its_experts_quantized(tmp_path, kind):

@@ -248,7 +248,7 @@ def quantized_checkpoints(directory, config, kind: str):
         save_word_level_tokenizer(paths[form] / "tokenizer.json", VOCAB)
     quantized = load_file(str(paths["quantized"] / "model.safetensors"))
     dense = dict(quantized)
-    for name in [n for n in quantized if n.endswith("_proj.weight")]:
+    for name in [n for n in quantized if n.endswith(("_proj.weight", "_mqa.weight"))]:
         prefix, w = name.removesuffix(".weight"), quantized[name]
         if kind == "fp8":
             q, s = quantize_fp8(w)
