@@ -33,7 +33,6 @@ from .test_deepseek_v3 import (
     CASES,
     VOCAB,
     deepseek_config,
-    hf_greedy,
     hf_logits,
     tiny_checkpoint,
 )
@@ -136,19 +135,51 @@ def test_a_mixed_graphs_stale_sequences_change_no_real_row(tiny, monkeypatch):
 # ---------------------------------------------------------------- the GPU
 
 
+@pytest.fixture
+def routes(monkeypatch):
+    """Every router call's (input rows, chosen experts), in fp32 on the CPU, in order."""
+    calls: list[tuple[torch.Tensor, torch.Tensor]] = []
+    route = deepseek_v3.Router.forward
+
+    def recorded(self, x, shared=0):
+        weights, ids = route(self, x, shared)
+        calls.append((x.detach().float().cpu(), ids.detach().cpu().sort(dim=-1).values))
+        return weights, ids
+
+    monkeypatch.setattr(deepseek_v3.Router, "forward", recorded)
+    return calls
+
+
+def flipped_rows(ours, theirs, per_step: int, step: int) -> set[int]:
+    """The step's rows whose router chose other experts than the reference's from inputs
+    within 1% of its (a near tie, which says nothing of the kernels): `ours`/`theirs` the
+    runs' router calls, `per_step` of them a step."""
+    rows = set()
+    for i in range(step * per_step, (step + 1) * per_step):
+        (x, ids), (x_ref, ids_ref) = ours[i], theirs[i]
+        near = (x - x_ref).norm(dim=-1) < 1e-2 * x_ref.norm(dim=-1)
+        rows |= set(((ids != ids_ref).any(dim=-1) & near).nonzero().flatten().tolist())
+    return rows
+
+
 @pytest.mark.gpu
-def test_gpu_logits_match_the_cpu_path_and_transformers(tiny):
+def test_gpu_logits_match_the_cpu_path_and_transformers(tiny, routes):
     """Chunked prefill, decodes beside a prompt's chunk, decodes alone; each row near the
-    expanded CPU path's fp32 logits, and HF's. In fp32 (tf32 dots): in bf16 one row of
-    the q_lora model is 0.58 off on the CPU's own bf16 path too (a near-tied routing
-    choice flips), which says nothing of the kernels; the greedy test runs bf16."""
+    expanded CPU path's fp32 logits, and HF's. In fp32 (tf32 dots), and still the tf32
+    rounding can flip a near-tied routing choice (seen in one row of the YaRN model's
+    chunk): such a row, at most one a step, is let off where the router's input was
+    within 1% of the CPU's."""
     hf, ckpt = tiny
     gpu = ModelRunner(DeepseekV3ForCausalLM.load(ckpt, "cuda", torch.float32), 8, 32, graphs=False)
     got = mixed_steps(gpu)
+    ours = list(routes)
+    routes.clear()
     want = mixed_steps(ModelRunner(DeepseekV3ForCausalLM.load(ckpt), 8, 32))
-    for a, b in zip(got, want, strict=True):
+    per_step = len(routes) // len(want)
+    for step, (a, b) in enumerate(zip(got, want, strict=True)):
         err = (a - b).norm(dim=-1) / b.norm(dim=-1)
-        assert err.max() < 1e-2, err.max()
+        off = set((err >= 1e-2).nonzero().flatten().tolist())
+        assert len(off) <= 1 and off <= flipped_rows(ours, routes, per_step, step), (step, err)
     ids = random_ids(40, 2)
     solo = SoloSequence(
         ModelRunner(DeepseekV3ForCausalLM.load(ckpt, "cuda", torch.float32), 8, 32, graphs=False)
@@ -162,12 +193,27 @@ def test_gpu_logits_match_the_cpu_path_and_transformers(tiny):
     assert err.max() < 1e-2, err.max()
 
 
+def eager_greedy(model, prompt: list[int], new: int) -> tuple[list[int], list[torch.Tensor]]:
+    """The model's greedy tokens for `prompt` alone, without graphs: (tokens, the logits
+    each was chosen from)."""
+    solo = SoloSequence(ModelRunner(model, 8, 96, graphs=False))
+    logits = [solo.extend(prompt).float().cpu()]
+    out = [int(logits[-1].argmax())]
+    while len(out) < new:
+        logits.append(solo.extend(out[-1:]).float().cpu())
+        out.append(int(logits[-1].argmax()))
+    return out, logits
+
+
 @pytest.mark.gpu
-def test_gpu_greedy_generation_under_cuda_graphs_follows_transformers(tiny):
-    """Decode and mixed steps replayed from CUDA graphs (captured at warm-up): each
-    request's greedy tokens are HF's, but where HF's own top two were nearly tied at the
-    first token they part (bf16 against fp32)."""
-    hf, ckpt = tiny
+def test_gpu_greedy_generation_under_cuda_graphs_follows_the_eager_path(tiny):
+    """Decode and mixed steps replayed from CUDA graphs (captured at warm-up), prompts
+    batched and chunked: each request's greedy tokens are those of the same bf16 model
+    run eagerly, one prompt at a time, but where the eager run's own top two were nearly
+    tied (a chunk's attention may split its work otherwise than a decode row's). HF's
+    fp32 model is the logits test's reference: bf16 rounding alone flips near-tied
+    routing choices of this tiny random model, and then its tokens part from HF's."""
+    _, ckpt = tiny
     model = DeepseekV3ForCausalLM.load(ckpt, "cuda", torch.bfloat16)
     engine = Engine(model, TextTokenizer(ckpt), block_size=8, num_blocks=96, max_batch_tokens=48)
     engine.warm_up(graphs=True)
@@ -181,8 +227,8 @@ def test_gpu_greedy_generation_under_cuda_graphs_follows_transformers(tiny):
     assert graphs.graphs and mixed.steps > 0  # decode and mixed steps replayed graphs
     for prompt, steps in zip(prompts, results, strict=True):
         got = tokens(steps)
-        want = hf_greedy(hf, prompt, 12)
+        want, logits = eager_greedy(model, prompt, 12)
         if got != want:
             i = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
-            logits = hf_logits(hf, prompt + got[:i])[-1]
-            assert logits[want[i]] - logits[got[i]] < 2e-2 * logits.abs().max(), (i, got, want)
+            gap = logits[i][want[i]] - logits[i][got[i]]
+            assert gap < 2e-2 * logits[i].abs().max(), (i, got, want)
