@@ -187,17 +187,38 @@ def _weight_tile(
             bits = tl.load(w_ptr + rows[None, :] * W_ROW + ks[:, None], mask=mask, other=0)
             w = e4m3_to_f32(bits)
         else:
-            words = tl.load(w_ptr + rows[None, :] * W_ROW + ks[:, None] // 8, mask=mask, other=0)
-            w = (((words >> ((ks[:, None] % 8) * 4)) & 0xF) - 8).to(tl.float32)
+            w = _int4_values(w_ptr, rows, N, K, W_ROW, k0, BLOCK_K)
         scale_rows = (rows // SCALE_ROWS) * S_ROW
         if SCALE_COLS >= BLOCK_K:  # one scale column for the whole tile (k0: its first)
             s = tl.load(s_ptr + scale_rows + k0 // SCALE_COLS, mask=rows < N, other=0.0)
             w = w * s.to(tl.float32)[None, :]
+        elif (BLOCK_K % SCALE_COLS == 0) & (SCALE_COLS & (SCALE_COLS - 1) == 0):
+            # a scale a group of columns, read once (not once a value) and broadcast
+            groups: tl.constexpr = BLOCK_K // SCALE_COLS
+            cols = k0 // SCALE_COLS + tl.arange(0, groups)
+            s_mask = (rows[None, :] < N) & (cols[:, None] < tl.cdiv(K, SCALE_COLS))
+            s = tl.load(s_ptr + scale_rows[None, :] + cols[:, None], mask=s_mask, other=0.0)
+            grouped = tl.reshape(w, (groups, SCALE_COLS, rows.shape[0]))
+            w = tl.reshape(grouped * s.to(tl.float32)[:, None, :], (BLOCK_K, rows.shape[0]))
         else:
             scale_cols = ks[:, None] // SCALE_COLS
             s = tl.load(s_ptr + scale_rows[None, :] + scale_cols, mask=mask, other=0.0)
             w = w * s.to(tl.float32)
+        w = tl.where(mask, w, 0.0)
     return w
+
+
+@triton.jit
+def _int4_values(w_ptr, rows, N, K, W_ROW, k0, BLOCK_K: tl.constexpr):
+    """The INT4 values q [BLOCK_K, rows] (fp32) of words [N, ceil(K/8)]: each word loaded
+    once, its eight values shifted out in registers (not loaded once a value: the same
+    word eight times over)."""
+    words_at = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    ok = (rows[None, :] < N) & (words_at[:, None] < tl.cdiv(K, 8))
+    words = tl.load(w_ptr + rows[None, :] * W_ROW + words_at[:, None], mask=ok, other=0)
+    shifts = (tl.arange(0, 8) * 4)[None, :, None]
+    values = (words[:, None, :] >> shifts) & 0xF  # [words, 8, rows]: value i of word j is k 8j + i
+    return tl.reshape(values, (BLOCK_K, rows.shape[0])).to(tl.float32) - 8.0
 
 
 @triton.jit
