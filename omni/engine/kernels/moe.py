@@ -17,7 +17,15 @@ import triton.language as tl
 from torch.nn import functional as F
 
 from .pdl import pdl_options, wait_for_inputs
-from .wq import FP8, dequantize_block_fp8, dequantize_int4, e4m3_to_f32
+from .wq import (
+    FP8,
+    dequantize_block_fp8,
+    dequantize_int4,
+    e4m3_to_f32,
+    fp8_in_hardware,
+    group_scaled,
+    int4_values,
+)
 
 
 def fused_moe_ref(
@@ -171,6 +179,7 @@ def _weight_tile(
     QUANT: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     SCALE_COLS: tl.constexpr,
+    HW_FP8: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
     """The tile W[rows, ks].T [BLOCK_K, BLOCK_N] of one expert's weight W [N, K]: as
@@ -185,40 +194,22 @@ def _weight_tile(
     else:
         if QUANT == _BLOCK_FP8:
             bits = tl.load(w_ptr + rows[None, :] * W_ROW + ks[:, None], mask=mask, other=0)
-            w = e4m3_to_f32(bits)
+            w = e4m3_to_f32(bits, HW_FP8)
         else:
-            w = _int4_values(w_ptr, rows, N, K, W_ROW, k0, BLOCK_K)
+            w = int4_values(w_ptr, rows, N, K, W_ROW, k0, BLOCK_K)
         scale_rows = (rows // SCALE_ROWS) * S_ROW
         if SCALE_COLS >= BLOCK_K:  # one scale column for the whole tile (k0: its first)
             s = tl.load(s_ptr + scale_rows + k0 // SCALE_COLS, mask=rows < N, other=0.0)
             w = w * s.to(tl.float32)[None, :]
         elif (BLOCK_K % SCALE_COLS == 0) & (SCALE_COLS & (SCALE_COLS - 1) == 0):
-            # a scale a group of columns, read once (not once a value) and broadcast
-            groups: tl.constexpr = BLOCK_K // SCALE_COLS
-            cols = k0 // SCALE_COLS + tl.arange(0, groups)
-            s_mask = (rows[None, :] < N) & (cols[:, None] < tl.cdiv(K, SCALE_COLS))
-            s = tl.load(s_ptr + scale_rows[None, :] + cols[:, None], mask=s_mask, other=0.0)
-            grouped = tl.reshape(w, (groups, SCALE_COLS, rows.shape[0]))
-            w = tl.reshape(grouped * s.to(tl.float32)[:, None, :], (BLOCK_K, rows.shape[0]))
+            w = group_scaled(w, s_ptr, scale_rows, rows, N, K, k0, SCALE_COLS, BLOCK_K)
         else:
             scale_cols = ks[:, None] // SCALE_COLS
             s = tl.load(s_ptr + scale_rows[None, :] + scale_cols, mask=mask, other=0.0)
             w = w * s.to(tl.float32)
-        w = tl.where(mask, w, 0.0)
+        if QUANT != _BLOCK_FP8:  # a ragged K's last word holds values past K
+            w = tl.where(mask, w, 0.0)
     return w
-
-
-@triton.jit
-def _int4_values(w_ptr, rows, N, K, W_ROW, k0, BLOCK_K: tl.constexpr):
-    """The INT4 values q [BLOCK_K, rows] (fp32) of words [N, ceil(K/8)]: each word loaded
-    once, its eight values shifted out in registers (not loaded once a value: the same
-    word eight times over)."""
-    words_at = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    ok = (rows[None, :] < N) & (words_at[:, None] < tl.cdiv(K, 8))
-    words = tl.load(w_ptr + rows[None, :] * W_ROW + words_at[:, None], mask=ok, other=0)
-    shifts = (tl.arange(0, 8) * 4)[None, :, None]
-    values = (words[:, None, :] >> shifts) & 0xF  # [words, 8, rows]: value i of word j is k 8j + i
-    return tl.reshape(values, (BLOCK_K, rows.shape[0])).to(tl.float32) - 8.0
 
 
 @triton.jit
@@ -274,6 +265,7 @@ def _moe_gate_up_kernel(
     QUANT: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     SCALE_COLS: tl.constexpr,
+    HW_FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """act[slot] = silu(x[token] @ gate[e].T) * (x[token] @ up[e].T) for SUB blocks of
@@ -310,9 +302,9 @@ def _moe_gate_up_kernel(
         ks = k * BLOCK_K + offs_k
         x0 = _x_tile(x_ptr, rows0, valid0, ks, K, TOP_K)
         g = _weight_tile(w_gate, s_gate, offs_n, ks, INTER, K, W_ROW, S_ROW, k * BLOCK_K,
-                         QUANT, SCALE_ROWS, SCALE_COLS, BLOCK_K).to(x0.dtype)  # fmt: skip
+                         QUANT, SCALE_ROWS, SCALE_COLS, HW_FP8, BLOCK_K).to(x0.dtype)  # fmt: skip
         u = _weight_tile(w_up, s_up, offs_n, ks, INTER, K, W_ROW, S_ROW, k * BLOCK_K,
-                         QUANT, SCALE_ROWS, SCALE_COLS, BLOCK_K).to(x0.dtype)  # fmt: skip
+                         QUANT, SCALE_ROWS, SCALE_COLS, HW_FP8, BLOCK_K).to(x0.dtype)  # fmt: skip
         acc_g0 = tl.dot(x0, g, acc_g0)
         acc_u0 = tl.dot(x0, u, acc_u0)
         if SUB >= 2:
@@ -372,6 +364,7 @@ def _moe_down_kernel(
     QUANT: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     SCALE_COLS: tl.constexpr,
+    HW_FP8: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """out[slot] = weight[slot] * (act[slot] @ down[e].T), fp32, for SUB blocks of BLOCK_M
@@ -406,7 +399,7 @@ def _moe_down_kernel(
         ks = k * BLOCK_K + offs_k
         a0 = _x_tile(act_ptr, rows0, valid0, ks, INTER, 1)
         w = _weight_tile(w_base, s_base, offs_n, ks, HIDDEN, INTER, W_ROW, S_ROW, k * BLOCK_K,
-                         QUANT, SCALE_ROWS, SCALE_COLS, BLOCK_K).to(a0.dtype)  # fmt: skip
+                         QUANT, SCALE_ROWS, SCALE_COLS, HW_FP8, BLOCK_K).to(a0.dtype)  # fmt: skip
         acc0 = tl.dot(a0, w, acc0)
         if SUB >= 2:
             acc1 = tl.dot(_x_tile(act_ptr, rows1, valid1, ks, INTER, 1), w, acc1)
@@ -528,6 +521,7 @@ def _stack_args(w, scale=None, block=None, inter=None) -> dict:
         "QUANT": quant,
         "SCALE_ROWS": rows,
         "SCALE_COLS": cols,
+        "HW_FP8": quant == BLOCK_FP8 and fp8_in_hardware(w.device),
     }
     if inter is not None:
         args["S_UP"] = triton.cdiv(inter, rows) * args["S_ROW"]

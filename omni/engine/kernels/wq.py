@@ -9,10 +9,11 @@ Two formats (quant_weights.py reads them from a checkpoint's `quantization_confi
 
 The kernels read the weights as stored and dequantize each tile in registers before an
 fp32-accumulated `tl.dot` with the activations (W8A16, W4A16): a decode step reads a
-quarter (INT4) or half (FP8) of bf16's bytes. The e4m3 bytes are decoded with integer
-ops rather than an fp8 cast, so the FP8 kernel runs where the GPU has no FP8 type (from
-compute capability 8.0). The references dequantize the whole weight and multiply; the
-dequantizers here are the formats' definitions. Tiles are a first cut, not tuned.
+quarter (INT4) or half (FP8) of bf16's bytes. The e4m3 bytes are decoded by the GPU's
+fp8 conversion where it has one (compute capability 8.9 on), else with integer ops, so
+the FP8 kernel runs from compute capability 8.0. The references dequantize the whole
+weight and multiply; the dequantizers here are the formats' definitions. Tiles are a
+first cut, not tuned.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .hardware import capability
 from .matmul import linear_ref
 
 FP8 = torch.float8_e4m3fn
@@ -77,15 +79,50 @@ def int4_linear_ref(x, packed, scale, bias=None, group_size=32) -> torch.Tensor:
 
 
 @triton.jit
-def e4m3_to_f32(bits):
-    """e4m3fn bytes (uint8) as fp32 by integer ops, exact: (8 + mantissa) * 2^(exp - 10),
-    or mantissa * 2^-9 where the exponent is 0 (subnormal). NaN bytes are not expected."""
+def e4m3_to_f32(bits, HW: tl.constexpr = False):
+    """e4m3fn bytes (uint8) as fp32, exact. HW (compute capability 8.9 on: fp8_in_hardware)
+    through the GPU's fp8 conversion, a few instructions for what takes a dozen integer
+    ops; else by integer ops, (8 + mantissa) * 2^(exp - 10), or mantissa * 2^-9 where the
+    exponent is 0 (subnormal). NaN bytes are not expected."""
+    if HW:
+        return bits.to(tl.float8e4nv, bitcast=True).to(tl.float32)
     b = bits.to(tl.int32)
     exp = (b >> 3) & 0xF
     mant = (b & 7).to(tl.float32)
     pow2 = ((exp + 117) << 23).to(tl.float32, bitcast=True)  # 2^(exp - 10), biased by 127
     mag = tl.where(exp == 0, mant * 0.001953125, (mant + 8.0) * pow2)
     return tl.where((b & 0x80) != 0, -mag, mag)
+
+
+def fp8_in_hardware(device: torch.device) -> bool:
+    """Whether the GPU converts e4m3 itself (Ada and Hopper on); the interpreter does not."""
+    return device.type == "cuda" and capability(device) >= (8, 9)
+
+
+@triton.jit
+def int4_values(w_ptr, rows, N, K, W_ROW, k0, BLOCK_K: tl.constexpr):
+    """The INT4 values q [BLOCK_K, rows] (fp32) from K index k0 of words [N, ceil(K/8)]
+    (rows W_ROW words apart): each word loaded once, its eight values shifted out in
+    registers (loading a word once a value, eight times over, was many times slower)."""
+    words_at = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # (8: INT4_PER_WORD)
+    ok = (rows[None, :] < N) & (words_at[:, None] < tl.cdiv(K, 8))
+    words = tl.load(w_ptr + rows[None, :] * W_ROW + words_at[:, None], mask=ok, other=0)
+    shifts = (tl.arange(0, 8) * 4)[None, :, None]
+    values = (words[:, None, :] >> shifts) & 0xF  # [words, 8, rows]: word j's value i is k 8j + i
+    return tl.reshape(values, (BLOCK_K, rows.shape[0])).to(tl.float32) - 8.0  # INT4_OFFSET
+
+
+@triton.jit
+def group_scaled(w, s_ptr, scale_rows, rows, N, K, k0, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """w [BLOCK_K, rows] (from K index k0) times each (row, group of GROUP columns)'s
+    scale, at s_ptr + scale_rows[row] + group: each scale read once and broadcast over its
+    group (GROUP a power of two dividing BLOCK_K)."""
+    groups: tl.constexpr = BLOCK_K // GROUP
+    cols = k0 // GROUP + tl.arange(0, groups)
+    ok = (rows[None, :] < N) & (cols[:, None] < tl.cdiv(K, GROUP))
+    s = tl.load(s_ptr + scale_rows[None, :] + cols[:, None], mask=ok, other=0.0)
+    grouped = tl.reshape(w, (groups, GROUP, rows.shape[0])) * s.to(tl.float32)[:, None, :]
+    return tl.reshape(grouped, (BLOCK_K, rows.shape[0]))
 
 
 @triton.jit
@@ -116,6 +153,7 @@ def _block_fp8_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # the scale block's columns: one scale per weight row a step
+    HW_FP8: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -134,7 +172,7 @@ def _block_fp8_kernel(
             other=0,
         )
         s = tl.load(s_ptr + (offs_n // SCALE_ROWS) * s_stride + k, mask=offs_n < N, other=0.0)
-        w = e4m3_to_f32(bits) * s.to(tl.float32)[None, :]
+        w = e4m3_to_f32(bits, HW_FP8) * s.to(tl.float32)[None, :]
         acc = tl.dot(x, w.to(x.dtype), acc)
     _store_tile(acc, bias_ptr, out_ptr, offs_m, offs_n, M, N, HAS_BIAS)
 
@@ -168,13 +206,9 @@ def _int4_kernel(
             mask=(offs_m[:, None] < M) & (ks[None, :] < K),
             other=0.0,
         )
-        w_mask = (offs_n[None, :] < N) & (ks[:, None] < K)
-        words = tl.load(w_ptr + offs_n[None, :] * w_stride + ks[:, None] // 8, mask=w_mask, other=0)
-        q = ((words >> ((ks[:, None] % 8) * 4)) & 0xF) - 8
-        s = tl.load(
-            s_ptr + offs_n[None, :] * s_stride + ks[:, None] // GROUP, mask=w_mask, other=0.0
-        )
-        w = q.to(tl.float32) * s.to(tl.float32)
+        q = int4_values(w_ptr, offs_n, N, K, w_stride, k * BLOCK_K, BLOCK_K)
+        w = group_scaled(q, s_ptr, offs_n * s_stride, offs_n, N, K, k * BLOCK_K, GROUP, BLOCK_K)
+        w = tl.where((offs_n[None, :] < N) & (ks[:, None] < K), w, 0.0)
         acc = tl.dot(x, w.to(x.dtype), acc)
     _store_tile(acc, bias_ptr, out_ptr, offs_m, offs_n, M, N, HAS_BIAS)
 
@@ -202,7 +236,7 @@ def block_fp8_linear(x, weight, scale_inv, bias=None, block=(128, 128)) -> torch
         _block_fp8_kernel[grid](
             x2, weight.view(torch.uint8), scale_inv, bias if bias is not None else scale_inv,
             out, m, n, k, scale_inv.stride(0), HAS_BIAS=bias is not None,
-            SCALE_ROWS=block[0], BLOCK_K=block[1], **cfg,
+            SCALE_ROWS=block[0], BLOCK_K=block[1], HW_FP8=fp8_in_hardware(x.device), **cfg,
         )  # fmt: skip
     return out.view(*x.shape[:-1], n)
 
@@ -210,12 +244,14 @@ def block_fp8_linear(x, weight, scale_inv, bias=None, block=(128, 128)) -> torch
 def int4_linear(x, packed, scale, bias=None, group_size=32) -> torch.Tensor:
     """int4_linear_ref's product on the GPU: x [..., K] (bf16/fp32), packed [N, ceil(K/8)]
     int32, scale [N, ceil(K/group_size)]."""
+    if group_size < 8 or group_size & (group_size - 1):
+        raise ValueError(f"INT4 groups must be a power of two from 8, not {group_size}")
     x2, out, grid, cfg = _launch(x, packed.shape[0])
     (m, k), n = x2.shape, out.shape[1]
     if m:
         _int4_kernel[grid](
             x2, packed, scale, bias if bias is not None else scale, out, m, n, k,
             packed.stride(0), scale.stride(0), HAS_BIAS=bias is not None, GROUP=group_size,
-            BLOCK_K=64, **cfg,
+            BLOCK_K=max(64, group_size), **cfg,
         )  # fmt: skip
     return out.view(*x.shape[:-1], n)
