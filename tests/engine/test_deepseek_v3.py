@@ -1,6 +1,7 @@
 """DeepSeek-V3 (MLA and DeepSeekMoE) on the CPU engine against HF transformers: logits,
 greedy generation under batching, chunked prefill and prefix-cache hits, the router's
-choice, the absorbed decode against the expanded form, and the latent cache's size."""
+choice, the absorbed decode against the expanded form, the latent cache's size, and
+speculation and structured outputs keeping plain decoding's tokens."""
 
 from __future__ import annotations
 
@@ -276,3 +277,51 @@ def test_prediction_layers_are_skipped_and_the_registry_names_the_class(tmp_path
     del state["model.layers.2.mlp.gate.e_score_correction_bias"]
     with pytest.raises(CheckpointError, match="e_score_correction_bias"):
         DeepseekV3ForCausalLM.from_state(model.cfg, state, "ckpt")
+
+
+def test_speculation_and_a_grammar_keep_the_tokens_plain_decoding_emits(tmp_path, text_model_dir):
+    """The tiny DeepSeek with SmolLM2's tokenizer (so that JSON can be spelled): n-gram
+    speculation (verify steps of several rows a sequence, through MLA and the routed
+    experts) emits the very greedy tokens plain decoding emits, with and without a JSON
+    schema's grammar masking every verify row."""
+    import json
+    import shutil
+
+    from omni.engine.grammar import GrammarSpec
+    from omni.engine.speculative import SpecConfig
+
+    vocab = transformers.AutoTokenizer.from_pretrained(text_model_dir).vocab_size
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(deepseek_config(24, vocab_size=vocab))
+    randomize(hf)
+    hf.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(text_model_dir / name, tmp_path / name)
+    ckpt = Checkpoint.open(tmp_path)
+    model = DeepseekV3ForCausalLM.load(ckpt)
+    plain = Engine(model, TextTokenizer(ckpt), block_size=8, num_blocks=64)
+    spec = Engine(
+        model, TextTokenizer(ckpt), block_size=8, num_blocks=64, speculative=SpecConfig(k=4)
+    )
+    rng = torch.Generator().manual_seed(2)
+    phrase = torch.randint(0, vocab, (9,), generator=rng).tolist()
+    prompts = [phrase * 3, torch.randint(0, vocab, (13,), generator=rng).tolist() + phrase * 2]
+    schema = {
+        "type": "object",
+        "properties": {"colour": {"enum": ["zebra quartz", "zebra quince"]}},
+        "required": ["colour"],
+    }
+    free = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    masked = SamplingParams(max_tokens=40, temperature=0, grammar=GrammarSpec.json_schema(schema))
+    try:
+        for params in (free, masked):
+            want = [tokens(s) for s in run_requests(plain, prompts, params)]
+            got = run_requests(spec, prompts, params)
+            assert [tokens(s) for s in got] == want
+        answers = [json.loads("".join(s.text for s in steps)) for steps in got]
+        assert all(a["colour"] in schema["properties"]["colour"]["enum"] for a in answers)
+        stats = spec.stats()  # verify steps ran, and kept some of their proposals
+        assert stats["spec_steps"] > 0 and stats["spec_accepted_tokens"] > 0, stats
+    finally:
+        plain.shutdown()
+        spec.shutdown()
