@@ -45,6 +45,7 @@ from .quant_weights import (
     EXPERT_STACKS,
     FP8_BLOCK,
     INT4_GROUP,
+    TENSORS,
     WeightScheme,
     cast_state,
     dequantize_linear,
@@ -379,10 +380,10 @@ class QuantizedExperts(nn.Module):
         for name, t in zip(EXPERT_STACKS, tensors, strict=True):
             self.register_buffer(name, t)
 
-    def forward(self, x, weights, ids, summed: bool = True, partial: bool = False):
+    def forward(self, x, weights, ids, summed: bool = True, partial: bool = False, shared=0):
         stacks = (self.gate_up, self.gate_up_scale, self.down, self.down_scale)
         return ops(x.device).fused_moe_quantized(
-            x, *stacks, weights, ids, self.block, partial=partial, summed=summed
+            x, *stacks, weights, ids, self.block, partial=partial, summed=summed, shared=shared
         )
 
 
@@ -403,11 +404,16 @@ class DeepseekMoE(nn.Module):
             shared = dataclasses.replace(cfg, intermediate_size=cfg.shared_intermediate)
             self.shared_experts = MLP(shared, device)
 
-    def fold_shared(self, device=None) -> None:
-        """Take the shared experts into the routed stacks (fold_shared_experts' layout)."""
+    def fold_shared(self, device=None, scheme: WeightScheme | None = None) -> None:
+        """Take the shared experts into the routed stacks (fold_shared_experts' layout, or
+        with `scheme` split_shared_experts', stacked quantized)."""
         self.shared = self.cfg.shared_intermediate // self.cfg.moe.intermediate
         moe = dataclasses.replace(self.cfg.moe, experts=self.cfg.moe.experts + self.shared)
-        self.experts, self.shared_experts = Experts(moe, self.cfg.hidden_size, device), None
+        if scheme is None:
+            self.experts = Experts(moe, self.cfg.hidden_size, device)
+        else:
+            self.experts = QuantizedExperts(dataclasses.replace(self.cfg, moe=moe), scheme, device)
+        self.shared_experts = None
 
     def forward(self, x: torch.Tensor, summed: bool = True) -> torch.Tensor:
         """[tokens, hidden]; `summed=False`, where no shared MLP of its own remains: each
@@ -419,7 +425,7 @@ class DeepseekMoE(nn.Module):
         if partial:  # this rank's experts only; the layer's all-reduce adds the others'
             ids = local_ids(ids, rank() * moe.local_experts, moe.local_experts)
         if isinstance(experts, QuantizedExperts):
-            out = experts(x, weights, ids, summed, partial)
+            out = experts(x, weights, ids, summed, partial, self.shared)
         else:
             out = ops(x.device).fused_moe(
                 x, experts.gate_up, experts.down, weights, ids, partial, summed, self.shared
@@ -553,8 +559,9 @@ class DeepseekV3ForCausalLM(nn.Module):
         drop_prediction_layers(state, cfg.num_layers)
         dtype = _model_dtype(state)
         dequantize_where(state, scheme, dtype, keep=runs_quantized)
+        split = split_shared_experts(state, cfg, scheme)
         fuse_gate_up(state, cfg, scheme, dtype)
-        quantized = stack_quantized_experts(state, cfg, scheme, dtype, source)
+        quantized = stack_quantized_experts(state, cfg, scheme, dtype, source, split)
         dense_moe = dataclasses.replace(cfg.moe, dense_layers=cfg.moe.dense_layers | quantized)
         stack_experts(state, "deepseek_v3", dense_moe, cfg.num_layers, source)
         folded = fold_shared_experts(state, dense_moe, cfg)
@@ -573,6 +580,8 @@ class DeepseekV3ForCausalLM(nn.Module):
         quantize_modules(model, state, scheme)
         for i in quantized:
             model.model.layers[i].mlp.experts = QuantizedExperts(cfg, scheme, device="meta")
+        for i in split:
+            model.model.layers[i].mlp.fold_shared(device="meta", scheme=scheme)
         for i in folded:
             model.model.layers[i].mlp.fold_shared(device="meta")
         assign_state(model, state, source, skipped=("rotary_emb",))
@@ -671,6 +680,42 @@ def fold_shared_experts(state: dict, moe, cfg: DeepseekV3Config) -> frozenset[in
     return frozenset(folded)
 
 
+def split_shared_experts(
+    state: dict, cfg: DeepseekV3Config, scheme: WeightScheme | None
+) -> frozenset[int]:
+    """Where a layer's routed experts and its shared MLP are all block FP8 and the
+    routed width is whole blocks (of rows for gate and up, of columns for down): the
+    shared MLP cut into `n` experts of the routed width, named as routed experts
+    E..E+n-1 (their scales cut along), so that stack_quantized_experts stacks them after
+    the routed ones and the router gives every token their slots (DeepseekMoE.fold_shared):
+    fold_shared_experts' layout for quantized stacks. The layers split."""
+    inter, n = cfg.moe.intermediate, cfg.shared_intermediate // cfg.moe.intermediate
+    if scheme is None or scheme.kind != FP8_BLOCK or not n or cfg.moe.expert_parallel > 1:
+        return frozenset()
+    rows, cols = scheme.block
+    if inter % rows or inter % cols:
+        return frozenset()
+    weight, scale = TENSORS[FP8_BLOCK][:2]
+    split = set()
+    for i in range(cfg.num_layers):
+        mlp, e = f"model.layers.{i}.mlp.", cfg.moe.local_experts
+        routed = [f"{mlp}experts.{j}.{p}_proj" for j in range(e) for p in ("gate", "up", "down")]
+        shared = {p: f"{mlp}shared_experts.{p}_proj" for p in ("gate", "up", "down")}
+        parts = routed + list(shared.values())
+        if i in cfg.moe.dense_layers or not all(is_quantized(state, p, scheme) for p in parts):
+            continue
+        for p, name in shared.items():
+            w, s = state.pop(f"{name}.{weight}"), state.pop(f"{name}.{scale}")
+            dim = 1 if p == "down" else 0  # down's columns are the width; gate's, up's rows
+            for j in range(n):
+                out = f"{mlp}experts.{e + j}.{p}_proj"
+                state[f"{out}.{weight}"] = w.narrow(dim, j * inter, inter).contiguous()
+                blocks = inter // (cols if dim else rows)
+                state[f"{out}.{scale}"] = s.narrow(dim, j * blocks, blocks).contiguous()
+        split.add(i)
+    return frozenset(split)
+
+
 def drop_prediction_layers(state: dict, num_layers: int) -> None:
     """Remove the multi-token-prediction layers' tensors (layer index >= num_layers)."""
     for name in list(state):
@@ -686,21 +731,28 @@ def runs_quantized(linear: str) -> bool:
 
 
 def stack_quantized_experts(
-    state: dict, cfg: DeepseekV3Config, scheme: WeightScheme | None, dtype, source
+    state: dict,
+    cfg: DeepseekV3Config,
+    scheme: WeightScheme | None,
+    dtype,
+    source,
+    split: frozenset[int] = frozenset(),
 ) -> frozenset[int]:
     """Stack each MoE layer's routed experts as stored (QuantizedExperts) where all of
     them are quantized, else dequantize that layer's quantized ones for moe.stack_experts:
-    the layers stacked quantized."""
+    the layers stacked quantized. In the `split` layers the shared experts follow
+    (split_shared_experts)."""
     if scheme is None:
         return frozenset()
     done = set()
+    shared = cfg.shared_intermediate // cfg.moe.intermediate
     for i in range(cfg.num_layers):
         if i in cfg.moe.dense_layers:
             continue
         prefix = f"model.layers.{i}.mlp.experts"
         parts = [
             tuple(f"{prefix}.{e}.{p}_proj" for p in ("gate", "up", "down"))
-            for e in range(cfg.moe.local_experts)
+            for e in range(cfg.moe.local_experts + (shared if i in split else 0))
         ]
         if stack_experts_quantized(state, parts, prefix, scheme, source):
             done.add(i)

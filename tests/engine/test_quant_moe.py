@@ -245,3 +245,24 @@ def test_a_quantized_deepseek_on_the_gpu_runs_its_experts_quantized(tmp_path, ki
     assert all(isinstance(layer.mlp.experts, QuantizedExperts) for layer in model.model.layers[1:])
     want = logits(DeepseekV3ForCausalLM.load(dense, "cuda", torch.bfloat16))
     torch.testing.assert_close(logits(model), want, atol=0.15, rtol=0.05)
+
+
+def test_fp8_shared_experts_whose_blocks_line_up_join_the_routed_stack(tmp_path):
+    """Experts 128 wide (FP8's blocks): each MoE layer's shared MLP loads as one more
+    expert in the routed FP8 stack, which the router gives every token
+    (deepseek_v3.split_shared_experts), with the dequantized weights' logits."""
+    from omni.engine.deepseek_v3 import DeepseekV3ForCausalLM, QuantizedExperts
+
+    from .test_deepseek_v3 import deepseek_config
+    from .test_quant_weights import logits, quantized_checkpoints
+
+    config = deepseek_config(24, moe_intermediate_size=128)
+    quantized, dense = quantized_checkpoints(tmp_path, config, "fp8")
+    model = DeepseekV3ForCausalLM.load(quantized)
+    for layer in model.model.layers[1:]:
+        moe = layer.mlp
+        assert moe.shared == 1 and moe.shared_experts is None
+        assert isinstance(moe.experts, QuantizedExperts) and moe.experts.gate_up.shape[0] == 9
+    torch.testing.assert_close(
+        logits(model), logits(DeepseekV3ForCausalLM.load(dense)), atol=1e-5, rtol=1e-5
+    )

@@ -278,7 +278,8 @@ def logits(model) -> torch.Tensor:
     return torch.cat(steps + [solo.extend([t], all_logits=True) for t in ids[11:]])
 
 
-# (kind, q_lora_rank, MLP widths): 128-wide MLPs keep FP8's fused gate/up quantized, 96 and
+# (kind, q_lora_rank, MLP widths): 128-wide MLPs keep FP8's fused gate/up quantized (the
+# shared experts join the routed FP8 stack), 96 and
 # 32 (the default config's) do not line up with 128-row blocks and are dequantized
 CASES = {
     "fp8_aligned": ("fp8", 24, {"intermediate_size": 128, "moe_intermediate_size": 128}),
@@ -296,7 +297,12 @@ def test_a_quantized_checkpoint_gives_its_dequantized_weights_logits(tmp_path, c
     fused_quantized = kind == "int4" or bool(widths)
     quantized_class = BlockFP8Linear if kind == "fp8" else Int4Linear
     assert isinstance(layer.self_attn.o_proj, quantized_class)
-    assert isinstance(layer.mlp.shared_experts.gate_up_proj, quantized_class) == fused_quantized
+    if kind == "fp8" and widths:  # whole blocks: the shared MLP joins the routed FP8 stack
+        assert layer.mlp.shared_experts is None and layer.mlp.shared == 1
+        assert isinstance(model.model.layers[0].mlp.gate_up_proj, quantized_class)
+    else:
+        shared = layer.mlp.shared_experts.gate_up_proj
+        assert isinstance(shared, quantized_class) == fused_quantized
     assert type(layer.self_attn.kv_b_proj) is Linear  # read as a matrix by MLA: dequantized
     if kind == "int4":  # in the config's `ignore`: stored dense
         assert type(layer.self_attn.kv_a_proj_with_mqa) is Linear

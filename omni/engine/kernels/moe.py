@@ -458,7 +458,17 @@ def fused_moe(
 
 
 def fused_moe_quantized(
-    x, gate_up, gate_up_scale, down, down_scale, weights, ids, block, partial=False, summed=True
+    x,
+    gate_up,
+    gate_up_scale,
+    down,
+    down_scale,
+    weights,
+    ids,
+    block,
+    partial=False,
+    summed=True,
+    shared: int = 0,
 ) -> torch.Tensor:
     """fused_moe_quantized_ref's sums with fused_moe's kernels, each weight tile decoded
     in registers (W8A16, W4A16; fp32 accumulation, the same chains of dot products).
@@ -469,25 +479,36 @@ def fused_moe_quantized(
     scale rows, then up's: a ragged I keeps each part's blocks) and [experts,
     ceil(hidden/rows), ceil(I/columns)]; INT4, gate_up int32 [experts, 2I, ceil(hidden/8)],
     down [experts, hidden, ceil(I/8)], scales [experts, rows, ceil(K/group)] (any float
-    dtype), `block` (1, group). Ragged edges are masked: no shape need divide a block."""
+    dtype), `block` (1, group). Ragged edges are masked: no shape need divide a block.
+    `shared`: fused_moe's."""
     inter = gate_up.shape[1] // 2
     shape = (gate_up.shape[0], 2 * inter, x.shape[-1])
     stacks = (
         _stack_args(gate_up, gate_up_scale, block, inter),
         _stack_args(down, down_scale, block),
     )
-    return _moe(x, shape, stacks, weights, ids, partial, summed)
+    return _moe(x, shape, stacks, weights, ids, partial, summed, shared)
 
 
 def fused_moe_quantized_ref(
-    x, gate_up, gate_up_scale, down, down_scale, weights, ids, block, partial=False, summed=True
+    x,
+    gate_up,
+    gate_up_scale,
+    down,
+    down_scale,
+    weights,
+    ids,
+    block,
+    partial=False,
+    summed=True,
+    shared: int = 0,
 ) -> torch.Tensor:
     """fused_moe_ref over the stacks dequantized (in fp32, then x's dtype)."""
     inter = gate_up.shape[1] // 2
     dense_gate_up = dequantize_experts(gate_up, gate_up_scale, block, x.shape[-1], parts=2)
     dense_down = dequantize_experts(down, down_scale, block, inter)
     return fused_moe_ref(
-        x, dense_gate_up.to(x.dtype), dense_down.to(x.dtype), weights, ids, partial, summed
+        x, dense_gate_up.to(x.dtype), dense_down.to(x.dtype), weights, ids, partial, summed, shared
     )
 
 
