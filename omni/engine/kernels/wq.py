@@ -24,6 +24,7 @@ import triton.language as tl
 
 from .hardware import capability
 from .matmul import linear_ref
+from .pdl import pdl_options, wait_for_inputs
 
 FP8 = torch.float8_e4m3fn
 INT4_PER_WORD = 8  # nibbles in an int32
@@ -154,10 +155,12 @@ def _block_fp8_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # the scale block's columns: one scale per weight row a step
     HW_FP8: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    wait_for_inputs(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         ks = k * BLOCK_K + offs_k
@@ -194,10 +197,12 @@ def _int4_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
+    wait_for_inputs(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         ks = k * BLOCK_K + offs_k
@@ -237,6 +242,7 @@ def block_fp8_linear(x, weight, scale_inv, bias=None, block=(128, 128)) -> torch
             x2, weight.view(torch.uint8), scale_inv, bias if bias is not None else scale_inv,
             out, m, n, k, scale_inv.stride(0), HAS_BIAS=bias is not None,
             SCALE_ROWS=block[0], BLOCK_K=block[1], HW_FP8=fp8_in_hardware(x.device), **cfg,
+            **pdl_options(x.device),
         )  # fmt: skip
     return out.view(*x.shape[:-1], n)
 
@@ -252,6 +258,6 @@ def int4_linear(x, packed, scale, bias=None, group_size=32) -> torch.Tensor:
         _int4_kernel[grid](
             x2, packed, scale, bias if bias is not None else scale, out, m, n, k,
             packed.stride(0), scale.stride(0), HAS_BIAS=bias is not None, GROUP=group_size,
-            BLOCK_K=max(64, group_size), **cfg,
+            BLOCK_K=max(64, group_size), **cfg, **pdl_options(x.device),
         )  # fmt: skip
     return out.view(*x.shape[:-1], n)
