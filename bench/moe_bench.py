@@ -25,8 +25,10 @@ goes, kernel by kernel (in a child of its own, without dependent launches;
 "batch1_profile"). --quantized (DeepSeek-V3's architecture): batch-1 decode of the same
 model with its weights as DeepSeek-V3 and Kimi K2.5 ship them, block-FP8 (every
 projection of the layers) and INT4 by groups of 32 (the routed experts), each in a child
-of its own, against bf16. Prints a table, writes bench/results/moe-<device>.json (Qwen3)
-or moe-moonlight-<device>.json. --small: a tiny shape on the CPU, to check the harness.
+of its own, against bf16; with --profile, each one's batch-1 step too
+("batch1_profile_fp8", "batch1_profile_int4"). Prints a table, writes
+bench/results/moe-<device>.json (Qwen3) or moe-moonlight-<device>.json. --small: a tiny
+shape on the CPU, to check the harness.
 """
 
 from __future__ import annotations
@@ -411,7 +413,7 @@ def profile(args, cfg: dict, device: str, dtype) -> dict:
     them a kernel's time includes its wait for the one before."""
     from bench.diagnostics.profile_engine import top_kernels
 
-    engine, _ = build_ours(args, cfg, device, dtype)
+    engine, _ = build_ours(args, cfg, device, dtype, args.weights)
     runner = OursRunner(engine, Deadline(time.time() + args.timeout))
     prompt = prompts(1, args.prompt, cfg["vocab_size"], 300)
     runs: list[dict] = []
@@ -586,6 +588,7 @@ def main() -> None:
 
     itemsize = torch.empty(0, dtype=dtype).element_size()
     bw = measure_bandwidth(1 << (31 if on_gpu else 26), 50 if on_gpu else 5)
+    quantized_profiles: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         sides = {"ours": child("ours", args, Path(tmp) / "ours.json")}
         if not args.no_hf:
@@ -597,6 +600,12 @@ def main() -> None:
                 quant_args = argparse.Namespace(**{**vars(args), "weights": weights})
                 out = Path(tmp) / f"{weights}.json"
                 sides[f"ours-{weights}"] = child("quantized", quant_args, out)
+                if args.profile:  # its batch-1 step too
+                    quant_args.profile_batches = []
+                    out = Path(tmp) / f"profile-{weights}.json"
+                    quantized_profiles[weights] = child(
+                        "profile", quant_args, out, {"OMNI_PDL": "0"}
+                    )
     # the floors: the bytes of a step at batch 1, 64 and 256, K/V at the run's mean context
     context = args.prompt + args.new // 2
     weights = active_bytes_per_token(cfg, itemsize)
@@ -626,6 +635,8 @@ def main() -> None:
     data = {"config": cfg, "args": vars(args), "bandwidth": bw, "sides": sides} | summary
     if args.profile:
         data["batch1_profile"] = prof
+        for w, p in quantized_profiles.items():
+            data[f"batch1_profile_{w}"] = p
     quantized = {
         w: best(sides[f"ours-{w}"].get("decode", []), "decode_tok_s")
         for w in ("fp8", "int4")
@@ -677,6 +688,13 @@ def main() -> None:
             )
             for r in p["kernels"][:15]:
                 print(f"{r['us_per_step']:9.1f} us {r['per_step']:6.1f}x  {r['kernel'][:70]}")
+    for w, p in quantized_profiles.items():
+        if "kernels" not in p:
+            print(f"\nprofile, {w}: {p.get('error')}")
+            continue
+        print(f"\nbatch-1 step in {w}, without dependent launches: {fmt(p['step_us'])} us")
+        for r in p["kernels"][:12]:
+            print(f"{r['us_per_step']:9.1f} us {r['per_step']:6.1f}x  {r['kernel'][:70]}")
     print(f"wrote {path}")
 
 
