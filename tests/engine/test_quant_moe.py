@@ -229,9 +229,18 @@ def test_fp8_q_and_latent_inputs_whose_blocks_line_up_run_as_one_fp8_linear(tmp_
     )
 
 
+# the GPU cases: (kind, widths); 128-wide ones fuse q with the latent's input and fold
+# the shared experts into the FP8 stack, and the q projection 128 rows wide with them
+GPU_CASES = {
+    "fp8": ("fp8", {}),
+    "int4": ("int4", {}),
+    "fp8_whole_blocks": ("fp8", {"q_lora_rank": 128, "moe_intermediate_size": 128}),
+}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["fp8", "int4"])
-def test_a_quantized_deepseek_on_the_gpu_runs_its_experts_quantized(tmp_path, kind):
+@pytest.mark.parametrize("case", sorted(GPU_CASES))
+def test_a_quantized_deepseek_on_the_gpu_runs_its_experts_quantized(tmp_path, case):
     """Loaded on the GPU, the tiny quantized DeepSeek keeps its routed experts as stored
     and its logits (prefill, then decode steps under the engine's kernels) are those of
     its dequantized weights, within bf16's rounding."""
@@ -240,9 +249,15 @@ def test_a_quantized_deepseek_on_the_gpu_runs_its_experts_quantized(tmp_path, ki
     from .test_deepseek_v3 import deepseek_config
     from .test_quant_weights import logits, quantized_checkpoints
 
-    quantized, dense = quantized_checkpoints(tmp_path, deepseek_config(24), kind)
+    kind, widths = GPU_CASES[case]
+    widths = dict(widths)
+    config = deepseek_config(widths.pop("q_lora_rank", 24), **widths)
+    quantized, dense = quantized_checkpoints(tmp_path, config, kind)
     model = DeepseekV3ForCausalLM.load(quantized, "cuda", torch.bfloat16)
     assert all(isinstance(layer.mlp.experts, QuantizedExperts) for layer in model.model.layers[1:])
+    if case == "fp8_whole_blocks":  # the fused input projection and the folded shared expert
+        assert all(hasattr(layer.self_attn, "q_kv_a_proj") for layer in model.model.layers)
+        assert all(layer.mlp.shared == 1 for layer in model.model.layers[1:])
     want = logits(DeepseekV3ForCausalLM.load(dense, "cuda", torch.bfloat16))
     torch.testing.assert_close(logits(model), want, atol=0.15, rtol=0.05)
 
