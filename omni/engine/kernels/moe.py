@@ -424,6 +424,11 @@ def _moe_down_kernel(
 # bits (diagnostics/moe_layer.py compares the variants).
 MOE_BLOCK_K = 128
 MOE_TILES = {"BLOCK_M": 16, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3}
+# Quantized stacks' stages: their decoded tiles and scales took 287 KiB of shared memory
+# at 3 stages (INT4 in groups of 32, when each value loaded its own word), more than the
+# H100's; not retuned since INT4 words load once each (bench/diagnostics/moe_layer.py
+# --weights times variants of it)
+QUANT_STAGES = 2
 
 
 # Up to this many (token, slot) rows a step gives each its own block, with no grouping
@@ -568,8 +573,8 @@ def _moe(x, shape, stacks, weights, ids, partial: bool, summed: bool, shared: in
     blocks = block_expert.shape[0]
     x = x.contiguous()
     gate_up, down = ({**a} for a in stacks)
-    if gate_up["QUANT"] != DENSE:  # its decoded tiles and scales: 3 stages outgrew the H100's
-        t["num_stages"] = 2  # shared memory (287 KiB for INT4 in groups of 32)
+    if gate_up["QUANT"] != DENSE:
+        t["num_stages"] = QUANT_STAGES
     gu_w, gu_s, down_w, down_s = gate_up.pop("w"), gate_up.pop("s"), down.pop("w"), down.pop("s")
     act = torch.empty(slots, inter, dtype=x.dtype, device=x.device)
     _moe_gate_up_kernel[(blocks, triton.cdiv(inter, block_n))](
