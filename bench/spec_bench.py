@@ -124,7 +124,7 @@ def model_proposers(model, runner, args) -> dict[str, dict[int, dict[int, float]
     from omni.engine.checkpoint import Checkpoint
     from omni.engine.eagle3 import load_eagle3
     from omni.engine.llama import LlamaForCausalLM
-    from omni.engine.proposers import DraftProposer, Eagle3Proposer
+    from omni.engine.proposers import DraftProposer, FeatureProposer
     from omni.engine.spec_config import SpecConfig
     from tests.checkpoints import eagle3_head
 
@@ -151,7 +151,7 @@ def model_proposers(model, runner, args) -> dict[str, dict[int, dict[int, float]
     out = {}
     try:
         for name, make in (
-            ("eagle3", lambda b: Eagle3Proposer(spec("eagle3"), head, taps, runner, b)),
+            ("eagle3", lambda b: FeatureProposer(spec("eagle3"), head, taps, runner, b)),
             ("draft-1b", lambda b: DraftProposer(spec("draft"), draft, runner, b)),
         ):
             blocks = BlockManager(runner.num_blocks, runner.block_size)

@@ -210,6 +210,7 @@ def test_a_draft_is_named_by_path_or_by_a_models_entry(tmp_path, model_dirs):
         ("{method = 'draft'}", "needs its checkpoint's absolute path"),
         ("{method = 'eagle3', path = 'rel/dir'}", "needs its checkpoint's absolute path"),
         ("{method = 'ngram', path = '/x'}", "'ngram' loads no weights"),
+        ("{method = 'mtp', path = '/x'}", "'mtp' reads the model's own checkpoint"),
     ):
         path.write_text(
             f'[[models]]\nname = "a"\npath = "{a}"\nspeculative = {table}\n'
@@ -219,6 +220,9 @@ def test_a_draft_is_named_by_path_or_by_a_models_entry(tmp_path, model_dirs):
             load_config(path)
     spec = {"path": str(a), "speculative": {"method": "eagle3", "path": str(tmp_path)}}
     with pytest.raises(CheckpointError, match="an EAGLE-3 head"):
+        entry_from_spec("x", spec)
+    spec["speculative"] = {"method": "mtp"}  # (a Llama: no multi-token-prediction layer)
+    with pytest.raises(CheckpointError, match="num_nextn_predict_layers"):
         entry_from_spec("x", spec)
     spec["speculative"] = {"method": "draft", "model": "b"}
     with pytest.raises(CatalogError, match="give the draft checkpoint's 'path'"):

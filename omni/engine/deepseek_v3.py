@@ -477,6 +477,7 @@ class DeepseekV3ForCausalLM(nn.Module):
         rows = cfg.vocab_size // cfg.tp
         self.lm_head = Linear(cfg.hidden_size, rows, bias=False, device=device)
         self.register_buffer("inv_freq", rope_parameters(cfg)[0], persistent=False)
+        self.taps = None  # eagle3.HiddenTaps: hidden states a draft head reads (MTP's)
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -488,8 +489,12 @@ class DeepseekV3ForCausalLM(nn.Module):
         """Final hidden states of `input_ids` (flat, several sequences), per the step.
         `v_cache` is the runner's zero-width one: MLA keeps no V."""
         x, residual = embed(self.model.embed_tokens, input_ids, self.cfg.tp), None
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
+            if self.taps is not None:
+                self.taps.record(i, x, residual)
             x, residual = layer(x, residual, step, k_cache, self.inv_freq)
+        if self.taps is not None:  # the last hidden state (an MTP head's feature)
+            self.taps.record(len(self.model.layers), x, residual)
         x, _ = self.model.norm(x, residual)
         return x
 

@@ -108,6 +108,15 @@ class Eagle3Head(nn.Module):
         self.feature_rows = torch.zeros(rows, self.cfg.hidden_size, dtype=w.dtype, device=w.device)
         self.hidden_rows = torch.zeros_like(self.feature_rows)
 
+    def project(self, taps_rows: torch.Tensor) -> torch.Tensor:
+        """The target's tapped rows [tokens, taps * hidden] as the layer's features."""
+        return self.fc(taps_rows)
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's greedy draft token, as a target id."""
+        draft = logits.argmax(-1)
+        return draft + self.d2t[draft]
+
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_tokens is not None:
             return self.embed_tokens(ids)

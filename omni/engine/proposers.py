@@ -4,8 +4,8 @@ One interface, three kinds (`speculative.method` in a model's config):
 - NgramProposer: the tokens that followed the newest n-gram earlier in the sequence.
 - DraftProposer: a smaller model of the same tokenizer, decoding greedily a few tokens
   ahead, in the same instance and on the same GPU.
-- Eagle3Proposer: an EAGLE-3 head (eagle3.py), drafting from the target's own hidden
-  states.
+- FeatureProposer: a head drafting from the target's own hidden states, an EAGLE-3 head
+  (eagle3.py) or DeepSeek-V3's multi-token-prediction module (deepseek_mtp.py).
 
 The model proposers keep their KV in a cache of their own with as many blocks as the
 target's, addressed by the target sequence's block table: a block the target holds
@@ -31,18 +31,20 @@ import torch
 from .block_manager import BlockManager
 from .checkpoint import Checkpoint, CheckpointError
 from .cuda_graphs import BUCKETS, DecodeGraphs
+from .deepseek_mtp import load_mtp
 from .eagle3 import load_eagle3
 from .llama import LlamaForCausalLM
 from .model_runner import ModelRunner, Previous, kv_bytes_per_block
 from .scheduler import Batch
 from .sequence import PLACEHOLDER, Sequence
-from .spec_config import WITH_WEIGHTS, SpecConfig
+from .spec_config import OWN_WEIGHTS, WITH_WEIGHTS, SpecConfig
 from .speculative import ngram_proposal
 
 # The target's features kept for an EAGLE-3 head until it catches up (a sequence's prompt,
 # and its tokens while its batch is too large to speculate); past this, the largest
 # holder's oldest go first (the head then drafts worse for those positions, never wrongly).
 MAX_PENDING_BYTES = 256 << 20
+FEATURE_HEADS = ("eagle3", "mtp")  # methods whose head drafts from the target's features
 
 
 class Proposer(Protocol):
@@ -248,38 +250,39 @@ class DraftProposer(ModelProposer):
     """A draft model (a LlamaForCausalLM of the target's tokenizer)."""
 
 
-class Eagle3Proposer(ModelProposer):
-    """An EAGLE-3 head: position t reads token t + 1 and the target's feature at t; the
-    target's steps leave their features in `taps`, projected here as each step is
-    launched and kept per sequence until the head catches up."""
+class FeatureProposer(ModelProposer):
+    """A head that drafts from the target's features (an EAGLE-3 head, DeepSeek's MTP
+    module): position t reads token t + 1 and the target's feature at t; the target's
+    steps leave their hidden states in `taps`, projected here (head.project) as each
+    step is launched and kept per sequence until the head catches up. The head picks
+    its proposals (head.pick) and feeds its own output back as the next feature."""
 
     SHIFT = 1
 
     def __init__(self, spec: SpecConfig, head, taps, target: ModelRunner, blocks: BlockManager):
         super().__init__(spec, head, target, blocks)
-        # its decode steps replay graphs that read features in place (Eagle3Head); its
-        # other steps (catching up on several tokens) run eagerly
+        # its decode steps replay graphs that read features in place (head.feature_rows);
+        # its other steps (catching up on several tokens) run eagerly
         self.runner.mixed = None
         head.static_rows(BUCKETS[-1])
         self.taps = taps
         self._pending: dict[int, list[tuple[int, torch.Tensor]]] = {}  # seq -> (start, rows)
         self._pending_rows = 0
-        width = head.cfg.hidden_size * head.fc.weight.element_size()
-        self._max_pending_rows = max(1, MAX_PENDING_BYTES // width)
+        rows = head.feature_rows
+        self._max_pending_rows = max(1, MAX_PENDING_BYTES // (rows.shape[1] * rows.element_size()))
 
     def _keeps_proposals(self) -> bool:
         return False
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
-        draft = logits.argmax(-1)
-        return draft + self.draft.d2t[draft]
+        return self.draft.pick(logits)
 
     @torch.inference_mode()
     def observe(self, seqs: list[Sequence], counts: list[int]) -> None:
         total = sum(counts)
         if total > self.taps.buffer.shape[0]:
             return  # a step beyond the taps' rows: its positions get no features
-        features = self.draft.fc(self.taps.buffer[:total])
+        features = self.draft.project(self.taps.buffer[:total])
         at = 0
         for seq, n in zip(seqs, counts, strict=True):
             self._pending.setdefault(seq.seq_id, []).append(
@@ -308,13 +311,8 @@ class Eagle3Proposer(ModelProposer):
         older ones': a rejected row's position is computed again later); zeros where none
         was kept (the draft then proposes worse, never wrongly)."""
         start, end = view.num_computed, len(view.token_ids)
-        head = self.draft
-        out = torch.zeros(
-            end - start,
-            head.cfg.hidden_size,
-            dtype=head.fc.weight.dtype,
-            device=head.fc.weight.device,
-        )
+        rows = self.draft.feature_rows
+        out = rows.new_zeros(end - start, rows.shape[1])
         for first, rows in self._drop_pending(view.seq_id):
             lo, hi = max(first, start), min(first + len(rows), end)
             if lo < hi:
@@ -351,8 +349,15 @@ class Eagle3Proposer(ModelProposer):
 
 def load_draft(spec: SpecConfig | None, target: LlamaForCausalLM, target_dir: Path | None = None):
     """The weights `spec` drafts with, on the target's device: a draft model, or an EAGLE-3
-    head and the taps it reads (installed in the target here); None for n-grams.
-    `target_dir`: the target's checkpoint, whose tokenizer a draft model must share."""
+    or MTP head and the taps it reads (installed in the target here); None for n-grams.
+    `target_dir`: the target's checkpoint, whose tokenizer a draft model must share (and
+    whose multi-token-prediction layer an MTP head is)."""
+    if spec is not None and spec.method in OWN_WEIGHTS:
+        if target_dir is None:
+            raise CheckpointError("speculative.method 'mtp' needs the model's checkpoint")
+        head, taps = load_mtp(target, target_dir)
+        target.taps = taps
+        return head, taps
     if spec is None or spec.method not in WITH_WEIGHTS:
         return None
     if target.cfg.tp > 1:
@@ -391,11 +396,11 @@ def make_proposer(
     """The proposer `spec` names; `draft`: what load_draft loaded for it."""
     if spec.method == "draft":
         return DraftProposer(spec, draft, target, blocks)
-    if spec.method == "eagle3":
+    if spec.method in FEATURE_HEADS:
         head, taps = draft
         # a step's features: the largest prefill step, or a verify step's rows
         taps.fit(max(max_step_tokens, spec.max_batch * (spec.k + 1)))
-        return Eagle3Proposer(spec, head, taps, target, blocks)
+        return FeatureProposer(spec, head, taps, target, blocks)
     return NgramProposer(spec)
 
 
@@ -403,5 +408,5 @@ def draft_bytes_per_block(spec: SpecConfig | None, draft, block_size: int) -> in
     """What the draft's cache adds per block of the target's pool."""
     if spec is None or draft is None:
         return 0
-    model = draft[0] if spec.method == "eagle3" else draft
+    model = draft[0] if spec.method in FEATURE_HEADS else draft
     return kv_bytes_per_block(model, block_size)

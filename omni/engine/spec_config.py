@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ngram", "draft", "eagle3")
+METHODS = ("ngram", "draft", "eagle3", "mtp")
 WITH_WEIGHTS = ("draft", "eagle3")  # proposers that load a checkpoint (`path`)
+OWN_WEIGHTS = ("mtp",)  # proposers read from the model's own checkpoint
 MAX_K = 16
 
 
@@ -18,7 +19,8 @@ class SpecConfig:
     ngram_max: int = 4  # the longest n-gram matched (the longest that matches wins)
     ngram_min: int = 1
     # "draft": a causal LM's checkpoint with the target's tokenizer; "eagle3": an EAGLE-3
-    # head's checkpoint (the published format: fc, midlayer, norm, lm_head, d2t, t2d)
+    # head's checkpoint (the published format: fc, midlayer, norm, lm_head, d2t, t2d);
+    # "mtp" reads the multi-token-prediction layer of the model's own checkpoint
     path: str = ""
 
     def __post_init__(self):
@@ -36,6 +38,10 @@ class SpecConfig:
         if self.method in WITH_WEIGHTS and not self.path.startswith("/"):
             raise ValueError(
                 f"speculative.path: method {self.method!r} needs its checkpoint's absolute path"
+            )
+        if self.method in OWN_WEIGHTS and self.path:
+            raise ValueError(
+                f"speculative.path: method {self.method!r} reads the model's own checkpoint"
             )
         if self.method not in WITH_WEIGHTS and self.path:
             raise ValueError(f"speculative.path: method {self.method!r} loads no weights")

@@ -153,6 +153,11 @@ class ModelEntry:
             Checkpoint.open(spec["path"])
         elif spec.get("method") == "eagle3" and not Path(spec["path"], "config.json").is_file():
             raise CheckpointError(f"{Path(spec['path'], 'config.json')}: missing (an EAGLE-3 head)")
+        elif spec.get("method") == "mtp" and not ckpt.config.get("num_nextn_predict_layers"):
+            raise CheckpointError(
+                f"{ckpt.path}: speculative.method 'mtp' needs a multi-token-prediction layer "
+                "(num_nextn_predict_layers), and this checkpoint has none"
+            )
         return cls(
             name,
             ckpt.path,

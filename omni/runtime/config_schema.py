@@ -502,9 +502,10 @@ KEYS = (
     Key(
         "models.speculative",
         "method",
-        '"ngram", "draft" or "eagle3"',
+        '"ngram", "draft", "eagle3" or "mtp"',
         "Where the proposals come from: `ngram` matches the sequence's own prompt and "
-        "output (no weights), `draft` runs a smaller model, `eagle3` an EAGLE-3 head.",
+        "output (no weights), `draft` runs a smaller model, `eagle3` an EAGLE-3 head, "
+        "`mtp` the multi-token-prediction layer of a DeepSeek-V3 checkpoint (no `path`).",
         example="draft",
         default="ngram",
         context={"model": "llama-1b"},

@@ -179,7 +179,7 @@ def test_eagle3_decode_graphs_propose_what_eager_steps_propose(models, tmp_path)
     the tokens they propose are those of the same steps run eagerly."""
     from omni.engine.block_manager import BlockManager
     from omni.engine.model_runner import ModelRunner
-    from omni.engine.proposers import Eagle3Proposer
+    from omni.engine.proposers import FeatureProposer
     from omni.engine.scheduler import Batch
     from omni.engine.sequence import Sequence
 
@@ -191,7 +191,7 @@ def test_eagle3_decode_graphs_propose_what_eager_steps_propose(models, tmp_path)
         proposals = []
         for graphs in (True, False):
             blocks = BlockManager(runner.num_blocks, runner.block_size)
-            proposer = Eagle3Proposer(config, head, taps, runner, blocks)
+            proposer = FeatureProposer(config, head, taps, runner, blocks)
             if not graphs:
                 proposer.runner.graphs = None
             gen = torch.Generator().manual_seed(9)
