@@ -2,12 +2,13 @@
 
 A DeepSeek-V3 checkpoint ships one more decoder layer than the model runs: layer
 `num_hidden_layers`, trained to predict the token after next (DeepSeek-V3 technical
-report, section 2.2). At position t it projects the model's last hidden state there,
-h_t (before the final norm), together with the embedding of token t + 1:
-x_t = eh_proj([enorm(embed(token t + 1)); hnorm(h_t)]), runs its decoder layer (MLA and
-DeepSeekMoE, over a latent cache of its own) and predicts token t + 2 through its own
-final norm (`shared_head.norm`) and the model's output head. Drafting further feeds the
-layer's output back as the next h, as an EAGLE head does (proposers.FeatureProposer).
+report, section 2.2). At position t it projects the model's hidden state there, h_t
+(the one the output head reads, after the final norm), together with the embedding of
+token t + 1: x_t = eh_proj([enorm(embed(token t + 1)); hnorm(h_t)]), runs its decoder
+layer (MLA and DeepSeekMoE, over a latent cache of its own) and predicts token t + 2
+through its own final norm (`shared_head.norm`) and the model's output head. Drafting
+further feeds that normed output back as the next h, as an EAGLE head feeds its own
+(proposers.FeatureProposer).
 
 Its tensors, `model.layers.{L}.`: `enorm`, `hnorm`, `eh_proj`, the decoder layer's
 (`self_attn.*`, `mlp.*`, the two layer norms), `shared_head.norm`, and copies of the
@@ -27,7 +28,6 @@ from . import safetensors_reader
 from .checkpoint import Checkpoint, CheckpointError
 from .deepseek_v3 import DecoderLayer, DeepseekV3Config, DeepseekV3ForCausalLM
 from .eagle3 import HiddenTaps
-from .kernels import ops
 from .llama import Linear, RMSNorm, assign_state
 from .quant_weights import cast_state, dequantize_linear, weight_scheme
 from .tensor_parallel import embed
@@ -78,8 +78,8 @@ class MtpHead(nn.Module):
 
     @torch.inference_mode()
     def hidden_states(self, ids, step, k_cache, v_cache) -> torch.Tensor:
-        """The layer's output (before its final norm: the next draft step's feature) at
-        each token, from `self.features` at the same tokens."""
+        """The layer's output after its final norm (what the output head reads, and the
+        next draft step's feature) at each token, from `self.features` there."""
         features = self.features
         if features is None:
             features = self.feature_rows[: ids.shape[0]]
@@ -87,15 +87,13 @@ class MtpHead(nn.Module):
         e = self.enorm(embed(target.model.embed_tokens, ids, 1))
         x = self.eh_proj(torch.cat([e, self.hnorm(features)], dim=-1))
         x, residual = self.layer(x, None, step, k_cache, self.inv_freq)
-        if x.dim() == 3:  # the MoE layer's unsummed slots (kernels/norm.py adds them)
-            x = ops(x.device).sum_slots(x, residual.dtype)
-        return x + residual
+        return self.norm(x, residual)[0]  # (which adds up the MoE layer's slots)
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of the sampled rows (kept: the next step's features)."""
         self.hidden_rows[: hidden.shape[0]].copy_(hidden)
-        return self._target[0].logits(self.norm(hidden))
+        return self._target[0].logits(hidden)
 
 
 def mtp_layer_count(ckpt: Checkpoint) -> int:

@@ -493,9 +493,9 @@ class DeepseekV3ForCausalLM(nn.Module):
             if self.taps is not None:
                 self.taps.record(i, x, residual)
             x, residual = layer(x, residual, step, k_cache, self.inv_freq)
-        if self.taps is not None:  # the last hidden state (an MTP head's feature)
-            self.taps.record(len(self.model.layers), x, residual)
         x, _ = self.model.norm(x, residual)
+        if self.taps is not None:  # what the output head reads (an MTP head's feature)
+            self.taps.record(len(self.model.layers), x, None)
         return x
 
     @torch.inference_mode()

@@ -90,7 +90,8 @@ def with_mtp(tmp_path_factory):
 
 
 def last_hidden(model: DeepseekV3ForCausalLM, ids: list[int]) -> torch.Tensor:
-    """The model's last hidden state (before its final norm) at each of `ids`."""
+    """The model's hidden state its output head reads (after the final norm) at each of
+    `ids`: HF's last hidden states."""
     taps = HiddenTaps((LAYERS,), model.cfg.hidden_size, torch.float32, torch.device("cpu"))
     taps.fit(len(ids))
     model.taps = taps
@@ -130,9 +131,15 @@ def hf_mtp_logits(extra: dict, model: DeepseekV3ForCausalLM, ids: list[int]) -> 
 
 
 def test_the_mtp_head_computes_the_papers_layer_as_hf_runs_it(with_mtp):
+    """The feature the model leaves in its taps is HF's last hidden state; the head's
+    logits over a whole sequence at once are HF's run of the MTP layer."""
     ckpt, extra = with_mtp
     model = DeepseekV3ForCausalLM.load(ckpt)
     ids = torch.randint(0, VOCAB, (21,), generator=torch.Generator().manual_seed(3)).tolist()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt.path, dtype=torch.float32)
+    with torch.no_grad():
+        hf_last = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]
+    torch.testing.assert_close(last_hidden(model, ids), hf_last, atol=1e-4, rtol=1e-4)
     want = hf_mtp_logits(extra, model, ids)
     head, _ = load_mtp(model, ckpt.path)
     head.static_rows(32)
