@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from omni.engine.block_manager import BlockManager
 from omni.engine.checkpoint import Checkpoint, CheckpointError
 from omni.engine.deepseek_mtp import load_mtp
-from omni.engine.deepseek_v3 import DeepseekV3ForCausalLM
+from omni.engine.deepseek_v3 import DeepseekV3ForCausalLM, QuantizedExperts
 from omni.engine.eagle3 import HiddenTaps
 from omni.engine.engine import Engine
 from omni.engine.model_runner import ModelRunner
@@ -248,3 +248,39 @@ def test_on_the_gpu_mtp_speculation_under_cuda_graphs_keeps_the_eager_tokens(wit
             i = next(i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b)
             gap = logits[i][want[i]] - logits[i][got[i]]
             assert gap < 2e-2 * logits[i].abs().max(), (i, got, want)
+
+
+def test_an_fp8_checkpoints_mtp_layer_loads_as_its_dequantized_twin(tmp_path, with_mtp):
+    """Every projection of the model and of its MTP layer stored in block FP8 (as
+    DeepSeek-V3 ships them): the head's logits are those of the same checkpoint with
+    those weights dequantized."""
+    from .test_quant_weights import FP8_CONFIG, dequantize_fp8, quantize_fp8
+
+    ckpt, _ = with_mtp
+    state = load_file(str(sorted(ckpt.path.glob("*.safetensors"))[0]))
+    quantized, dense = dict(state), dict(state)
+    for name in [n for n in state if n.endswith(("_proj.weight", "_mqa.weight"))]:
+        q, s = quantize_fp8(state[name])
+        quantized[name], quantized[name.removesuffix("weight") + "weight_scale_inv"] = q, s
+        dense[name] = dequantize_fp8(q, s)
+    heads = []
+    for form, tensors in (("fp8", quantized), ("dense", dense)):
+        directory = tmp_path / form
+        directory.mkdir()
+        config = json.loads((ckpt.path / "config.json").read_text())
+        if form == "fp8":
+            config["quantization_config"] = FP8_CONFIG
+        (directory / "config.json").write_text(json.dumps(config))
+        (directory / "tokenizer.json").symlink_to(ckpt.path / "tokenizer.json")
+        save_file(tensors, str(directory / "model.safetensors"))
+        model = DeepseekV3ForCausalLM.load(Checkpoint.open(directory))
+        head, _ = load_mtp(model, directory)
+        assert isinstance(head.layer.mlp.experts, QuantizedExperts) == (form == "fp8")
+        head.static_rows(32)
+        ids = torch.randint(0, VOCAB, (13,), generator=torch.Generator().manual_seed(6)).tolist()
+        head.features = last_hidden(model, ids)[:-1]
+        runner = ModelRunner(head, block_size=8, num_blocks=16)
+        seq = Sequence(token_ids=ids[1:])
+        BlockManager(runner.num_blocks, runner.block_size).allocate(seq)
+        heads.append(runner.run(Batch([seq], [len(seq.token_ids)]), all_logits=True))
+    torch.testing.assert_close(heads[0], heads[1], atol=1e-5, rtol=1e-5)
