@@ -55,6 +55,7 @@ class MtpHead(nn.Module):
 
     @property
     def kv_layout(self):
+        """The model's latent row a token (its own cache: one layer of it)."""
         return self._target[0].kv_layout
 
     @property
