@@ -33,6 +33,8 @@ VARIANTS = {
     "8 warps": (None, (64, {"num_warps": 8, "num_stages": 2})),
     "32 keys a step": (None, (32, {"num_warps": 4, "num_stages": 2})),
     "3 stages": (None, (64, {"num_warps": 4, "num_stages": 3})),
+    "32 keys, 3 stages": (None, (32, {"num_warps": 4, "num_stages": 3})),
+    "32 keys, 8 warps": (None, (32, {"num_warps": 8, "num_stages": 2})),
 }
 
 
