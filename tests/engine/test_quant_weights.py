@@ -168,13 +168,24 @@ def test_block_fp8_kernel_decodes_every_e4m3_byte():
 
 @pytest.mark.parametrize("m", [1, 3, 17])
 @pytest.mark.parametrize(("n", "k", "bias"), [(40, 96, False), (70, 200, True)])
-def test_int4_kernel_matches_reference(gen, m, n, k, bias):
-    """200 inputs: a part-filled last group and last packed word."""
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_kernel_matches_reference(gen, m, n, k, bias, group):
+    """200 inputs: a part-filled last group and last packed word; groups of 128 take the
+    kernel's K step up to a group."""
     x, w = rand(m, k, gen=gen).to(DTYPE), rand(n, k, gen=gen, scale=0.05)
-    q, s = quantize_int4(w)
+    q, s = quantize_int4(w, group)
     b = rand(n, gen=gen).to(DTYPE) if bias else None
     p = pack_int4(q)
-    torch.testing.assert_close(int4_linear(x, p, s, b), int4_linear_ref(x, p, s, b), **TOL)
+    torch.testing.assert_close(
+        int4_linear(x, p, s, b, group), int4_linear_ref(x, p, s, b, group), **TOL
+    )
+
+
+def test_int4_groups_that_are_no_power_of_two_are_refused(gen):
+    w = rand(8, 48, gen=gen, scale=0.05)
+    q, s = quantize_int4(w, 24)
+    with pytest.raises(ValueError, match="power of two"):
+        int4_linear(rand(1, 48, gen=gen).to(DTYPE), pack_int4(q), s, group_size=24)
 
 
 def with_changes(config: dict, **changes) -> dict:
