@@ -100,6 +100,11 @@ class DeepseekV3Config:
     quantization: str | None = None  # (read by llama.projection; the checkpoint's is in load)
     kv_cache_dtype: str | None = None
 
+    @property
+    def shared_expert_count(self) -> int:
+        """The shared MLP as experts of the routed width (what folding stacks)."""
+        return self.shared_intermediate // self.moe.intermediate
+
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint) -> DeepseekV3Config:
         c, path = ckpt.config, ckpt.path / "config.json"
@@ -407,7 +412,7 @@ class DeepseekMoE(nn.Module):
     def fold_shared(self, device=None, scheme: WeightScheme | None = None) -> None:
         """Take the shared experts into the routed stacks (fold_shared_experts' layout, or
         with `scheme` split_shared_experts', stacked quantized)."""
-        self.shared = self.cfg.shared_intermediate // self.cfg.moe.intermediate
+        self.shared = self.cfg.shared_expert_count
         moe = dataclasses.replace(self.cfg.moe, experts=self.cfg.moe.experts + self.shared)
         if scheme is None:
             self.experts = Experts(moe, self.cfg.hidden_size, device)
@@ -660,7 +665,7 @@ def fold_shared_experts(state: dict, moe, cfg: DeepseekV3Config) -> frozenset[in
     the routed width: gate/up rows [gate_j; up_j], down's columns j), where the routed
     experts are stacked plain (moe: not in its dense layers) and the shared MLP's two
     weights are plain tensors of the stacks' dtype: the layers folded."""
-    inter, n = cfg.moe.intermediate, cfg.shared_intermediate // cfg.moe.intermediate
+    inter, n = cfg.moe.intermediate, cfg.shared_expert_count
     folded = set()
     if cfg.moe.expert_parallel > 1:  # (each rank's run of experts: not for DeepSeek yet)
         return frozenset()
@@ -694,7 +699,7 @@ def split_shared_experts(
     E..E+n-1 (their scales cut along), so that stack_quantized_experts stacks them after
     the routed ones and the router gives every token their slots (DeepseekMoE.fold_shared):
     fold_shared_experts' layout for quantized stacks. The layers split."""
-    inter, n = cfg.moe.intermediate, cfg.shared_intermediate // cfg.moe.intermediate
+    inter, n = cfg.moe.intermediate, cfg.shared_expert_count
     if scheme is None or scheme.kind != FP8_BLOCK or not n or cfg.moe.expert_parallel > 1:
         return frozenset()
     rows, cols = scheme.block
@@ -750,14 +755,13 @@ def stack_quantized_experts(
     if scheme is None:
         return frozenset()
     done = set()
-    shared = cfg.shared_intermediate // cfg.moe.intermediate
     for i in range(cfg.num_layers):
         if i in cfg.moe.dense_layers:
             continue
         prefix = f"model.layers.{i}.mlp.experts"
         parts = [
             tuple(f"{prefix}.{e}.{p}_proj" for p in ("gate", "up", "down"))
-            for e in range(cfg.moe.local_experts + (shared if i in split else 0))
+            for e in range(cfg.moe.local_experts + (cfg.shared_expert_count if i in split else 0))
         ]
         if stack_experts_quantized(state, parts, prefix, scheme, source):
             done.add(i)
