@@ -30,6 +30,7 @@ from .deepseek_v3 import DecoderLayer, DeepseekV3Config, DeepseekV3ForCausalLM
 from .eagle3 import HiddenTaps
 from .llama import Linear, RMSNorm, assign_state
 from .quant_weights import cast_state, dequantize_linear, weight_scheme
+from .spec_config import mtp_layers
 from .tensor_parallel import embed
 
 
@@ -97,21 +98,15 @@ class MtpHead(nn.Module):
         return self._target[0].logits(hidden)
 
 
-def mtp_layer_count(ckpt: Checkpoint) -> int:
-    """The multi-token-prediction layers a checkpoint ships (DeepSeek-V3's: one)."""
-    return int(ckpt.config.get("num_nextn_predict_layers") or 0)
-
-
 def load_mtp(target, path) -> tuple[MtpHead, HiddenTaps]:
     """The MTP head of the checkpoint at `path` (the target's own), on the target's device
     and dtype, and the taps of the target's last hidden state it reads (to be set as the
-    target's `taps`). CheckpointError says why a model has none."""
+    target's `taps`; proposers.load_draft refuses a model split over ranks first).
+    CheckpointError says why a model has none."""
     if not isinstance(target, DeepseekV3ForCausalLM):
         raise CheckpointError("speculative.method 'mtp': DeepSeek-V3's architecture only")
-    if target.cfg.tp > 1:
-        raise CheckpointError("speculative.method 'mtp': a model on one GPU so far")
     ckpt = Checkpoint.open(path)
-    if not mtp_layer_count(ckpt):
+    if not mtp_layers(ckpt.config):
         raise CheckpointError(
             f"{ckpt.path}: no multi-token-prediction layer (num_nextn_predict_layers)"
         )

@@ -352,19 +352,18 @@ def load_draft(spec: SpecConfig | None, target: LlamaForCausalLM, target_dir: Pa
     or MTP head and the taps it reads (installed in the target here); None for n-grams.
     `target_dir`: the target's checkpoint, whose tokenizer a draft model must share (and
     whose multi-token-prediction layer an MTP head is)."""
-    if spec is not None and spec.method in OWN_WEIGHTS:
-        if target_dir is None:
-            raise CheckpointError("speculative.method 'mtp' needs the model's checkpoint")
-        head, taps = load_mtp(target, target_dir)
-        target.taps = taps
-        return head, taps
-    if spec is None or spec.method not in WITH_WEIGHTS:
+    if spec is None or spec.method not in WITH_WEIGHTS + OWN_WEIGHTS:
         return None
     if target.cfg.tp > 1:
         raise CheckpointError(f"speculative.method {spec.method!r}: a model on one GPU so far")
     device, dtype = target.lm_head.weight.device, target.lm_head.weight.dtype
-    if spec.method == "eagle3":
-        head, taps = load_eagle3(spec.path, target)
+    if spec.method in FEATURE_HEADS:
+        if spec.method == "eagle3":
+            head, taps = load_eagle3(spec.path, target)
+        elif target_dir is None:
+            raise CheckpointError("speculative.method 'mtp' needs the model's checkpoint")
+        else:
+            head, taps = load_mtp(target, target_dir)
         target.taps = taps
         return head, taps
     ckpt = Checkpoint.open(spec.path)

@@ -11,6 +11,12 @@ OWN_WEIGHTS = ("mtp",)  # proposers read from the model's own checkpoint
 MAX_K = 16
 
 
+def mtp_layers(config: dict) -> int:
+    """The multi-token-prediction layers a checkpoint's config.json says it ships
+    (DeepSeek-V3's: one), which method "mtp" drafts with."""
+    return int(config.get("num_nextn_predict_layers") or 0)
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     method: str = "ngram"

@@ -12,6 +12,7 @@ from pathlib import Path
 from omni.api.live import parse_bind
 from omni.api.toolcalls import PARSERS
 from omni.engine.checkpoint import Checkpoint, CheckpointError
+from omni.engine.spec_config import mtp_layers
 from omni.isolation.sandbox import Limits
 from omni.runtime import config_schema, envs
 
@@ -153,7 +154,7 @@ class ModelEntry:
             Checkpoint.open(spec["path"])
         elif spec.get("method") == "eagle3" and not Path(spec["path"], "config.json").is_file():
             raise CheckpointError(f"{Path(spec['path'], 'config.json')}: missing (an EAGLE-3 head)")
-        elif spec.get("method") == "mtp" and not ckpt.config.get("num_nextn_predict_layers"):
+        elif spec.get("method") == "mtp" and not mtp_layers(ckpt.config):
             raise CheckpointError(
                 f"{ckpt.path}: speculative.method 'mtp' needs a multi-token-prediction layer "
                 "(num_nextn_predict_layers), and this checkpoint has none"
