@@ -679,23 +679,25 @@ def main() -> None:
         if "error" in d:
             print(f"{s}: {d['error']}")
     if args.profile and "kernels" in prof:
-        print(f"\nbatch-1 step without dependent launches: {fmt(prof['step_us'])} us, of which")
-        for r in prof["kernels"][:12]:
-            print(f"{r['us_per_step']:9.1f} us {r['per_step']:6.1f}x  {r['kernel'][:70]}")
+        print_kernels(f"batch-1 step without dependent launches: {fmt(prof['step_us'])} us",
+                      prof["kernels"][:12])  # fmt: skip
         for b, p in prof.get("batches", {}).items():
-            print(
-                f"\nbatch-{b} decode step at {p['context']} tokens: {p['step_ms']:.2f} ms, of which"
-            )
-            for r in p["kernels"][:15]:
-                print(f"{r['us_per_step']:9.1f} us {r['per_step']:6.1f}x  {r['kernel'][:70]}")
+            title = f"batch-{b} decode step at {p['context']} tokens: {p['step_ms']:.2f} ms"
+            print_kernels(title, p["kernels"][:15])
     for w, p in quantized_profiles.items():
         if "kernels" not in p:
             print(f"\nprofile, {w}: {p.get('error')}")
             continue
-        print(f"\nbatch-1 step in {w}, without dependent launches: {fmt(p['step_us'])} us")
-        for r in p["kernels"][:12]:
-            print(f"{r['us_per_step']:9.1f} us {r['per_step']:6.1f}x  {r['kernel'][:70]}")
+        title = f"batch-1 step in {w}, without dependent launches: {fmt(p['step_us'])} us"
+        print_kernels(title, p["kernels"][:12])
     print(f"wrote {path}")
+
+
+def print_kernels(title: str, kernels: list[dict]) -> None:
+    """A profile's kernels (per_step's rows) under `title`: time and launches a step."""
+    print(f"\n{title}, of which")
+    for r in kernels:
+        print(f"{r['us_per_step']:9.1f} us {r['per_step']:6.1f}x  {r['kernel'][:70]}")
 
 
 def batch_floors(cfg: dict, itemsize: int, context: int, bw: dict, ours: dict) -> dict:
