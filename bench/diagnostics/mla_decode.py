@@ -25,16 +25,21 @@ from omni.engine.kernels import mla
 
 LATENT, ROPE, BLOCK = 512, 64, 16
 CALLS = 8  # launches a graph replay, each over its own cache (L2 holds none of them)
-# name: (TILE_M, bf16 (BLOCK_N, launch options) or None for the default's)
+# name: (kernels/mla.py constants to set, value_splits: None for the launch's own choice)
 VARIANTS = {
-    "default": (None, None),
-    "tile 16": (16, None),
-    "tile 16, 8 warps": (16, (64, {"num_warps": 8, "num_stages": 2})),
-    "8 warps": (None, (64, {"num_warps": 8, "num_stages": 2})),
-    "32 keys a step": (None, (32, {"num_warps": 4, "num_stages": 2})),
-    "3 stages": (None, (64, {"num_warps": 4, "num_stages": 3})),
-    "32 keys, 3 stages": (None, (32, {"num_warps": 4, "num_stages": 3})),
-    "32 keys, 8 warps": (None, (32, {"num_warps": 8, "num_stages": 2})),
+    "default": ({}, None),
+    "values whole": ({}, 1),
+    "values in 2": ({}, 2),
+    "values in 4": ({}, 4),
+    "1 stage": ({"STEPS": (64, {"num_warps": 4, "num_stages": 1})}, None),
+    "8 warps": ({"STEPS": (64, {"num_warps": 8, "num_stages": 2})}, None),
+    "32 keys a step": ({"STEPS": (32, {"num_warps": 4, "num_stages": 2})}, None),
+    "tile 16": ({"TILE_M": 16}, None),
+    "1 tile a split": ({"MIN_SPLIT_TILES": 1}, None),
+    "1 tile a split, 32 keys": (
+        {"MIN_SPLIT_TILES": 1, "STEPS": (32, {"num_warps": 4, "num_stages": 2})},
+        None,
+    ),
 }
 
 
@@ -57,31 +62,31 @@ def batch(seqs: int, context: int, heads: int, seed: int):
 
 
 class Variant:
-    def __init__(self, tile_m, steps):
-        self.tile_m, self.steps = tile_m, steps
+    """Sets kernels/mla.py's constants for a block (STEPS: the bf16 entry), then restores."""
+
+    def __init__(self, constants: dict, value_splits: int | None):
+        self.constants, self.value_splits = constants, value_splits
 
     def __enter__(self) -> None:
-        self.saved = mla.TILE_M, dict(mla.STEPS)
-        if self.tile_m:
-            mla.TILE_M = self.tile_m
-        if self.steps:
-            mla.STEPS[2] = self.steps
+        self.saved = {name: getattr(mla, name) for name in self.constants}
+        for name, value in self.constants.items():
+            setattr(mla, name, {**mla.STEPS, 2: value} if name == "STEPS" else value)
 
     def __exit__(self, *exc) -> None:
-        mla.TILE_M = self.saved[0]
-        mla.STEPS.clear()
-        mla.STEPS.update(self.saved[1])
+        for name, value in self.saved.items():
+            setattr(mla, name, value)
 
 
 def measure(inputs, variant: Variant) -> tuple[float, torch.Tensor]:
     q, caches, table, lens, cu = inputs
     scale = (128 + ROPE) ** -0.5
     with variant:
-        out = mla.mla_attention(q, caches[0], table, lens, cu, scale, LATENT)
+        split = {"value_splits": variant.value_splits}
+        out = mla.mla_attention(q, caches[0], table, lens, cu, scale, LATENT, **split)
 
         def calls() -> None:
             for cache in caches:
-                mla.mla_attention(q, cache, table, lens, cu, scale, LATENT)
+                mla.mla_attention(q, cache, table, lens, cu, scale, LATENT, **split)
 
         graph, _ = capture_graph(calls, None)
     return cuda_ms(graph.replay, 20) * 1e3 / CALLS, out
@@ -100,8 +105,8 @@ def main() -> None:
                 inputs = batch(seqs, context, heads, seed=seqs + context)
                 kv_bytes = seqs * context * (LATENT + ROPE) * 2
                 reference = None
-                for name, (tile_m, steps) in VARIANTS.items():
-                    us, out = measure(inputs, Variant(tile_m, steps))
+                for name, (constants, value_splits) in VARIANTS.items():
+                    us, out = measure(inputs, Variant(constants, value_splits))
                     same = None if reference is None else bool(torch.equal(out, reference))
                     reference = out if reference is None else reference
                     rows.append(
@@ -111,7 +116,7 @@ def main() -> None:
                     )  # fmt: skip
                     flag = {None: "", True: "same bits", False: "OTHER BITS"}[same]
                     print(
-                        f"{heads:>3} heads {context:>5} ctx {seqs:>4} seqs {name:>18}:"
+                        f"{heads:>3} heads {context:>5} ctx {seqs:>4} seqs {name:>22}:"
                         f" {us:8.2f} us ({kv_bytes / us / 1e3:7.1f} GB/s of K/V) {flag}",
                         flush=True,
                     )

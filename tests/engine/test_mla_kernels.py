@@ -152,6 +152,22 @@ def test_decode_splits_do_not_change_the_bits(gen):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16])
+def test_value_slices_do_not_change_the_bits(gen, dtype):
+    """A tile's values summed in column slices by programs of their own (as small decode
+    batches run): the bits of the whole tile's sums, split decode rows and prompts."""
+    seq_lens, q_lens = grown(*MIXED)
+    q, cache, table, lens, cu = latent_batch(gen, seq_lens, q_lens, HEADS[0], 16, dtype)
+    whole = mla_attention(q, cache, table, lens, cu, 0.2, LATENT, value_splits=1)
+    assert_near(whole, mla_attention_ref(q, cache, table, lens, cu, 0.2, LATENT), dtype)
+    for n in (2, 4) if GPU else (2,):
+        assert torch.equal(
+            mla_attention(q, cache, table, lens, cu, 0.2, LATENT, value_splits=n), whole
+        )
+    with pytest.raises(ValueError, match="value_splits"):
+        mla_attention(q, cache, table, lens, cu, 0.2, LATENT, value_splits=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16])
 def test_a_row_does_not_depend_on_its_batch(gen, dtype):
     """A sequence's rows alone (a table as wide as its own) and in two batches at other
     places: the same bits, a split decode row and a prompt's rows alike."""

@@ -147,6 +147,12 @@ STEPS = {
     2: (64, {"num_warps": 4, "num_stages": 2}),
     4: (32, {"num_warps": 4, "num_stages": 1}),
 }
+# Where a step has fewer row tiles than the GPU has SMs (decode at small batches), each
+# tile's values are cut into up to MAX_VALUE_SPLITS column slices, one program each: all
+# compute the same scores (the same dots, the same bits) and each sums its slice of the
+# latent, so more SMs share a short step and an accumulator takes fewer registers. The
+# count follows the grid, never a row's bits (tests/engine/test_mla_kernels.py).
+MAX_VALUE_SPLITS = 4
 MERGE_HEADS = 16  # a merge program's heads: 16 x latent 512 fp32 sums fit its registers
 # batch-dependent arguments not worth a build each (attention.py's ANY_BATCH says why);
 # split_stride is 1 where a step's tables are short (prompts of up to 128 tokens), a
@@ -190,14 +196,20 @@ def _mla_kernel(
     cache_block, cache_row, split_stride,
     LATENT: tl.constexpr, ROPE: tl.constexpr, ROPE_P2: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_H: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_N: tl.constexpr, MAX_S: tl.constexpr, MIN_TILES: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_N: tl.constexpr, MAX_S: tl.constexpr, MIN_TILES: tl.constexpr,
+    VALUE_SPLITS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
-    """Program (row tile, head group, split program): ROWS rows x BLOCK_H heads of one
-    sequence against its context, the latent and rope parts as two tiles (latent + rope
-    is no power of two), values the latent tile itself. A one-split result goes to `out`;
-    a decode row's splits go to part/lse for _mla_merge_kernel."""
+    """Program (row tile, head group x value slice, split program): ROWS rows x BLOCK_H
+    heads of one sequence against its context, the latent and rope parts as two tiles
+    (latent + rope is no power of two), values the latent tile itself or (VALUE_SPLITS >
+    1) its slice. A one-split result goes to `out`; a decode row's splits go to part/lse
+    for _mla_merge_kernel."""
     wait_for_inputs(PDL)
     b, tile = _tile_owner(cu_q_ptr, n_seqs, tl.program_id(0), ROWS)
+    group = tl.program_id(1) // VALUE_SPLITS
+    offs_v = (tl.program_id(1) % VALUE_SPLITS) * (LATENT // VALUE_SPLITS) + tl.arange(
+        0, LATENT // VALUE_SPLITS
+    )
     q_start = tl.load(cu_q_ptr + b)
     n_rows = tl.load(cu_q_ptr + b + 1) - q_start
     if tile * ROWS < n_rows:
@@ -205,7 +217,7 @@ def _mla_kernel(
         per, n_splits = _split_layout(length, n_rows, BLOCK_N, MAX_S, MIN_TILES)
         offs_m = tl.arange(0, ROWS * BLOCK_H)
         row = tile * ROWS + offs_m // BLOCK_H
-        head = tl.program_id(1) * BLOCK_H + offs_m % BLOCK_H
+        head = group * BLOCK_H + offs_m % BLOCK_H
         ok = (row < n_rows) & (head < n_heads)
         offs_d = tl.arange(0, LATENT)
         offs_r = tl.arange(0, ROPE_P2)
@@ -220,7 +232,7 @@ def _mla_kernel(
         for split in range(tl.program_id(2), n_splits, tl.num_programs(2)):
             m_i = tl.full((ROWS * BLOCK_H,), NEG_INF, tl.float32)
             l_i = tl.zeros((ROWS * BLOCK_H,), tl.float32)
-            acc = tl.zeros((ROWS * BLOCK_H, LATENT), tl.float32)
+            acc = tl.zeros((ROWS * BLOCK_H, LATENT // VALUE_SPLITS), tl.float32)
             for t in range(split * per, tl.minimum((split + 1) * per, tl.cdiv(hi, BLOCK_N))):
                 pos = t * BLOCK_N + offs_n
                 real = pos < hi
@@ -240,23 +252,29 @@ def _mla_kernel(
                 p = tl.where(visible, tl.exp(s - m_new[:, None]), 0.0)
                 alpha = tl.exp(m_i - m_new)
                 l_i = l_i * alpha + tl.sum(p, axis=1)
-                acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv)
+                if VALUE_SPLITS == 1:
+                    v = kv
+                else:  # the slice again, from the cache the tile's load just filled
+                    v = tl.load(at[:, None] + offs_v[None, :], mask=real[:, None], other=0.0)
+                    v = v.to(q_lat.dtype)
+                acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), v)
                 m_i = m_new
             result = acc / tl.maximum(l_i, 1e-30)[:, None]
             if n_splits == 1:
                 out_rows = (q_start + row) * n_heads + head
                 tl.store(
-                    out_ptr + out_rows[:, None] * LATENT + offs_d[None, :],
+                    out_ptr + out_rows[:, None] * LATENT + offs_v[None, :],
                     result.to(out_ptr.dtype.element_ty),
                     mask=ok[:, None],
                 )
             else:
                 slot = (b * n_heads + head) * split_stride + split
                 tl.store(
-                    part_ptr + slot[:, None] * LATENT + offs_d[None, :], result, mask=ok[:, None]
+                    part_ptr + slot[:, None] * LATENT + offs_v[None, :], result, mask=ok[:, None]
                 )
                 lse = tl.where(l_i > 0, m_i + tl.log(tl.maximum(l_i, 1e-30)), NEG_INF)
-                tl.store(lse_ptr + slot, lse, mask=ok)
+                if tl.program_id(1) % VALUE_SPLITS == 0:  # every slice's is the same
+                    tl.store(lse_ptr + slot, lse, mask=ok)
 
 
 @triton.jit(do_not_specialize=ANY_BATCH)
@@ -319,15 +337,35 @@ def _split_programs(tiles: int, device: torch.device) -> int:
     return min(MAX_SPLITS, 1 << (want.bit_length() - 1))
 
 
+def _value_splits(tiles: int, latent_dim: int, device: torch.device) -> int:
+    """Value slices a tile's programs take: a power of two up to MAX_VALUE_SPLITS where
+    the tiles leave SMs idle, each slice at least 64 wide."""
+    if device.type != "cuda":
+        return 1
+    want = max(1, sm_count(device) // max(tiles, 1))
+    return max(1, min(MAX_VALUE_SPLITS, latent_dim // 64, 1 << (want.bit_length() - 1)))
+
+
 def mla_attention(
-    q, cache, block_tables, seq_lens, cu_seqlens_q, scale, latent_dim, programs=None, q_rope=None
+    q,
+    cache,
+    block_tables,
+    seq_lens,
+    cu_seqlens_q,
+    scale,
+    latent_dim,
+    programs=None,
+    q_rope=None,
+    value_splits=None,
 ) -> torch.Tensor:
     """mla_attention_ref on the GPU: q [tokens, heads, latent + rope], or its latent part
     with `q_rope` [tokens, heads, rope] apart (no copy to join them); rows and heads may be
     strided, each head's values packed. cache [blocks, block_size, 1, latent + rope];
     returns [tokens, heads, latent_dim] in q's dtype. The launch reads shapes only (no
     wait for the device): a CUDA graph can hold it. `programs` per row tile share a decode
-    row's splits (default: by the GPU's size); it changes the speed, never the output."""
+    row's splits (default: by the GPU's size) and `value_splits` the slices of a tile's
+    values (default: by how many SMs the tiles leave idle); they change the speed, never
+    the output."""
     if q_rope is None:
         q, q_rope = q[..., :latent_dim], q[..., latent_dim:]
     tokens, heads, _ = q.shape
@@ -354,15 +392,18 @@ def mla_attention(
     if stride == 1:
         programs = 1
     programs = programs or _split_programs(tiles * groups, q.device)
+    value_splits = value_splits or _value_splits(tiles * groups, latent_dim, q.device)
+    if value_splits & (value_splits - 1) or latent_dim // value_splits < 16:
+        raise ValueError("value_splits must be a power of two leaving slices >= 16 wide")
     layout = {"BLOCK_N": block_n, "MAX_S": MAX_SPLITS, "MIN_TILES": MIN_SPLIT_TILES}
     pdl = pdl_options(q.device)
-    _mla_kernel[(tiles, groups, programs)](
+    _mla_kernel[(tiles, groups * value_splits, programs)](
         q, q_rope, cache, out, part, lse, block_tables, seq_lens, cu_seqlens_q,
         scale, n_seqs, block_tables.shape[1], heads, q.stride(0), q.stride(1),
         q_rope.stride(0), q_rope.stride(1), cache.stride(0), cache.stride(1), stride,
         LATENT=latent_dim, ROPE=rope, ROPE_P2=max(16, triton.next_power_of_2(rope)),
-        BLOCK_SIZE=block_size, BLOCK_H=block_h, ROWS=rows, **layout, **pdl,
-        **launch,
+        BLOCK_SIZE=block_size, BLOCK_H=block_h, ROWS=rows, VALUE_SPLITS=value_splits,
+        **layout, **pdl, **launch,
     )  # fmt: skip
     if stride > 1:
         _mla_merge_kernel[(n_seqs, triton.cdiv(heads, MERGE_HEADS))](
