@@ -14,8 +14,8 @@ Per M also the best single config for all shapes, by a decode step's linear time
 
 Timing: CUDA events around each launch, all of a config's launches queued behind
 torch.cuda._sleep so that Python's launch overhead leaves no gaps: 3 warm-ups, then the
-median of 20. No L2 flush: the weights exceed the H100's 50 MB L2, except o (33.5 MB;
-qkv's 50 MB is borderline), whose small-M figures are partly served from L2.
+median of 20. bf16 weights under ROTATE_BYTES are timed over copies taken in turn, so that
+none is read from L2 (a decode step reads each once).
 Compiling the ~1,100 (config, M specialization) pairs, about a second each, would take
 the whole budget, so a pool of processes compiles them into Triton's disk cache
 (kernel.warmup) ahead of the timing loop, in the same order.
@@ -84,17 +84,17 @@ SHAPES = {  # (N, K) of Llama-3-8B's weights, q/k/v and gate/up fused
     "down": (4096, 14336),
     "lm_head": (128256, 4096),
 }
-# (N, K) of Moonlight-16B-A3B's dense weights (--model moonlight): MLA's q and kv_a, o,
-# the two shared experts fused, the lm head; 27 layers
+# (N, K) of Moonlight-16B-A3B's dense weights (--model moonlight) as the engine runs them:
+# MLA's q and latent input fused, o, the first (dense) layer's gate/up and down, the lm
+# head (the shared experts run in the routed stack); 27 layers
 MOONLIGHT_SHAPES = {
-    "q": (3072, 2048),
-    "kv_a": (576, 2048),
+    "q_kv_a": (3648, 2048),
     "o": (2048, 2048),
-    "shared_gate_up": (5632, 2048),
-    "shared_down": (2048, 2816),
+    "dense_gate_up": (22528, 2048),
+    "dense_down": (2048, 11264),
     "lm_head": (163840, 2048),
 }
-PER_STEP = {"lm_head": 1}  # runs per decode step; the other shapes once per layer
+PER_STEP = {"lm_head": 1, "dense_gate_up": 1, "dense_down": 1}  # the rest: a layer each
 LAYERS = 32
 M_ORDER = (1, 128, 256, 16, 4, 64, 32, 512)
 SPACE_DECODE = ((16, 32, 64), (16, 32, 64, 128), (64, 128, 256), (2, 4, 8), (3, 4, 5, 6, 8))
@@ -110,6 +110,9 @@ TMA_LARGE = ((128, 256), (128, 256), (64, 128), (8,), (2, 3, 4), (0, 1))
 FP8_TMA = ((64, 128), (64, 128, 256), (128,), (4, 8), (3, 4, 5, 6), (0, 1))
 SMALL_SHAPES = {"o": (64, 128), "down": (48, 192)}  # tails of N and K masked
 SMALL_M_ORDER = (1, 4, 16)
+# bf16 weights smaller than this are timed over copies taken in turn, so that no launch
+# finds its weights in L2 (50 MB on an H100, 60 on an H200) as a decode step would not
+ROTATE_BYTES = 256 << 20
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
 
@@ -319,6 +322,10 @@ def sweep(args: argparse.Namespace, shapes: dict, m_order: tuple[int, ...]) -> d
         xq, xs = quantize_rows_gpu(x)
         return Operands(xq, fp8[name][0], xs, fp8[name][1])
 
+    copies = {  # (--fp8 times one copy: its figures keep the L2 note below)
+        name: [w] + [w.clone() for _ in range(ROTATE_BYTES // w.nbytes if fp8 is None else 0)]
+        for name, w in weights.items()
+    }
     current = {m: {s: tiles_now(m, n, k) for s, (n, k) in shapes.items()} for m in m_order}
     plan = [
         (m, candidates(m, list(current[m].values()), args.small, tma, bool(fp8))) for m in m_order
@@ -352,7 +359,7 @@ def sweep(args: argparse.Namespace, shapes: dict, m_order: tuple[int, ...]) -> d
                     launch(tile, ops[name], outs[name])
                     same[name] = torch.equal(outs[name], refs[name])
                 first_launch_s += time.perf_counter() - t1
-                us = timer([partial(launch, tile, ops[n], outs[n]) for n in weights])
+                us = timer([rotating(tile, ops[n], copies[n], outs[n]) for n in weights])
             except Exception as exc:  # out of resources, compile errors
                 failed[type(exc).__name__] += 1
                 examples.setdefault(type(exc).__name__, f"{tile}: {exc}"[:300])
@@ -377,6 +384,12 @@ def sweep(args: argparse.Namespace, shapes: dict, m_order: tuple[int, ...]) -> d
         "failure_examples": examples,
         "first_launch_s": round(first_launch_s, 1),  # load + check; high: the pool missed
     }
+
+
+def rotating(tile: Tile, ops: Operands, copies: list[torch.Tensor], out: torch.Tensor):
+    """A launch of `tile` whose weights are the next of `copies` each call (bf16)."""
+    turns = itertools.cycle([ops] if len(copies) == 1 else [Operands(ops.x, w) for w in copies])
+    return lambda: launch(tile, next(turns), out)
 
 
 def bf16_times(m: int, shapes: dict, xs: dict, weights: dict, tma: bool, timer) -> dict:
@@ -432,8 +445,8 @@ def summarize(
 
 
 def step_summary(m: int, current: dict, timed: dict) -> dict:
-    """The best single config for this M by a decode step's linear time (32 layers +
-    lm_head), and tile_config's (a tile is timed on all shapes or on none)."""
+    """The best single config for this M by a decode step's linear time (LAYERS layers,
+    PER_STEP's once), and tile_config's (a tile is timed on all shapes or on none)."""
 
     def step(tile_of: Callable[[str], Tile]) -> float:
         return round(sum(PER_STEP.get(s, LAYERS) * timed[tile_of(s)][s][0] for s in current), 1)
@@ -448,16 +461,16 @@ def step_summary(m: int, current: dict, timed: dict) -> dict:
 
 
 def print_table(res: dict) -> None:
-    head = f"{'M':>4} {'shape':8} {'cur us':>9} {'cur TB/s':>8} {'best us':>9} {'best TB/s':>9}"
+    head = f"{'M':>4} {'shape':13} {'cur us':>9} {'cur TB/s':>8} {'best us':>9} {'best TB/s':>9}"
     print(f"\n{head} {'TFLOPS':>7} {'best config':22} {'speedup':>7}  mismatches")
     for r in res["rows"]:
         print(
-            f"{r['M']:4} {r['shape']:8} {r['current_us']:9.1f} {r['current_weight_tbps']:8.2f} "
+            f"{r['M']:4} {r['shape']:13} {r['current_us']:9.1f} {r['current_weight_tbps']:8.2f} "
             f"{r['best_us']:9.1f} {r['best_weight_tbps']:9.2f} {r['best_tflops']:7.1f} "
             f"{r['best']:22} {r['speedup']:7.3f}  {len(r['mismatches'])} "
             + ", ".join(r["mismatches"][:3])
         )
-    print("\nper M, one config for all shapes (a step: 32 layers + lm_head, µs):")
+    print("\nper M, one config for all shapes (a step's linear time, µs):")
     for p in res["per_m"]:
         print(
             f"  M={p['M']:<4} {p['configs_timed']}/{p['configs']} configs ({p['failed']} failed) "
@@ -525,7 +538,10 @@ def main() -> None:
     keys = ("budget_s", "warmup", "iters", "jobs", "small", "fp8")
     settings = {k: getattr(args, k) for k in keys}
     settings["m"] = list(m_order)
-    notes = "no L2 flush: the o (33.5 MB) and qkv (50 MB) weights fit the 50 MB L2 in part"
+    notes = (
+        f"bf16 weights under {ROTATE_BYTES >> 20} MiB timed over copies in turn (none in L2);"
+        " --fp8: one copy, the o (17 MB) and qkv (25 MB) weights fit L2 in part"
+    )
     data = {"settings": settings, "notes": notes, **res}
     kind = "tune-linear-fp8" if args.fp8 else "tune-linear"
     kind += "-moonlight" if args.model == "moonlight" else ""
