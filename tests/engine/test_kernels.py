@@ -116,7 +116,7 @@ def test_linear(gen, bias):
     torch.testing.assert_close(linear(x, w, b), linear_ref(x, w, b), **TOL)
 
 
-@pytest.mark.parametrize("n", [4096, 6144, 28672] if GPU else [160])  # tiles follow N too
+@pytest.mark.parametrize("n", [2048, 3648, 4096, 6144, 28672] if GPU else [160])  # tiles follow N
 def test_linear_rows_do_not_depend_on_the_batch(gen, n):
     """Bit for bit: a row's output is the same alone, in a small batch and in a large one,
     though the tile shape and the kernel (pointer or TMA) follow the row count. On the GPU
@@ -128,7 +128,7 @@ def test_linear_rows_do_not_depend_on_the_batch(gen, n):
     total = 2300 if GPU else 16  # tile_config's classes up to 4,096 rows on the GPU
     x, w = rand(total, k, gen=gen), rand(n, k, gen=gen, scale=k**-0.5)
     full = linear(x, w)
-    for size in (s for s in (1, 7, 63, 64, 65, 200, 299, 700, 1099, 2000) if s <= total):
+    for size in (s for s in (1, 7, 17, 33, 63, 64, 65, 200, 299, 700, 1099, 2000) if s <= total):
         for start in {0, total - size} if GPU else {0}:
             rows = slice(start, start + size)
             assert torch.equal(linear(x[rows], w), full[rows]), rows

@@ -74,7 +74,8 @@ def tile_config(m: int, n: int, itemsize: int = 2, tma: bool = False) -> dict:
     (`tma`: the hardware and the tensors allow it; then "persistent" is among the keys) or
     the pointer one (bench/diagnostics/tune_linear.py: bench/results/tune-linear-h100.json
     up to 64 rows, tune-linear-h100-mid.json up to 256, tune-linear-h100-prefill.json
-    beyond), with fewer pipeline stages where wider types need it."""
+    beyond; the wide layers' of 17-64 rows on an H200, tune-linear-moonlight-h200.json),
+    with fewer pipeline stages where wider types need it."""
     if tma and m >= TMA_MIN_ROWS:
         return _tma_tiles(m, n, itemsize)
     if m <= 16:  # decode of a few sequences: pure weight streaming, 16-row tiles
@@ -83,6 +84,14 @@ def tile_config(m: int, n: int, itemsize: int = 2, tma: bool = False) -> dict:
         # Llama-3-8B's down 43.5 -> 42.4; .probe/m1_sweep.py, printed only)
         warps = 4 if n <= 4096 else 2
         cfg, stages = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=warps), 6
+        if 2048 < n <= 4096:  # 32 columns a tile, as Llama-3-8B's o ran fastest on an
+            # H100 (12.7 us against 13.8+ in 16, tune-linear-h100.json) and Moonlight's
+            # q/latent input on an H200 (9.6 against 10.8, tune-linear-moonlight-h200.json)
+            cfg["BLOCK_N"], stages = 32, 5
+    elif m <= 64 and n >= WIDE:  # an lm head, gate/up: wider tiles of 32 rows (H200 at 64
+        # rows, Moonlight's lm head 272 -> 202 us, its dense gate/up 45 -> 35: same bits,
+        # tune-linear-moonlight-h200.json)
+        cfg, stages = dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=2), 3
     elif m <= 64:  # memory-bound: many narrow column tiles, deep pipelines
         block_n = 16 if n <= 2048 else 32
         cfg = dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=128, num_warps=4)
