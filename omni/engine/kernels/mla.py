@@ -338,12 +338,14 @@ def _split_programs(tiles: int, device: torch.device) -> int:
 
 
 def _value_splits(tiles: int, latent_dim: int, device: torch.device) -> int:
-    """Value slices a tile's programs take: a power of two up to MAX_VALUE_SPLITS where
-    the tiles leave SMs idle, each slice at least 64 wide."""
+    """Value slices a tile's programs take: MAX_VALUE_SPLITS where the tiles' slices
+    still fit the SMs (a batch-1 call on an H200: 14.6 against 15.5 us at 192 tokens,
+    mla-decode-h200.json), else none (two slices measured slower than none at batch 1,
+    and any slices 1.4-2.7x slower from 64 rows)."""
     if device.type != "cuda":
         return 1
-    want = max(1, sm_count(device) // max(tiles, 1))
-    return max(1, min(MAX_VALUE_SPLITS, latent_dim // 64, 1 << (want.bit_length() - 1)))
+    splits = min(MAX_VALUE_SPLITS, max(1, latent_dim // 64))
+    return splits if tiles * splits <= sm_count(device) else 1
 
 
 def mla_attention(
