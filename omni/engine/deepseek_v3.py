@@ -261,13 +261,14 @@ class LatentAttention(nn.Module):
         if self.rope_factor != 1.0:  # rotation is linear: scaling before it is the same
             q_rope, k_rope = q_rope * self.rope_factor, k_rope * self.rope_factor
         norm = self.kv_a_layernorm  # applied on the latent's way to the cache
-        q_rope = kernels.mla_rope_and_cache(
-            q_rope, latent, k_rope, step.positions, inv_freq, cache, step.slot_mapping,
-            norm.weight, norm.eps,
-        )  # fmt: skip
+        to_cache = (latent, k_rope, step.positions, inv_freq, cache, step.slot_mapping)
         if kernels.mla_prefill is None:  # the GPU: every row absorbed, in one launch
+            # (the latent query and the rope/cache rows in one launch before it)
+            q_latent, q_rope = kernels.mla_query_and_cache(
+                q_nope, self.absorbing_weights()[0], q_rope, *to_cache, norm.weight, norm.eps
+            )
             attended = kernels.mla_attention(
-                self.latent_query(q_nope),
+                q_latent,
                 cache,
                 step.block_tables,
                 step.seq_lens,
@@ -277,6 +278,7 @@ class LatentAttention(nn.Module):
                 q_rope=q_rope,
             )
             return all_reduce(self.o_proj(self.from_latent(attended).reshape(n, -1)), cfg.tp)
+        q_rope = kernels.mla_rope_and_cache(q_rope, *to_cache, norm.weight, norm.eps)
         out = x.new_empty(n, cfg.num_heads, cfg.v_head_dim)
         d = step.num_decodes  # the first d rows: one a decoding sequence
         if d:

@@ -15,6 +15,8 @@ from omni.engine.kernels.mla import (
     mla_attention_ref,
     mla_decode_ref,
     mla_prefill_ref,
+    mla_query_and_cache,
+    mla_query_and_cache_ref,
     mla_rope_and_cache,
     mla_rope_and_cache_ref,
 )
@@ -254,3 +256,36 @@ def test_mla_rope_and_cache(gen, dtype, normed):
     untouched = torch.ones(rows.shape[0], dtype=torch.bool, device=DEVICE)
     untouched[slots[slots >= 0]] = False
     assert torch.equal(rows[untouched], want_cache.view(-1, LATENT + ROPE)[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_the_query_and_cache_in_one_launch_are_the_two_launches_bits(gen, dtype):
+    """mla_query_and_cache: head_matmul's latent query and mla_rope_and_cache's rotation
+    and cache rows in one launch, bit for bit those of the two launches (rows over
+    several row blocks, strided views of one projection), and near the references."""
+    tokens, heads, nope, block = 37, HEADS[0], 128 if GPU else 16, 8
+    q = rand(tokens, heads, nope + ROPE, gen=gen, dtype=dtype)
+    q_nope, q_rope = q.split([nope, ROPE], dim=-1)
+    w_uk = rand(heads, nope, LATENT, gen=gen, dtype=dtype) * nope**-0.5
+    kv_a = rand(tokens, LATENT + ROPE, gen=gen, dtype=dtype)
+    latent, k_rope = kv_a.split([LATENT, ROPE], dim=-1)
+    positions = torch.randint(0, 4000, (tokens,), generator=gen, device=DEVICE)
+    inv_freq = 10000.0 ** -(torch.arange(0, ROPE, 2, device=DEVICE).float() / ROPE)
+    slots = torch.randperm(6 * block, generator=gen, device=DEVICE)[:tokens]
+    slots[[3, 30]] = -1
+    cache = rand(6, block, 1, LATENT + ROPE, gen=gen, dtype=dtype)
+    caches = [cache.clone() for _ in range(3)]
+    weight = rand(LATENT, gen=gen)
+    rope_args = (latent, k_rope, positions, inv_freq)
+    lat, rotated = mla_query_and_cache(
+        q_nope, w_uk, q_rope, *rope_args, caches[0], slots, weight, 1e-6
+    )
+    assert torch.equal(lat, head_matmul(q_nope, w_uk))
+    assert torch.equal(rotated, mla_rope_and_cache(q_rope, *rope_args, caches[1], slots, weight))
+    assert torch.equal(caches[0], caches[1]) and not torch.equal(caches[0], cache)
+    want_lat, want_rotated = mla_query_and_cache_ref(
+        q_nope, w_uk, q_rope, *rope_args, caches[2], slots, weight, 1e-6
+    )
+    tol = {} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    torch.testing.assert_close(lat, want_lat, **(tol or TORCH_TOL))
+    torch.testing.assert_close(rotated, want_rotated, **(tol or {"atol": 1e-5, "rtol": 1e-5}))

@@ -23,6 +23,8 @@ from .mla import (
     mla_attention_ref,
     mla_decode_ref,
     mla_prefill_ref,
+    mla_query_and_cache,
+    mla_query_and_cache_ref,
     mla_rope_and_cache,
     mla_rope_and_cache_ref,
 )
@@ -80,6 +82,7 @@ _KERNELS = SimpleNamespace(
     sum_slots=sum_slots,
     grouped_router=grouped_router,
     mla_rope_and_cache=mla_rope_and_cache,
+    mla_query_and_cache=mla_query_and_cache,
     head_matmul=head_matmul,
     # MLA absorbs every row on the GPU, prefill too (deepseek_v3.py): no expanded form
     mla_attention=mla_attention,
@@ -100,6 +103,7 @@ _REFERENCES = SimpleNamespace(
     sum_slots=sum_slots_ref,
     grouped_router=grouped_router_ref,
     mla_rope_and_cache=mla_rope_and_cache_ref,
+    mla_query_and_cache=mla_query_and_cache_ref,
     head_matmul=head_matmul_ref,
     mla_attention=mla_attention_ref,
     mla_prefill=mla_prefill_ref,

@@ -20,29 +20,16 @@ from .pdl import pdl_options, wait_for_inputs
 BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64
 
 
-@triton.jit(do_not_specialize=["rows", "x_row", "x_head"])
-def _head_matmul_kernel(
-    x_ptr,
-    w_ptr,
-    out_ptr,
-    rows,
-    x_row,
-    x_head,
-    w_head,
-    w_k,
-    w_n,
-    K,
-    N,
-    HEADS: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """Program (head, row block, column block): out[rows, h, cols] in x's dtype."""
-    h = tl.program_id(0)
-    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+@triton.jit
+def head_matmul_program(
+    h, m_block, n_block, x_ptr, w_ptr, out_ptr, rows, x_row, x_head, w_head, w_k, w_n, K, N,
+    HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """out[rows of m_block, h, columns of n_block] in x's dtype (a program's work, for
+    _head_matmul_kernel and the kernels that launch it beside another's)."""
+    m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     w_at = w_ptr + h.to(tl.int64) * w_head
     wait_for_inputs(PDL)
@@ -64,24 +51,44 @@ def _head_matmul_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(m[:, None] < rows) & (n[None, :] < N))
 
 
-def head_matmul(x: torch.Tensor, w: torch.Tensor, transpose: bool = False) -> torch.Tensor:
-    """x [rows, heads, K] (rows and heads may be strided, each head's values packed) times
-    w [heads, K, N] a head, or with `transpose` w [heads, N, K] read as its transpose:
-    [rows, heads, N] in x's dtype, packed. The launch reads shapes only: a CUDA graph
-    holds it."""
+@triton.jit(do_not_specialize=["rows", "x_row", "x_head"])
+def _head_matmul_kernel(
+    x_ptr, w_ptr, out_ptr, rows, x_row, x_head, w_head, w_k, w_n, K, N,
+    HEADS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (head, row block, column block): out[rows, h, cols] in x's dtype."""
+    head_matmul_program(
+        tl.program_id(0), tl.program_id(1), tl.program_id(2), x_ptr, w_ptr, out_ptr, rows,
+        x_row, x_head, w_head, w_k, w_n, K, N, HEADS, BLOCK_M, BLOCK_N, BLOCK_K, PDL,
+    )  # fmt: skip
+
+
+def head_matmul_args(x: torch.Tensor, w: torch.Tensor, transpose: bool):
+    """(out, grid, arguments, constants) of a head_matmul launch (head_matmul says what x
+    and w may be)."""
     rows, heads, k = x.shape
     if x.stride(2) != 1:
         raise ValueError("each head's values must be packed")
     n = w.shape[1] if transpose else w.shape[2]
     w_k, w_n = (w.stride(2), w.stride(1)) if transpose else (w.stride(1), w.stride(2))
     out = torch.empty(rows, heads, n, dtype=x.dtype, device=x.device)
-    if rows:
-        grid = (heads, triton.cdiv(rows, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    grid = (heads, triton.cdiv(rows, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    args = (x, w, out, rows, x.stride(0), x.stride(1), w.stride(0), w_k, w_n, k, n)
+    constants = {"HEADS": heads, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K}
+    return out, grid, args, constants
+
+
+def head_matmul(x: torch.Tensor, w: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """x [rows, heads, K] (rows and heads may be strided, each head's values packed) times
+    w [heads, K, N] a head, or with `transpose` w [heads, N, K] read as its transpose:
+    [rows, heads, N] in x's dtype, packed. The launch reads shapes only: a CUDA graph
+    holds it."""
+    out, grid, args, constants = head_matmul_args(x, w, transpose)
+    if x.shape[0]:
         _head_matmul_kernel[grid](
-            x, w, out, rows, x.stride(0), x.stride(1), w.stride(0), w_k, w_n, k, n,
-            HEADS=heads, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=4,
-            num_stages=3, **pdl_options(x.device),
-        )  # fmt: skip
+            *args, **constants, num_warps=4, num_stages=3, **pdl_options(x.device)
+        )
     return out
 
 
