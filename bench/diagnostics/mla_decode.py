@@ -4,7 +4,9 @@ a diagnostic for the MLA-speed work, not a benchmark with a target.
 Random latent caches (512 + 64 values a token), decode rows of Moonlight's 16 heads and
 DeepSeek-V3's 128, contexts of 192 and 1,024 tokens; each variant's time per call under
 a CUDA graph and whether its output is the default's bit for bit. Prints a table, writes
-bench/results/mla-decode-<gpu>.json.
+bench/results/mla-decode-<gpu>.json. `--values`: attention and the values product
+together, the merge and the product in two launches or in one (mla_attention's w_uv),
+into mla-values-<gpu>.json.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from bench.engine_bench import device_tag
 from bench.results_io import write_result
 from omni.engine.cuda_graphs import capture_graph
 from omni.engine.kernels import mla
+from omni.engine.kernels.head_matmul import head_matmul
 
 LATENT, ROPE, BLOCK = 512, 64, 16
 CALLS = 8  # launches a graph replay, each over its own cache (L2 holds none of them)
@@ -41,6 +44,12 @@ VARIANTS = {
         None,
     ),
 }
+# --values: attention and the values product (kv_b_proj's V part, 128 a head)
+VALUES = {
+    "merge, then values": ({}, None),
+    "values in the merge": ({"values in the merge": True}, None),
+}
+V_DIM = 128
 
 
 def batch(seqs: int, context: int, heads: int, seed: int):
@@ -62,14 +71,16 @@ def batch(seqs: int, context: int, heads: int, seed: int):
 
 
 class Variant:
-    """Sets kernels/mla.py's constants for a block (STEPS: the bf16 entry), then restores."""
+    """Sets kernels/mla.py's constants for a block (STEPS: the bf16 entry), then restores.
+    (A name with spaces is no constant: a choice of measure()'s.)"""
 
     def __init__(self, constants: dict, value_splits: int | None):
         self.constants, self.value_splits = constants, value_splits
+        self.settings = {k: v for k, v in constants.items() if " " not in k}
 
     def __enter__(self) -> None:
-        self.saved = {name: getattr(mla, name) for name in self.constants}
-        for name, value in self.constants.items():
+        self.saved = {name: getattr(mla, name) for name in self.settings}
+        for name, value in self.settings.items():
             setattr(mla, name, {**mla.STEPS, 2: value} if name == "STEPS" else value)
 
     def __exit__(self, *exc) -> None:
@@ -77,18 +88,24 @@ class Variant:
             setattr(mla, name, value)
 
 
-def measure(inputs, variant: Variant) -> tuple[float, torch.Tensor]:
+def measure(inputs, variant: Variant, w_uv=None) -> tuple[float, torch.Tensor]:
+    """µs a call under a CUDA graph, and the first call's output. `w_uv` (--values): the
+    values product too, in the merge's launch (variant "values in the merge") or after
+    the merge ("merge, then values")."""
     q, caches, table, lens, cu = inputs
     scale = (128 + ROPE) ** -0.5
     with variant:
-        split = {"value_splits": variant.value_splits}
-        out = mla.mla_attention(q, caches[0], table, lens, cu, scale, LATENT, **split)
+        kwargs = {"value_splits": variant.value_splits}
+        fused = variant.constants.get("values in the merge")
 
-        def calls() -> None:
-            for cache in caches:
-                mla.mla_attention(q, cache, table, lens, cu, scale, LATENT, **split)
+        def call(cache) -> torch.Tensor:
+            if w_uv is not None and fused:
+                return mla.mla_attention(q, cache, table, lens, cu, scale, LATENT, w_uv=w_uv)
+            out = mla.mla_attention(q, cache, table, lens, cu, scale, LATENT, **kwargs)
+            return out if w_uv is None else head_matmul(out, w_uv, transpose=True)
 
-        graph, _ = capture_graph(calls, None)
+        out = call(caches[0])
+        graph, _ = capture_graph(lambda: [call(cache) for cache in caches], None)
     return cuda_ms(graph.replay, 20) * 1e3 / CALLS, out
 
 
@@ -97,16 +114,22 @@ def main() -> None:
     ap.add_argument("--seqs", default="1,64,256")
     ap.add_argument("--contexts", default="192,1024")
     ap.add_argument("--heads", default="16,128")
+    ap.add_argument("--values", action="store_true", help="the values product too (VALUES)")
     args = ap.parse_args()
+    variants = VALUES if args.values else VARIANTS
     rows = []
     for heads in (int(h) for h in args.heads.split(",")):
         for context in (int(c) for c in args.contexts.split(",")):
             for seqs in (int(s) for s in args.seqs.split(",")):
                 inputs = batch(seqs, context, heads, seed=seqs + context)
+                w_uv = None
+                if args.values:
+                    w_uv = torch.randn(heads, V_DIM, LATENT, device="cuda") * LATENT**-0.5
+                    w_uv = w_uv.to(torch.bfloat16)
                 kv_bytes = seqs * context * (LATENT + ROPE) * 2
                 reference = None
-                for name, (constants, value_splits) in VARIANTS.items():
-                    us, out = measure(inputs, Variant(constants, value_splits))
+                for name, (constants, value_splits) in variants.items():
+                    us, out = measure(inputs, Variant(constants, value_splits), w_uv)
                     same = None if reference is None else bool(torch.equal(out, reference))
                     reference = out if reference is None else reference
                     rows.append(
@@ -121,7 +144,8 @@ def main() -> None:
                         flush=True,
                     )
                 del inputs
-    write_result(f"mla-decode-{device_tag()}", {"rows": rows})
+    name = "mla-values" if args.values else "mla-decode"
+    write_result(f"{name}-{device_tag()}", {"rows": rows})
 
 
 if __name__ == "__main__":

@@ -263,11 +263,13 @@ class LatentAttention(nn.Module):
         norm = self.kv_a_layernorm  # applied on the latent's way to the cache
         to_cache = (latent, k_rope, step.positions, inv_freq, cache, step.slot_mapping)
         if kernels.mla_prefill is None:  # the GPU: every row absorbed, in one launch
-            # (the latent query and the rope/cache rows in one launch before it)
+            # (the latent query and the rope/cache rows one launch before it, the heads'
+            # values out through kv_b_proj's V part in the one that merges the splits)
+            w_uk, w_uv = self.absorbing_weights()
             q_latent, q_rope = kernels.mla_query_and_cache(
-                q_nope, self.absorbing_weights()[0], q_rope, *to_cache, norm.weight, norm.eps
+                q_nope, w_uk, q_rope, *to_cache, norm.weight, norm.eps
             )
-            attended = kernels.mla_attention(
+            values = kernels.mla_attention(
                 q_latent,
                 cache,
                 step.block_tables,
@@ -276,8 +278,9 @@ class LatentAttention(nn.Module):
                 self.scale,
                 cfg.kv_lora_rank,
                 q_rope=q_rope,
+                w_uv=w_uv,
             )
-            return all_reduce(self.o_proj(self.from_latent(attended).reshape(n, -1)), cfg.tp)
+            return all_reduce(self.o_proj(values.reshape(n, -1)), cfg.tp)
         q_rope = kernels.mla_rope_and_cache(q_rope, *to_cache, norm.weight, norm.eps)
         out = x.new_empty(n, cfg.num_heads, cfg.v_head_dim)
         d = step.num_decodes  # the first d rows: one a decoding sequence

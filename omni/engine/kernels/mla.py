@@ -327,6 +327,86 @@ def _mla_merge_kernel(
         )
 
 
+@triton.jit
+def _row_sequences(cu_q_ptr, n_seqs, rows):
+    """Each row's sequence: the last b whose first row cu_q[b] is <= the row (a binary
+    search a row; sequences without rows never hold one)."""
+    lo = rows * 0
+    hi = lo + n_seqs - 1
+    while tl.max(hi - lo, axis=0) > 0:
+        mid = (lo + hi + 1) // 2
+        before = tl.load(cu_q_ptr + mid) <= rows
+        lo = tl.where(before, mid, lo)
+        hi = tl.where(before, hi, mid - 1)
+    return lo
+
+
+@triton.jit(do_not_specialize=["rows", "n_seqs", "split_stride", "seq_lens_ptr", "cu_q_ptr"])
+def _mla_values_kernel(
+    out_ptr, part_ptr, lse_ptr, w_ptr, v_ptr, seq_lens_ptr, cu_q_ptr, rows, n_seqs,
+    split_stride, w_head, w_k, w_n, N,
+    HEADS: tl.constexpr, LATENT: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CONTEXT_N: tl.constexpr,
+    MAX_S: tl.constexpr, MIN_TILES: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (head, row block, column block): v[rows, h, cols] = attended[rows, h] @
+    W_uv[h].T, head_matmul's program, where a split decode row's attended latent is its
+    splits' merge (_mla_merge_kernel's sums, rounded as it stores them) instead of a row
+    of `out`: the merge's launch folded into the product's, the same bits."""
+    h = tl.program_id(0)
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    w_at = w_ptr + h.to(tl.int64) * w_head
+    wait_for_inputs(PDL)
+    real = m < rows
+    b = _row_sequences(cu_q_ptr, n_seqs, m)
+    n_rows = tl.load(cu_q_ptr + b + 1) - tl.load(cu_q_ptr + b)
+    _, n_splits = _split_layout(tl.load(seq_lens_ptr + b), n_rows, CONTEXT_N, MAX_S, MIN_TILES)
+    merged = real & (n_rows == 1) & (n_splits > 1)
+    n_splits = tl.where(merged, n_splits, 0)
+    most = tl.max(n_splits, axis=0)
+    slots = (b * HEADS + h).to(tl.int64) * split_stride
+    offs_s = tl.arange(0, MAX_S)
+    lse = tl.load(
+        lse_ptr + slots[:, None] + offs_s[None, :],
+        mask=(offs_s[None, :] < n_splits[:, None]),
+        other=NEG_INF,
+    )
+    top = tl.max(lse, axis=1)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, LATENT, BLOCK_K):
+        k = k0 + ks
+        k_ok = (k < LATENT)[None, :]
+        x = tl.load(
+            out_ptr + (m[:, None].to(tl.int64) * HEADS + h) * LATENT + k[None, :],
+            mask=(real & ~merged)[:, None] & k_ok,
+            other=0.0,
+        )
+        if most > 0:  # as the merge kernel sums a row's splits, in their order
+            sums = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
+            total = tl.zeros((BLOCK_M,), tl.float32)
+            for split in range(0, most):
+                has = split < n_splits
+                w = tl.exp(tl.load(lse_ptr + slots + split, mask=has, other=NEG_INF) - top)
+                part = tl.load(
+                    part_ptr + (slots + split)[:, None] * LATENT + k[None, :],
+                    mask=has[:, None] & k_ok,
+                    other=0.0,
+                )
+                sums += part * w[:, None]
+                total += w
+            x = tl.where(merged[:, None], (sums / total[:, None]).to(x.dtype), x)
+        w_tile = tl.load(
+            w_at + k[:, None] * w_k + n[None, :] * w_n,
+            mask=(k[:, None] < LATENT) & (n[None, :] < N),
+            other=0.0,
+        )
+        acc = tl.dot(x, w_tile.to(x.dtype), acc)
+    v = v_ptr + (m[:, None].to(tl.int64) * HEADS + h) * N + n[None, :]
+    tl.store(v, acc.to(v_ptr.dtype.element_ty), mask=real[:, None] & (n[None, :] < N))
+
+
 def max_mla_splits(length: int, block_n: int) -> int:
     """The most splits a decode row's context of at most `length` tokens is cut into."""
     tiles = -(-length // block_n)
@@ -364,6 +444,7 @@ def mla_attention(
     programs=None,
     q_rope=None,
     value_splits=None,
+    w_uv=None,
 ) -> torch.Tensor:
     """mla_attention_ref on the GPU: q [tokens, heads, latent + rope], or its latent part
     with `q_rope` [tokens, heads, rope] apart (no copy to join them); rows and heads may be
@@ -372,7 +453,9 @@ def mla_attention(
     wait for the device): a CUDA graph can hold it. `programs` per row tile share a decode
     row's splits (default: by the GPU's size) and `value_splits` the slices of a tile's
     values (default: by how many SMs the tiles leave idle); they change the speed, never
-    the output."""
+    the output. `w_uv` [heads, v, latent]: the output goes on through it, as
+    head_matmul(out, w_uv, transpose=True) would take it ([tokens, heads, v], the same
+    bits), the splits' merge done in that product's launch."""
     if q_rope is None:
         q, q_rope = q[..., :latent_dim], q[..., latent_dim:]
     tokens, heads, _ = q.shape
@@ -390,7 +473,7 @@ def mla_attention(
     n_seqs, block_size = cu_seqlens_q.shape[0] - 1, cache.shape[1]
     out = torch.empty(tokens, heads, latent_dim, dtype=q.dtype, device=q.device)
     if not n_seqs or not tokens:
-        return out
+        return out if w_uv is None else head_matmul_args(out, w_uv, True)[0]
     block_n, launch = STEPS[q.element_size()]
     stride = max_mla_splits(block_tables.shape[1] * block_size, block_n)
     part = torch.empty(n_seqs, heads, stride, latent_dim, dtype=torch.float32, device=q.device)
@@ -412,12 +495,29 @@ def mla_attention(
         BLOCK_SIZE=block_size, BLOCK_H=block_h, ROWS=rows, VALUE_SPLITS=value_splits,
         **layout, **pdl, **launch,
     )  # fmt: skip
+    if w_uv is not None:
+        return _values(out, part, lse, w_uv, seq_lens, cu_seqlens_q, stride, layout, pdl)
     if stride > 1:
         _mla_merge_kernel[(n_seqs, triton.cdiv(heads, MERGE_HEADS))](
             part, lse, out, seq_lens, cu_seqlens_q, heads, stride,
             LATENT=latent_dim, BLOCK_H=MERGE_HEADS, **layout, **pdl,
         )  # fmt: skip
     return out
+
+
+def _values(out, part, lse, w_uv, seq_lens, cu_seqlens_q, stride, layout, pdl) -> torch.Tensor:
+    """mla_attention's `w_uv` product, its split rows merged on the way (_mla_values_kernel)."""
+    _, heads, latent = out.shape
+    if w_uv.shape[0] != heads or w_uv.shape[2] != latent:
+        raise ValueError("w_uv must be [heads, v, latent]")
+    values, grid, args, constants = head_matmul_args(out, w_uv, True)
+    x, w, v, rows, _, _, w_head, w_k, w_n, _, n = args
+    _mla_values_kernel[grid](
+        x, part, lse, w, v, seq_lens, cu_seqlens_q, rows, cu_seqlens_q.shape[0] - 1, stride,
+        w_head, w_k, w_n, n, **constants, LATENT=latent, CONTEXT_N=layout["BLOCK_N"],
+        MAX_S=layout["MAX_S"], MIN_TILES=layout["MIN_TILES"], num_warps=4, num_stages=3, **pdl,
+    )  # fmt: skip
+    return values
 
 
 ROPE_HEADS = 8  # query heads a rope program rotates: one angle computation serves them all
