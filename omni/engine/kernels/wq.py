@@ -104,13 +104,17 @@ def fp8_in_hardware(device: torch.device) -> bool:
 def int4_values(w_ptr, rows, N, K, W_ROW, k0, BLOCK_K: tl.constexpr):
     """The INT4 values q [BLOCK_K, rows] (fp32) from K index k0 of words [N, ceil(K/8)]
     (rows W_ROW words apart): each word loaded once, its eight values shifted out in
-    registers (loading a word once a value, eight times over, was many times slower)."""
+    registers (loading a word once a value, eight times over, was many times slower).
+    Each 4-bit v becomes a float without the integer conversion (a fraction of the
+    float units' rate): v in the low mantissa bits of 2**23 is 2**23 + v exactly, and
+    2**23 + 8 less is v - 8, the same value."""
     words_at = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # (8: INT4_PER_WORD)
     ok = (rows[None, :] < N) & (words_at[:, None] < tl.cdiv(K, 8))
     words = tl.load(w_ptr + rows[None, :] * W_ROW + words_at[:, None], mask=ok, other=0)
     shifts = (tl.arange(0, 8) * 4)[None, :, None]
     values = (words[:, None, :] >> shifts) & 0xF  # [words, 8, rows]: word j's value i is k 8j + i
-    return tl.reshape(values, (BLOCK_K, rows.shape[0])).to(tl.float32) - 8.0  # INT4_OFFSET
+    floats = (values | 0x4B000000).to(tl.float32, bitcast=True) - 8388616.0  # 2**23 + INT4_OFFSET
+    return tl.reshape(floats, (BLOCK_K, rows.shape[0]))
 
 
 @triton.jit
