@@ -155,19 +155,22 @@ def test_decode_splits_do_not_change_the_bits(gen):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16])
 @pytest.mark.parametrize("decode_only", [False, True])
-def test_the_values_product_with_the_merge_in_it_is_the_two_launches_bits(gen, dtype, decode_only):
+@pytest.mark.parametrize("heads", HEADS)  # one head group; several
+def test_the_values_product_with_the_merge_in_it_is_the_two_launches_bits(
+    gen, dtype, decode_only, heads
+):
     """mla_attention(w_uv=...): the split rows' merge done inside the per-head product's
     launch, bit for bit head_matmul over the merged output; split decode rows, one-split
     ones, prompts and a sequence without rows in one batch, or decode rows alone."""
     seq_lens, q_lens = grown(*MIXED)
     if decode_only:
         seq_lens, q_lens = [1, 37, 130, 300, 16, 61] * (3 if GPU else 1), [1] * (18 if GPU else 6)
-    q, cache, table, lens, cu = latent_batch(gen, seq_lens, q_lens, HEADS[0], 16, dtype)
+    q, cache, table, lens, cu = latent_batch(gen, seq_lens, q_lens, heads, 16, dtype)
     v_dim = 128 if GPU else 24
-    w_uv = rand(HEADS[0], v_dim, LATENT, gen=gen, dtype=dtype) * LATENT**-0.5
+    w_uv = rand(heads, v_dim, LATENT, gen=gen, dtype=dtype) * LATENT**-0.5
     got = mla_attention(q, cache, table, lens, cu, 0.2, LATENT, w_uv=w_uv)
     attended = mla_attention(q, cache, table, lens, cu, 0.2, LATENT)
-    assert got.shape == (q.shape[0], HEADS[0], v_dim) and got.dtype == dtype
+    assert got.shape == (q.shape[0], heads, v_dim) and got.dtype == dtype
     assert torch.equal(got, head_matmul(attended, w_uv, transpose=True))
     want = head_matmul_ref(mla_attention_ref(q, cache, table, lens, cu, 0.2, LATENT), w_uv, True)
     assert_near(got, want, dtype)
