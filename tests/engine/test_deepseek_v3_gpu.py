@@ -20,7 +20,8 @@ from omni.engine.deepseek_v3 import DeepseekV3ForCausalLM
 from omni.engine.engine import Engine
 from omni.engine.kernels import ops
 from omni.engine.kernels.head_matmul import head_matmul
-from omni.engine.kernels.mla import mla_attention, mla_rope_and_cache
+from omni.engine.kernels.mla import mla_attention
+from omni.engine.kernels.mla_rope import mla_rope_and_cache
 from omni.engine.kernels.moe import fused_moe
 from omni.engine.model_runner import ModelRunner, SoloSequence
 from omni.engine.sampling import SamplingParams

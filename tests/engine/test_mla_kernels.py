@@ -1,4 +1,4 @@
-"""The MLA kernels (kernels/mla.py) against their references, on fresh random inputs.
+"""The MLA kernels (kernels/mla.py, mla_rope.py) against their references, on fresh random inputs.
 
 No GPU: Triton's interpreter, toy widths (latent 32 + rope 16). GPU: DeepSeek-V3's
 (512 + 64) and longer contexts.
@@ -15,6 +15,8 @@ from omni.engine.kernels.mla import (
     mla_attention_ref,
     mla_decode_ref,
     mla_prefill_ref,
+)
+from omni.engine.kernels.mla_rope import (
     mla_query_and_cache,
     mla_query_and_cache_ref,
     mla_rope_and_cache,

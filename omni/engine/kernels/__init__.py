@@ -18,11 +18,8 @@ from .attention import paged_attention_ref, paged_decode, paged_prefill, prefill
 from .grouped_router import grouped_router, grouped_router_ref
 from .head_matmul import head_matmul, head_matmul_ref
 from .matmul import linear, linear_ref
-from .mla import (
-    mla_attention,
-    mla_attention_ref,
-    mla_decode_ref,
-    mla_prefill_ref,
+from .mla import mla_attention, mla_attention_ref, mla_decode_ref, mla_prefill_ref
+from .mla_rope import (
     mla_query_and_cache,
     mla_query_and_cache_ref,
     mla_rope_and_cache,

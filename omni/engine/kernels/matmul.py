@@ -84,13 +84,11 @@ def tile_config(m: int, n: int, itemsize: int = 2, tma: bool = False) -> dict:
         # Llama-3-8B's down 43.5 -> 42.4; .probe/m1_sweep.py, printed only)
         warps = 4 if n <= 4096 else 2
         cfg, stages = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=warps), 6
-        if 2048 < n <= 4096:  # 32 columns a tile, as Llama-3-8B's o ran fastest on an
-            # H100 (12.7 us against 13.8+ in 16, tune-linear-h100.json) and Moonlight's
-            # q/latent input on an H200 (9.6 against 10.8, tune-linear-moonlight-h200.json)
+        if 2048 < n <= 4096:  # 32 columns a tile: fastest for Llama-3-8B's o and
+            # Moonlight's q/latent input (tune-linear-h100.json, -moonlight-h200.json)
             cfg["BLOCK_N"], stages = 32, 5
-    elif m <= 64 and n >= WIDE:  # an lm head, gate/up: wider tiles of 32 rows (H200 at 64
-        # rows, Moonlight's lm head 272 -> 202 us, its dense gate/up 45 -> 35: same bits,
-        # tune-linear-moonlight-h200.json)
+    elif m <= 64 and n >= WIDE:  # an lm head, gate/up: wider tiles of 32 rows
+        # (tune-linear-moonlight-h200.json; docs/performance.md)
         cfg, stages = dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, num_warps=2), 3
     elif m <= 64:  # memory-bound: many narrow column tiles, deep pipelines
         block_n = 16 if n <= 2048 else 32
