@@ -1,6 +1,6 @@
 """The edge's own cost: latency it adds and requests/s it sustains, against instant nodes.
 
-Stand-in nodes (tests/edge/standin.py) answer at once (token_s=0, 4096 permits), so
+Stand-in nodes (omni/testing/standin.py) answer at once (token_s=0, 4096 permits), so
 whatever the edge adds is the edge. Runs, each with fresh processes:
 - direct: the load generator straight to the node(s), the baseline;
 - edge-fair / edge-fifo: through `python -m edge.server --queueing fair|fifo`;
@@ -34,7 +34,7 @@ import aiohttp  # noqa: E402
 import psutil  # noqa: E402
 
 from bench.results_io import write_result  # noqa: E402
-from tests.edge.standin import StandinNode, free_port  # noqa: E402
+from omni.testing.standin import StandinNode, free_port  # noqa: E402
 
 BODY = b'{"model":"m","prompt":"hello world","max_tokens":1}'
 HEADERS = {"Content-Type": "application/json"}

@@ -60,7 +60,7 @@ from bench.overcommit_bench import hf_config, percentile, tensor_shapes  # noqa:
 from bench.results_io import RESULTS, write_result  # noqa: E402
 from bench.results_io import device as device_info  # noqa: E402
 from omni.instance.settings import InstanceSettings  # noqa: E402
-from tests.checkpoints import save_word_level_tokenizer  # noqa: E402
+from omni.testing.checkpoints import save_word_level_tokenizer  # noqa: E402
 
 PARTS = ("check", "decode", "offline", "online", "coldstart")
 INTERNAL = {"phase", "phase_out", "deadline_at", "ckpt", "peer"}  # a child's own arguments

@@ -58,8 +58,8 @@ def engine_decode(requests: int, new_tokens: int) -> list[dict]:
     """Tokens/s of the whole engine on an 8B shape with each linear, same prompts."""
     from omni.engine.engine import Engine
     from omni.engine.sampling import SamplingParams
-    from tests.checkpoints import LLAMA3_8B, random_llama, text_tokenizer
-    from tests.engine.runs import run_requests, tokens
+    from omni.testing.checkpoints import LLAMA3_8B, random_llama, text_tokenizer
+    from omni.testing.runs import run_requests, tokens
 
     cfg = LLAMA3_8B
     model = random_llama(cfg)

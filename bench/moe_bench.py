@@ -329,7 +329,7 @@ def build_ours(args, cfg: dict, device: str, dtype, weights: str = "bf16"):
     from omni.engine.engine import Engine
     from omni.engine.llama import LlamaConfig, LlamaForCausalLM
     from omni.engine.quant_weights import FP8_BLOCK, INT4_GROUP, WeightScheme
-    from tests.checkpoints import text_tokenizer
+    from omni.testing.checkpoints import text_tokenizer
 
     deepseek = cfg["model_type"] == "deepseek_v3"
     config_class = DeepseekV3Config if deepseek else LlamaConfig

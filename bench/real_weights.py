@@ -62,8 +62,8 @@ def ours(model_dir: Path, dtype: torch.dtype, prompts: list[list[int]], max_toke
     from omni.engine.model_runner import ModelRunner, SoloSequence
     from omni.engine.sampling import SamplingParams
     from omni.engine.tokenizer import TextTokenizer
-    from tests.engine.runs import run_requests
-    from tests.engine.runs import tokens as steps_tokens
+    from omni.testing.runs import run_requests
+    from omni.testing.runs import tokens as steps_tokens
 
     ckpt = Checkpoint.open(model_dir)
     model = LlamaForCausalLM.load(ckpt, "cuda", dtype)

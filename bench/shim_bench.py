@@ -88,7 +88,7 @@ def child_decode() -> dict:
 
     from omni.engine.llama import LlamaConfig
     from omni.engine.model_runner import ModelRunner, SoloSequence
-    from tests.checkpoints import random_llama
+    from omni.testing.checkpoints import random_llama
 
     cfg = LlamaConfig(
         vocab_size=32000,

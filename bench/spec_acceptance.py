@@ -89,7 +89,7 @@ def request(text: str, schema: dict | None, engine, max_tokens: int):
 def warm(engine, max_tokens: int) -> None:
     """One request of each kind, untimed: kernels a kind needs first (the grammar's mask)
     are built before the timing starts."""
-    from tests.engine.runs import run_requests
+    from omni.testing.runs import run_requests
 
     for prompts in tasks().values():
         ids, params = request(*prompts[0], engine, max_tokens)
@@ -97,7 +97,7 @@ def warm(engine, max_tokens: int) -> None:
 
 
 def run_kind(plain, spec, prompts, max_tokens: int) -> dict:
-    from tests.engine.runs import run_requests, tokens
+    from omni.testing.runs import run_requests, tokens
 
     before = spec.stats()
     identical, out_tokens, plain_s, spec_s = True, 0, 0.0, 0.0
@@ -167,7 +167,7 @@ def main() -> None:
     if args.draft_layers:
         import tempfile
 
-        from tests.checkpoints import pruned_llama
+        from omni.testing.checkpoints import pruned_llama
 
         keep = list(range(args.draft_layers))
         draft_path = str(pruned_llama(path, Path(tempfile.mkdtemp()) / "draft", keep))

@@ -126,7 +126,7 @@ def model_proposers(model, runner, args) -> dict[str, dict[int, dict[int, float]
     from omni.engine.llama import LlamaForCausalLM
     from omni.engine.proposers import DraftProposer, FeatureProposer
     from omni.engine.spec_config import SpecConfig
-    from tests.checkpoints import eagle3_head
+    from omni.testing.checkpoints import eagle3_head
 
     root = Path(args.ckpt_root)
     head_dir = root / ("eagle3-small" if args.small else "eagle3-8b")

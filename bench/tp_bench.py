@@ -98,7 +98,7 @@ def write_deepseek_checkpoint(root: Path, cfg: dict, seed: int) -> tuple[Path, d
 
     from bench.moe_bench import random_tensor, stored
     from bench.moe_bench import tensor_shapes as moe_shapes
-    from tests.checkpoints import text_tokenizer
+    from omni.testing.checkpoints import text_tokenizer
 
     t0 = time.perf_counter()
     path = root / f"deepseek-{cfg['num_hidden_layers']}-{seed}"

@@ -17,9 +17,9 @@ import orjson
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.checkpoints import tiny_llama
+from omni.testing.checkpoints import tiny_llama
+from omni.testing.standin import StandinNode
 from tests.conftest import free_port, wait_until
-from tests.edge.standin import StandinNode
 from tests.nodes import Omnid
 
 REPO = Path(__file__).resolve().parent.parent

@@ -25,8 +25,8 @@ import pytest
 from aiohttp import web
 
 from omni.api import live
+from omni.testing.checkpoints import tiny_llama
 from tests.browser import Page, chromium
-from tests.checkpoints import tiny_llama
 from tests.conftest import free_port, wait_until
 from tests.cudashim.conftest import fake  # noqa: F401  (the fake CUDA, built once)
 from tests.nodes import Omnid

@@ -17,8 +17,8 @@ from aiohttp import web
 
 from omni.api import live
 from omni.dashboard_page import PLACEHOLDER, PageAssets, data_block
+from omni.testing.checkpoints import tiny_llama
 from tests.browser import chromium
-from tests.checkpoints import tiny_llama
 from tests.conftest import free_port, wait_until
 from tests.nodes import Omnid
 

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from omni.runtime.catalog import CatalogError, load_config
-from tests.checkpoints import tiny_llama
+from omni.testing.checkpoints import tiny_llama
 from tests.nodes import Omnid
 
 PROMPT = " ".join(f"t{i % 90}" for i in range(1, 60))  # 59 tokens: three blocks to move

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from tests.checkpoints import tiny_llama
+from omni.testing.checkpoints import tiny_llama
 from tests.conftest import wait_until
 from tests.nodes import Omnid
 

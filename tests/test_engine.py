@@ -22,9 +22,8 @@ from omni.engine.scheduler import Batch
 from omni.engine.sequence import Sequence
 from omni.engine.tokenizer import TextTokenizer
 from omni.runtime.defaults import SMOLLM_FILE, SMOLLM_PACKAGE, package_dir
-
-from .checkpoints import save_word_level_tokenizer
-from .engine.runs import greedy_steps, run_requests, tokens
+from omni.testing.checkpoints import save_word_level_tokenizer
+from omni.testing.runs import greedy_steps, run_requests, tokens
 
 TEXTS = ["Hello, world! 12345 café 🚀 naïve", "  two spaces\n\ttab", "def f(x):\n    return x**2"]
 

@@ -22,7 +22,7 @@ from PIL import Image
 
 from omni.api import images
 from omni.api.errors import ApiError
-from tests.checkpoints import tiny_llama
+from omni.testing.checkpoints import tiny_llama
 from tests.conftest import wait_until
 from tests.nodes import Omnid
 from tests.runtimes.tiny_diffusion import STEPS, save_tiny_pipeline

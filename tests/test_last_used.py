@@ -10,7 +10,7 @@ import time
 
 import httpx
 
-from tests.checkpoints import tiny_llama
+from omni.testing.checkpoints import tiny_llama
 from tests.nodes import Omnid
 
 

@@ -16,7 +16,7 @@ import pytest
 from omni.engine.checkpoint import CheckpointError
 from omni.runtime.catalog import CatalogError, load_config
 from omni.runtime.omnid import entry_from_spec
-from tests.checkpoints import tiny_llama
+from omni.testing.checkpoints import tiny_llama
 from tests.conftest import wait_until
 from tests.nodes import Omnid
 

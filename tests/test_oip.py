@@ -28,7 +28,7 @@ from tritonclient.utils import InferenceServerException
 
 from edge.tenants import hash_key
 from omni.api import oip
-from tests.checkpoints import tiny_llama
+from omni.testing.checkpoints import tiny_llama
 from tests.conftest import free_port, running_server, wait_until
 from tests.nodes import Omnid
 

@@ -20,7 +20,7 @@ import pytest
 
 from omni.api import oip, run_json
 from omni.api.errors import ApiError
-from tests.checkpoints import tiny_llama
+from omni.testing.checkpoints import tiny_llama
 from tests.conftest import wait_until
 from tests.nodes import Omnid
 from tests.runtimes.conftest import silence, wav_bytes

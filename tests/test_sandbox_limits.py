@@ -23,7 +23,7 @@ from omni.isolation.cgroups import CgroupManager
 from omni.isolation.sandbox import Limits
 from omni.runtime.catalog import CatalogError, load_config
 from omni.runtime.omnid import Node, admin_app, sandbox_factory
-from tests.checkpoints import tiny_llama
+from omni.testing.checkpoints import tiny_llama
 from tests.nodes import Omnid
 
 ALL = ["memory", "cpu", "pids", "tmp", "io", "seccomp"]

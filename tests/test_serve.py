@@ -49,8 +49,10 @@ def edge_healthy(server) -> bool:
 
 
 def test_a_killed_component_comes_back_and_ctrl_c_stops_all(tmp_path):
-    pytest.importorskip("torch", reason="tests/checkpoints.py writes the tiny model with torch")
-    from .checkpoints import tiny_llama
+    pytest.importorskip(
+        "torch", reason="omni/testing/checkpoints.py writes the tiny model with torch"
+    )
+    from omni.testing.checkpoints import tiny_llama
 
     model = tiny_llama(tmp_path / "tiny")
     config = tmp_path / "omnid.toml"

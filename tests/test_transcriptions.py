@@ -27,7 +27,7 @@ from edge.tenants import hash_key
 from omni.api import oip, transcriptions
 from omni.api.errors import ApiError
 from omni.api.transcriptions import MAX_BODY_BYTES, MAX_FILE_BYTES
-from tests.checkpoints import tiny_llama
+from omni.testing.checkpoints import tiny_llama
 from tests.conftest import free_port, wait_until
 from tests.nodes import Omnid
 from tests.runtimes.conftest import silence, spoken, wav_bytes

@@ -12,7 +12,7 @@ import threading
 import httpx
 import pytest
 
-from tests.checkpoints import tiny_llama
+from omni.testing.checkpoints import tiny_llama
 from tests.conftest import wait_until
 from tests.nodes import Omnid
 

@@ -15,8 +15,8 @@ import aiohttp
 import psutil
 
 from omni.instance.settings import InstanceSettings
+from omni.testing.checkpoints import tiny_llama
 
-from .checkpoints import tiny_llama
 from .test_engine import ARCHES, tiny_checkpoint
 
 PROMPT = "t5 t17 t3 t40 t8 t9 t61"

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.checkpoints import tiny_llama
+from omni.testing.checkpoints import tiny_llama
 from tests.conftest import wait_until
 from tests.nodes import Omnid
 

@@ -126,8 +126,8 @@ def scenario_engine(quota: int) -> None:
 
     from omni.engine.engine import Engine
     from omni.engine.sampling import SamplingParams
-    from tests.checkpoints import small_random_llama
-    from tests.engine.runs import run_requests, tokens
+    from omni.testing.checkpoints import small_random_llama
+    from omni.testing.runs import run_requests, tokens
 
     model, tokenizer = small_random_llama(Path(tempfile.mkdtemp()))
     engine = Engine(model, tokenizer)

@@ -1,6 +1,6 @@
 """The edge in front of several stand-in nodes, every one a real process on loopback.
 
-The stand-ins (tests/edge/standin.py) hold a model's permits and sleep a fixed
+The stand-ins (omni/testing/standin.py) hold a model's permits and sleep a fixed
 "GPU time" per token, so fairness, shedding, early release, affinity and node
 failure can be measured against known capacities.
 """
@@ -21,8 +21,8 @@ import orjson
 import pytest
 
 from edge.tenants import hash_key
+from omni.testing.standin import StandinNode
 from tests.conftest import free_port, wait_until
-from tests.edge.standin import StandinNode
 
 REPO = Path(__file__).resolve().parents[2]
 KEYS = {"light": "sk-light-000001", "heavy": "sk-heavy-000003", "trickle": "sk-trickle-1"}

@@ -13,8 +13,8 @@ import pytest
 
 from edge.dashboard import parse
 from edge.tenants import hash_key
+from omni.testing.checkpoints import tiny_llama
 from tests.browser import Page, chromium
-from tests.checkpoints import tiny_llama
 from tests.conftest import free_port, wait_until
 from tests.nodes import Omnid
 

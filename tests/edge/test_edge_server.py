@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from edge.tenants import hash_key
-from tests.checkpoints import tiny_llama
+from omni.testing.checkpoints import tiny_llama
 from tests.conftest import free_port, wait_until
 from tests.nodes import Omnid
 

@@ -12,9 +12,8 @@ from omni.engine.engine import Engine
 from omni.engine.llama import LlamaForCausalLM
 from omni.engine.sampling import SamplingParams
 from omni.engine.tokenizer import TextTokenizer
-
-from ..checkpoints import tiny_llama
-from .runs import run_requests, tokens
+from omni.testing.checkpoints import tiny_llama
+from omni.testing.runs import run_requests, tokens
 
 POOL = 1 << 30
 

@@ -25,9 +25,9 @@ from omni.engine.scheduler import Batch
 from omni.engine.sequence import Sequence
 from omni.engine.spec_config import SpecConfig
 from omni.engine.tokenizer import TextTokenizer
+from omni.testing.checkpoints import save_word_level_tokenizer
+from omni.testing.runs import run_requests, tokens
 
-from ..checkpoints import save_word_level_tokenizer
-from .runs import run_requests, tokens
 from .test_deepseek_v3 import VOCAB, deepseek_config, randomize
 
 LAYERS = 3  # deepseek_config's; the MTP layer is index 3

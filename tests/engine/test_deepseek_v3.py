@@ -23,9 +23,8 @@ from omni.engine.sampling import SamplingParams
 from omni.engine.scheduler import Batch
 from omni.engine.sequence import Sequence
 from omni.engine.tokenizer import TextTokenizer
-
-from ..checkpoints import save_word_level_tokenizer
-from .runs import run_requests, tokens
+from omni.testing.checkpoints import save_word_level_tokenizer
+from omni.testing.runs import run_requests, tokens
 
 VOCAB = 96
 YARN = {

@@ -28,8 +28,8 @@ from omni.engine.sampling import SamplingParams
 from omni.engine.scheduler import Batch
 from omni.engine.sequence import Sequence
 from omni.engine.tokenizer import TextTokenizer
+from omni.testing.runs import run_requests, tokens
 
-from .runs import run_requests, tokens
 from .test_deepseek_v3 import (
     CASES,
     VOCAB,

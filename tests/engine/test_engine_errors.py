@@ -8,8 +8,7 @@ import queue
 from omni.engine.engine import GenerationRequest
 from omni.engine.grammar import GrammarSpec
 from omni.engine.sampling import SamplingParams
-
-from .runs import run_requests
+from omni.testing.runs import run_requests
 
 
 def test_a_request_that_cannot_start_fails_instead_of_hanging(engine, monkeypatch):

@@ -14,8 +14,7 @@ import pytest
 from omni.engine.engine import GenerationRequest, StepOutput
 from omni.engine.grammar import GrammarSpec
 from omni.engine.sampling import SamplingParams
-
-from .runs import run_requests, tokens
+from omni.testing.runs import run_requests, tokens
 
 
 @pytest.fixture(scope="module")

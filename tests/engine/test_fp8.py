@@ -14,9 +14,9 @@ from bench.fp8_accuracy import VARIANTS, measure
 from omni.engine.checkpoint import Checkpoint, CheckpointError
 from omni.engine.fp8 import FP8, Fp8Linear, fp8_linear_ref, quantize_rows, quantize_weight
 from omni.engine.llama import LlamaForCausalLM
+from omni.testing.runs import greedy_steps
 
 from ..test_engine import ARCHES, tiny_checkpoint
-from .runs import greedy_steps
 
 REPO = Path(__file__).resolve().parents[2]
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

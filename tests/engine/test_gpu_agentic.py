@@ -17,9 +17,9 @@ from omni.engine.grammar import GrammarSpec
 from omni.engine.llama import LlamaForCausalLM
 from omni.engine.sampling import SamplingParams
 from omni.engine.tokenizer import TextTokenizer
+from omni.testing.runs import run_requests, tokens
 
 from ..json_schemas import schemas
-from .runs import run_requests, tokens
 from .test_fork import SCHEMA, choices
 
 pytestmark = pytest.mark.gpu

@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.checkpoints import LLAMA3_8B, text_tokenizer
-
-from .runs import run_requests, tokens
+from omni.testing.checkpoints import LLAMA3_8B, text_tokenizer
+from omni.testing.runs import run_requests, tokens
 
 pytestmark = pytest.mark.gpu
 
@@ -93,7 +92,7 @@ def speculating(ours, method: str, tmp_path):
     EAGLE-3 head of the published format and the model's shape."""
     from omni.engine.eagle3 import load_eagle3
     from omni.engine.spec_config import SpecConfig
-    from tests.checkpoints import eagle3_head
+    from omni.testing.checkpoints import eagle3_head
 
     if method == "ngram":
         return SpecConfig(k=4), None

@@ -18,8 +18,8 @@ from omni.engine.llama import LlamaForCausalLM
 from omni.engine.model_runner import kv_bytes_per_block
 from omni.engine.sampling import SamplingParams
 from omni.engine.tokenizer import TextTokenizer
+from omni.testing.runs import tokens
 
-from .runs import tokens
 from .test_kv_tiers import STORY
 
 
@@ -182,7 +182,7 @@ def test_the_disk_tier_on_the_gpu_gives_back_what_recomputing_gives(tmp_path):
     """On the GPU (a random Llama), a prompt's eviction of many blocks at once drops pinned
     copies to disk while they may still be on their way: what comes back is what was
     computed."""
-    from tests.checkpoints import small_random_llama
+    from omni.testing.checkpoints import small_random_llama
 
     model, tok = small_random_llama(tmp_path)
     size = kv_bytes_per_block(model, 16)

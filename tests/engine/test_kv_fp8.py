@@ -21,9 +21,9 @@ from omni.engine.kernels.norm import rms_norm_ref
 from omni.engine.kv_cache import head_bounds
 from omni.engine.llama import LlamaForCausalLM
 from omni.engine.model_runner import ModelRunner
+from omni.testing.runs import greedy_steps
 
 from ..test_engine import ARCHES, tiny_checkpoint
-from .runs import greedy_steps
 from .test_kernels import BLOCK, DEVICE, GPU, SHAPE, TOL, paged_batch, rand
 
 GPU_FP8 = GPU and torch.cuda.get_device_capability() >= (8, 9)

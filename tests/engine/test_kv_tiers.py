@@ -13,8 +13,7 @@ from omni.engine.engine import Engine, GenerationRequest
 from omni.engine.llama import LlamaForCausalLM
 from omni.engine.sampling import SamplingParams
 from omni.engine.tokenizer import TextTokenizer
-
-from .runs import tokens
+from omni.testing.runs import tokens
 
 BLOCKS = 48  # 768 tokens: the filler traffic below evicts the conversation's blocks
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0)
@@ -90,7 +89,7 @@ def test_the_host_tier_on_the_gpu_gives_back_what_recomputing_gives(tmp_path):
     copies and come back in stream order, ahead of the step that reads them."""
     import torch
 
-    from tests.checkpoints import small_random_llama
+    from omni.testing.checkpoints import small_random_llama
 
     model, tok = small_random_llama(tmp_path)
     gen = torch.Generator().manual_seed(7)

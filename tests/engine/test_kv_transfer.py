@@ -16,8 +16,7 @@ from omni.engine.engine import Engine, GenerationRequest, StepOutput
 from omni.engine.llama import LlamaForCausalLM
 from omni.engine.sampling import SamplingParams
 from omni.engine.tokenizer import TextTokenizer
-
-from .runs import tokens
+from omni.testing.runs import tokens
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0)
 SEEDED = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=11)
@@ -95,7 +94,7 @@ def test_a_handoff_goes_only_to_its_own_request(engines, tmp_path):
 def test_a_handoff_on_the_gpu_decodes_as_on_one_engine(tmp_path):
     """The same on the GPU, a random Llama in bf16: blocks leave through a gather and a
     copy to the host, and come back ahead of the step that reads them."""
-    from tests.checkpoints import small_random_llama
+    from omni.testing.checkpoints import small_random_llama
 
     model, tok = small_random_llama(tmp_path)
     prompt = torch.randint(0, 1024, (300,), generator=torch.Generator().manual_seed(3)).tolist()

@@ -14,8 +14,7 @@ import pytest
 from omni.engine.engine import Engine, GenerationRequest
 from omni.engine.sampling import SamplingParams
 from omni.engine.sequence import PLACEHOLDER
-
-from .runs import run_requests, tokens
+from omni.testing.runs import run_requests, tokens
 
 MIX = [
     SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),

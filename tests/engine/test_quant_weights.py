@@ -26,8 +26,8 @@ from omni.engine.quant_weights import (
     permute_rows,
     scheme_of,
 )
+from omni.testing.checkpoints import save_word_level_tokenizer
 
-from ..checkpoints import save_word_level_tokenizer
 from .test_deepseek_v3 import VOCAB, deepseek_config, randomize
 
 GPU = torch.cuda.is_available()

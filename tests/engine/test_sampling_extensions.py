@@ -8,8 +8,7 @@ from collections import Counter
 import pytest
 
 from omni.engine.sampling import SamplingParams
-
-from .runs import run_requests, tokens
+from omni.testing.runs import run_requests, tokens
 
 
 @pytest.fixture(scope="module")

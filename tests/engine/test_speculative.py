@@ -23,9 +23,8 @@ from omni.engine.speculative import (
     ngram_proposal,
 )
 from omni.engine.tokenizer import TextTokenizer
-from tests.checkpoints import pruned_llama
-
-from .runs import run_requests, tokens
+from omni.testing.checkpoints import pruned_llama
+from omni.testing.runs import run_requests, tokens
 
 PASSAGE = (
     "The lighthouse keeper climbed the spiral stairs at dusk, lit the great lamp, and "
@@ -426,7 +425,7 @@ def eagle3_reference(model, head, taps, tokens_: list[int], k: int) -> list[int]
 
 @pytest.fixture(scope="module")
 def eagle_head(smollm2, tmp_path_factory):
-    from tests.checkpoints import eagle3_head
+    from omni.testing.checkpoints import eagle3_head
 
     model, _ = smollm2
     return eagle3_head(tmp_path_factory.mktemp("eagle3"), model.cfg, draft_vocab=4096)
@@ -486,7 +485,7 @@ def test_an_eagle3_head_for_another_model_is_refused(smollm2, tmp_path):
 
     from omni.engine.checkpoint import CheckpointError
     from omni.engine.eagle3 import load_eagle3
-    from tests.checkpoints import eagle3_head
+    from omni.testing.checkpoints import eagle3_head
 
     model, _ = smollm2
     path = eagle3_head(tmp_path / "h", model.cfg, draft_vocab=64)

@@ -12,8 +12,7 @@ from omni.engine.model_runner import ModelRunner
 from omni.engine.models import load_model
 from omni.engine.sampling import SamplingParams
 from omni.engine.tensor_parallel import join, leave
-
-from .runs import greedy_steps, run_requests, tokens
+from omni.testing.runs import greedy_steps, run_requests, tokens
 
 
 def run_rank(

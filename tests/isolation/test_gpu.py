@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from omni.isolation.sandbox import Limits
-from tests.checkpoints import tiny_llama
+from omni.testing.checkpoints import tiny_llama
 from tests.nodes import Omnid
 
 from .test_escape import run

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from omni.isolation import hostfs
-from tests.checkpoints import readable_tiny_llama
+from omni.testing.checkpoints import readable_tiny_llama
 from tests.conftest import wait_until
 from tests.nodes import Omnid
 

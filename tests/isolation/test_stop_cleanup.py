@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from omni.isolation.cgroups import CGROUP_ROOT, SUBTREE, V1_CONTROLLERS
-from tests.checkpoints import readable_tiny_llama
+from omni.testing.checkpoints import readable_tiny_llama
 from tests.conftest import wait_until
 from tests.nodes import Omnid
 

@@ -13,7 +13,7 @@ import pytest
 from omni.isolation import uids as uids_module
 from omni.isolation.uids import UidAllocator, UidError, started
 from omni.runtime.omnid import HOST_UID_TABLE
-from tests.checkpoints import tiny_llama
+from omni.testing.checkpoints import tiny_llama
 from tests.nodes import Omnid
 
 # Far above the 200000 where omnids (of other tests, too) start leasing.

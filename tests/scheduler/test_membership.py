@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.checkpoints import tiny_llama
+from omni.testing.checkpoints import tiny_llama
 from tests.conftest import free_port, wait_until
 from tests.nodes import Omnid
 

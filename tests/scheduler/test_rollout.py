@@ -16,6 +16,7 @@ import httpx
 import orjson
 import pytest
 
+from omni.testing.checkpoints import tiny_llama
 from scheduler.history import HistoryStore
 from scheduler.placement import ModelSpec
 from scheduler.rollout import (
@@ -37,7 +38,6 @@ from scheduler.rollout import (
 from scheduler.service import Scheduler, WantedModel
 from scheduler.state import ClusterStore
 from scheduler.telemetry import IntervalReport, LoadAccumulator, ModelFigures
-from tests.checkpoints import tiny_llama
 from tests.conftest import free_port, wait_until
 from tests.nodes import Omnid
 

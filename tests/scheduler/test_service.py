@@ -140,9 +140,8 @@ def test_a_model_over_two_gpus_is_written_for_its_node_as_omnid_reads_it(tmp_pat
     """`gpus = 2` in the models file: one node's two GPUs, written as omnid's `gpu` list,
     which its catalog reads as two ranks (tensor_parallel = 2) on those GPUs."""
     from omni.runtime.omnid import entry_from_spec
+    from omni.testing.checkpoints import tiny_llama
     from scheduler.service import _placement_of
-
-    from ..checkpoints import tiny_llama
 
     path = tmp_path / "models.toml"
     path.write_text('[[models]]\nname = "big"\npath = "/m"\nquota = "3GiB"\ngpus = 2\n')

@@ -7,7 +7,7 @@ answers OpenAI completions with `token_s` seconds per generated token, lets at m
 prefix cache, and reports at /stats what it served, so a test can check where the edge
 sent what.
 
-    python -m tests.edge.standin --port 9001 --name n1 --model m --permits 4 --token-s 0.01
+    python -m omni.testing.standin --port 9001 --name n1 --model m --permits 4 --token-s 0.01
 """
 
 from __future__ import annotations
@@ -264,7 +264,7 @@ class StandinNode:
     ):
         self.name, self.port = name, port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        argv = [sys.executable, "-m", "tests.edge.standin", "--port", str(self.port)]
+        argv = [sys.executable, "-m", "omni.testing.standin", "--port", str(self.port)]
         argv += ["--name", name, "--permits", str(permits), "--token-s", str(token_s)]
         argv += ["--token-bytes", str(token_bytes)]
         for m in models:
