@@ -46,9 +46,8 @@ TMA_SHARED_MEMORY = 226 * 1024  # the same, plus the epilogue's output tile
 TMA_ENABLED = os.environ.get("OMNI_LINEAR_TMA", "1") != "0"  # 0: the pointer kernel only
 # Steps of up to 16 rows under PDL: each program asks L2 for its first PREFETCH_TILES
 # weight tiles (a power of two) before it waits for the kernel before, so its loads start
-# warm. H100, Qwen3-30B-A3B shape, batch 1 (.probe, printed only): 2 tiles, 272.7 tok/s
-# against 265.6 without (medians of 6); every tile, 243: they take the bandwidth of the
-# kernel that runs.
+# warm (two were faster than none at batch 1 on an H100; every tile was slower: they take
+# the bandwidth of the kernel that runs).
 PREFETCH_TILES = int(os.environ.get("OMNI_LINEAR_PREFETCH_TILES", "2"))
 
 
@@ -79,9 +78,8 @@ def tile_config(m: int, n: int, itemsize: int = 2, tma: bool = False) -> dict:
     if tma and m >= TMA_MIN_ROWS:
         return _tma_tiles(m, n, itemsize)
     if m <= 16:  # decode of a few sequences: pure weight streaming, 16-row tiles
-        # narrow layers (o, down, a router) have few column tiles: 4 warps each read faster
-        # (H100 at M=1, same bits: Qwen3-MoE's o 10.7 -> 8.8 us, its router 6.0 -> 4.9,
-        # Llama-3-8B's down 43.5 -> 42.4; .probe/m1_sweep.py, printed only)
+        # narrow layers (o, down, a router) have few column tiles: 4 warps each read
+        # faster (measured on an H100 at one row, the same bits)
         warps = 4 if n <= 4096 else 2
         cfg, stages = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=warps), 6
         if 2048 < n <= 4096:  # 32 columns a tile: fastest for Llama-3-8B's o and

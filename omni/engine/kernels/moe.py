@@ -373,8 +373,8 @@ def _moe_down_kernel(
     them)."""
     # Before the wait (PDL): the kernel right before is gate/up, and the routing and the
     # grouping were done before it (pdl.py): this block's expert and rows are read while
-    # gate/up ends. (Asking L2 for its first two weight tiles there too was slower on the
-    # H100 at batch 1: 293.0 against 296.2 tok/s, .probe.)
+    # gate/up ends. (Asking L2 for its first two weight tiles there too was slower at
+    # batch 1 on an H100.)
     block = tl.program_id(0)
     expert = tl.load(block_expert_ptr + block)
     if expert >= EXPERTS:
