@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+from .step import StepInputs
+
 
 def capture_graph(forward: Callable[[], torch.Tensor], pool) -> tuple:
     """(graph, its output): `forward` run once on a side stream first (which compiles its
@@ -73,8 +75,6 @@ class DecodeGraphs:
         return self.outputs[b][:n]
 
     def _static_step(self, b: int):
-        from .model_runner import StepInputs
-
         return StepInputs(
             positions=self.positions[:b],
             slot_mapping=self.slots[:b],

@@ -32,12 +32,13 @@ from .grammar import Constraint, Grammars, GrammarSpec
 from .kernels import builds
 from .kv_tiers import DiskTier, HostTier
 from .llama import LlamaForCausalLM
-from .model_runner import ModelRunner, Prepared, Previous
+from .model_runner import ModelRunner
 from .proposers import Proposer, draft_bytes_per_block, make_proposer
 from .sampling import SamplingParams, make_generator, probabilities, sample, shape
 from .scheduler import Batch, Scheduler
 from .sequence import PLACEHOLDER, Sequence, Status
 from .speculative import AdaptiveK, SpecConfig, SpecStats, accept_greedy, accept_sampled
+from .step import Prepared, Previous
 from .stops import StopMatcher
 from .tokenizer import StreamDecoder, TextTokenizer
 from .tp_runner import LeaderRunner

@@ -22,6 +22,7 @@ import torch
 
 from .cuda_graphs import capture_graph
 from .kernels.attention import PREFILL_BLOCK_M
+from .step import StepInputs
 
 # Up to 1,024 tokens: from there a step's GPU time (~27 ms on the H100) outlasts its eager
 # launches, and padding would add compute-bound rows.
@@ -88,8 +89,6 @@ class MixedGraphs:
     def capture(self, b: int) -> None:
         if b in self.graphs:
             return
-        from .model_runner import StepInputs
-
         step = StepInputs(
             positions=self.positions[:b],
             slot_mapping=self.slots[:b],

@@ -34,11 +34,12 @@ from .cuda_graphs import BUCKETS, DecodeGraphs
 from .deepseek_mtp import load_mtp
 from .eagle3 import load_eagle3
 from .llama import LlamaForCausalLM
-from .model_runner import ModelRunner, Previous, kv_bytes_per_block
+from .model_runner import ModelRunner, kv_bytes_per_block
 from .scheduler import Batch
 from .sequence import PLACEHOLDER, Sequence
 from .spec_config import OWN_WEIGHTS, WITH_WEIGHTS, SpecConfig
 from .speculative import ngram_proposal
+from .step import Previous
 
 # The target's features kept for an EAGLE-3 head until it catches up (a sequence's prompt,
 # and its tokens while its batch is too large to speculate); past this, the largest

@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .model_runner import ModelRunner, Prepared
+from .model_runner import ModelRunner
+from .step import Prepared
 from .tensor_parallel import control_group
 
 
