@@ -28,7 +28,8 @@ from . import safetensors_reader
 from .checkpoint import Checkpoint, CheckpointError
 from .deepseek_v3 import DecoderLayer, DeepseekV3Config, DeepseekV3ForCausalLM
 from .eagle3 import HiddenTaps
-from .llama import Linear, RMSNorm, assign_state
+from .layers import Linear, RMSNorm
+from .llama import assign_state
 from .quant_weights import cast_state, dequantize_linear, weight_scheme
 from .spec_config import mtp_layers
 from .tensor_parallel import embed

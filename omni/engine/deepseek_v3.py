@@ -39,7 +39,8 @@ from .kernels import ops
 from .kernels.prewarm import prewarm_triton
 from .kernels.wq import FP8
 from .kv_cache import KVLayout
-from .llama import MLP, Linear, RMSNorm, assign_state
+from .layers import Linear, RMSNorm
+from .llama import MLP, assign_state
 from .moe import Experts, MoEConfig, local_ids, stack_experts
 from .quant_weights import (
     EXPERT_STACKS,

@@ -30,13 +30,12 @@ from torch import nn
 from . import safetensors_reader
 from .checkpoint import CheckpointError
 from .kernels import ops
+from .layers import Linear, RMSNorm
 from .llama import (
     MLP,
     Attention,
-    Linear,
     LlamaConfig,
     LlamaForCausalLM,
-    RMSNorm,
     assign_state,
     rope_inv_freq,
 )

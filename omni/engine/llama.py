@@ -29,6 +29,7 @@ from .kernels import ops, paged_attention_ref, paged_decode, paged_prefill
 from .kernels.prewarm import prewarm_triton
 from .kernels.rows import empty_rows
 from .kv_cache import check_kv_cache_dtype
+from .layers import Linear, RMSNorm
 from .moe import MoEConfig, SparseMoE, moe_config, stack_experts
 from .tensor_parallel import (
     all_gather_last,
@@ -127,22 +128,6 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     return inv_freq.float()
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, device=None, feeds_fp8: bool = False):
-        """`feeds_fp8`: its output goes to an FP8 projection, to which the kernel hands the
-        rows quantized (kernels/norm.py)."""
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, device=device))
-        self.eps = eps
-        self.feeds_fp8 = feeds_fp8
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Normed x; with a residual, (normed x + residual, x + residual)."""
-        norm = ops(x.device).rms_norm
-        out, new_residual = norm(x, self.weight, self.eps, residual, quantize=self.feeds_fp8)
-        return out if residual is None else (out, new_residual)
-
-
 def paged_attention(
     q, k_cache, v_cache, step, scale: float, out=None, kv_scales=None
 ) -> torch.Tensor:
@@ -198,13 +183,6 @@ def paged_attention(
             kv_scales=kv_scales,
         )
     return out
-
-
-class Linear(nn.Linear):
-    """nn.Linear (same parameters, same checkpoint names) through the `ops` switch."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops(x.device).linear(x, self.weight, self.bias)
 
 
 def projection(cfg: LlamaConfig, in_features: int, out_features: int, bias: bool, device):

@@ -18,6 +18,7 @@ from torch import nn
 from .checkpoint import CheckpointError
 from .kernels import ops
 from .kernels.router import route_ref
+from .layers import Linear
 from .tensor_parallel import rank
 
 
@@ -94,8 +95,6 @@ class SparseMoE(nn.Module):
 
     def __init__(self, moe: MoEConfig, hidden: int, device=None):
         super().__init__()
-        from .llama import Linear  # the ops switch's linear layer
-
         self.moe = moe
         self.gate = Linear(hidden, moe.experts, bias=False, device=device)  # the router's weight
         self.experts = Experts(moe, hidden, device)

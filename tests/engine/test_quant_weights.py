@@ -16,7 +16,7 @@ from omni.engine.checkpoint import Checkpoint, CheckpointError
 from omni.engine.deepseek_v3 import DeepseekV3ForCausalLM
 from omni.engine.kernels import block_fp8_linear, block_fp8_linear_ref, int4_linear, int4_linear_ref
 from omni.engine.kernels.wq import FP8, dequantize_block_fp8, pack_int4, unpack_int4
-from omni.engine.llama import Linear
+from omni.engine.layers import Linear
 from omni.engine.model_runner import ModelRunner, SoloSequence
 from omni.engine.quant_weights import (
     BlockFP8Linear,
