@@ -272,32 +272,51 @@ def _mla_merge_kernel(
     if (n_rows == 1) & (n_splits > 1):
         head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         ok = head < n_heads
-        offs_s = tl.arange(0, MAX_S)
         offs_d = tl.arange(0, LATENT)
         slots = (b * n_heads + head) * split_stride
-        lse = tl.load(
-            lse_ptr + slots[:, None] + offs_s[None, :],
-            mask=ok[:, None] & (offs_s < n_splits)[None, :],
-            other=NEG_INF,
-        )
-        top = tl.max(lse, axis=1)
-        acc = tl.zeros((BLOCK_H, LATENT), tl.float32)
-        total = tl.zeros((BLOCK_H,), tl.float32)
-        for s in range(0, n_splits):
-            w = tl.exp(tl.load(lse_ptr + slots + s, mask=ok, other=NEG_INF) - top)
-            part = tl.load(
-                part_ptr + (slots + s)[:, None] * LATENT + offs_d[None, :],
-                mask=ok[:, None],
-                other=0.0,
-            )
-            acc += part * w[:, None]
-            total += w
+        splits = tl.where(ok, n_splits, 0)
+        top = _split_top(lse_ptr, slots, splits, MAX_S)
+        merged = _merged(part_ptr, lse_ptr, slots, splits, n_splits, top, offs_d, LATENT)
         out_rows = q_start * n_heads + head
         tl.store(
             out_ptr + out_rows[:, None] * LATENT + offs_d[None, :],
-            (acc / total[:, None]).to(out_ptr.dtype.element_ty),
+            merged.to(out_ptr.dtype.element_ty),
             mask=ok[:, None],
         )
+
+
+@triton.jit
+def _split_top(lse_ptr, slots, n_splits, MAX_S: tl.constexpr):
+    """Each row's largest split log-sum-exp (its first split's at `slots`, n_splits of
+    them; none: NEG_INF)."""
+    offs_s = tl.arange(0, MAX_S)
+    lse = tl.load(
+        lse_ptr + slots[:, None] + offs_s[None, :],
+        mask=offs_s[None, :] < n_splits[:, None],
+        other=NEG_INF,
+    )
+    return tl.max(lse, axis=1)
+
+
+@triton.jit
+def _merged(part_ptr, lse_ptr, slots, n_splits, most, top, cols, LATENT: tl.constexpr):
+    """Each row's splits' partial results at columns `cols`, each weighted by its share
+    of the softmax's mass (top: _split_top's), added in split order, in fp32: the merge
+    of _mla_merge_kernel and of _mla_values_kernel alike, so their bits are one. A row
+    of no splits (n_splits 0) gives what its caller drops; `most`: the largest n_splits."""
+    sums = tl.zeros((slots.shape[0], cols.shape[0]), tl.float32)
+    total = tl.zeros((slots.shape[0],), tl.float32)
+    for split in range(0, most):
+        has = split < n_splits
+        w = tl.exp(tl.load(lse_ptr + slots + split, mask=has, other=NEG_INF) - top)
+        part = tl.load(
+            part_ptr + (slots + split)[:, None] * LATENT + cols[None, :],
+            mask=has[:, None] & (cols < LATENT)[None, :],
+            other=0.0,
+        )
+        sums += part * w[:, None]
+        total += w
+    return sums / total[:, None]
 
 
 @triton.jit
@@ -340,13 +359,7 @@ def _mla_values_kernel(
     n_splits = tl.where(merged, n_splits, 0)
     most = tl.max(n_splits, axis=0)
     slots = (b * HEADS + h).to(tl.int64) * split_stride
-    offs_s = tl.arange(0, MAX_S)
-    lse = tl.load(
-        lse_ptr + slots[:, None] + offs_s[None, :],
-        mask=(offs_s[None, :] < n_splits[:, None]),
-        other=NEG_INF,
-    )
-    top = tl.max(lse, axis=1)
+    top = _split_top(lse_ptr, slots, n_splits, MAX_S)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, LATENT, BLOCK_K):
         k = k0 + ks
@@ -356,20 +369,9 @@ def _mla_values_kernel(
             mask=(real & ~merged)[:, None] & k_ok,
             other=0.0,
         )
-        if most > 0:  # as the merge kernel sums a row's splits, in their order
-            sums = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
-            total = tl.zeros((BLOCK_M,), tl.float32)
-            for split in range(0, most):
-                has = split < n_splits
-                w = tl.exp(tl.load(lse_ptr + slots + split, mask=has, other=NEG_INF) - top)
-                part = tl.load(
-                    part_ptr + (slots + split)[:, None] * LATENT + k[None, :],
-                    mask=has[:, None] & k_ok,
-                    other=0.0,
-                )
-                sums += part * w[:, None]
-                total += w
-            x = tl.where(merged[:, None], (sums / total[:, None]).to(x.dtype), x)
+        if most > 0:  # the merge kernel's sums of the split rows (_merged)
+            sums = _merged(part_ptr, lse_ptr, slots, n_splits, most, top, k, LATENT)
+            x = tl.where(merged[:, None], sums.to(x.dtype), x)
         w_tile = tl.load(
             w_at + k[:, None] * w_k + n[None, :] * w_n,
             mask=(k[:, None] < LATENT) & (n[None, :] < N),
