@@ -44,11 +44,9 @@ VARIANTS = {
         None,
     ),
 }
-# --values: attention and the values product (kv_b_proj's V part, 128 a head)
-VALUES = {
-    "merge, then values": ({}, None),
-    "values in the merge": ({"values in the merge": True}, None),
-}
+# --values: attention and the values product (kv_b_proj's V part, 128 a head), the merge
+# in the product's launch (mla_attention's w_uv) or not
+VALUES = {"merge, then values": False, "values in the merge": True}
 V_DIM = 128
 
 
@@ -71,16 +69,14 @@ def batch(seqs: int, context: int, heads: int, seed: int):
 
 
 class Variant:
-    """Sets kernels/mla.py's constants for a block (STEPS: the bf16 entry), then restores.
-    (A name with spaces is no constant: a choice of measure()'s.)"""
+    """Sets kernels/mla.py's constants for a block (STEPS: the bf16 entry), then restores."""
 
     def __init__(self, constants: dict, value_splits: int | None):
         self.constants, self.value_splits = constants, value_splits
-        self.settings = {k: v for k, v in constants.items() if " " not in k}
 
     def __enter__(self) -> None:
-        self.saved = {name: getattr(mla, name) for name in self.settings}
-        for name, value in self.settings.items():
+        self.saved = {name: getattr(mla, name) for name in self.constants}
+        for name, value in self.constants.items():
             setattr(mla, name, {**mla.STEPS, 2: value} if name == "STEPS" else value)
 
     def __exit__(self, *exc) -> None:
@@ -88,15 +84,13 @@ class Variant:
             setattr(mla, name, value)
 
 
-def measure(inputs, variant: Variant, w_uv=None) -> tuple[float, torch.Tensor]:
+def measure(inputs, variant: Variant, w_uv=None, fused=False) -> tuple[float, torch.Tensor]:
     """µs a call under a CUDA graph, and the first call's output. `w_uv` (--values): the
-    values product too, in the merge's launch (variant "values in the merge") or after
-    the merge ("merge, then values")."""
+    values product too, in the merge's launch (`fused`) or after the merge."""
     q, caches, table, lens, cu = inputs
     scale = (128 + ROPE) ** -0.5
     with variant:
         kwargs = {"value_splits": variant.value_splits}
-        fused = variant.constants.get("values in the merge")
 
         def call(cache) -> torch.Tensor:
             if w_uv is not None and fused:
@@ -116,7 +110,9 @@ def main() -> None:
     ap.add_argument("--heads", default="16,128")
     ap.add_argument("--values", action="store_true", help="the values product too (VALUES)")
     args = ap.parse_args()
-    variants = VALUES if args.values else VARIANTS
+    runs = {name: (Variant(*v), False) for name, v in VARIANTS.items()}
+    if args.values:
+        runs = {name: (Variant({}, None), fused) for name, fused in VALUES.items()}
     rows = []
     for heads in (int(h) for h in args.heads.split(",")):
         for context in (int(c) for c in args.contexts.split(",")):
@@ -128,8 +124,8 @@ def main() -> None:
                     w_uv = w_uv.to(torch.bfloat16)
                 kv_bytes = seqs * context * (LATENT + ROPE) * 2
                 reference = None
-                for name, (constants, value_splits) in variants.items():
-                    us, out = measure(inputs, Variant(constants, value_splits), w_uv)
+                for name, (variant, fused) in runs.items():
+                    us, out = measure(inputs, variant, w_uv, fused)
                     same = None if reference is None else bool(torch.equal(out, reference))
                     reference = out if reference is None else reference
                     rows.append(
