@@ -65,7 +65,7 @@ def _head_matmul_kernel(
 
 
 def head_matmul_args(x: torch.Tensor, w: torch.Tensor, transpose: bool):
-    """(out, grid, arguments, constants) of a head_matmul launch (head_matmul says what x
+    """(out, grid, arguments, launch options) of a head_matmul launch (head_matmul says what x
     and w may be)."""
     rows, heads, k = x.shape
     if x.stride(2) != 1:
@@ -75,8 +75,10 @@ def head_matmul_args(x: torch.Tensor, w: torch.Tensor, transpose: bool):
     out = torch.empty(rows, heads, n, dtype=x.dtype, device=x.device)
     grid = (heads, triton.cdiv(rows, BLOCK_M), triton.cdiv(n, BLOCK_N))
     args = (x, w, out, rows, x.stride(0), x.stride(1), w.stride(0), w_k, w_n, k, n)
-    constants = {"HEADS": heads, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K}
-    return out, grid, args, constants
+    # (the tile and its warps set each output's chain of dot products: a kernel that runs
+    # these programs beside its own takes them all, for the same bits)
+    tile = {"HEADS": heads, "BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K}
+    return out, grid, args, tile | {"num_warps": 4, "num_stages": 3}
 
 
 def head_matmul(x: torch.Tensor, w: torch.Tensor, transpose: bool = False) -> torch.Tensor:
@@ -84,11 +86,9 @@ def head_matmul(x: torch.Tensor, w: torch.Tensor, transpose: bool = False) -> to
     w [heads, K, N] a head, or with `transpose` w [heads, N, K] read as its transpose:
     [rows, heads, N] in x's dtype, packed. The launch reads shapes only: a CUDA graph
     holds it."""
-    out, grid, args, constants = head_matmul_args(x, w, transpose)
+    out, grid, args, launch = head_matmul_args(x, w, transpose)
     if x.shape[0]:
-        _head_matmul_kernel[grid](
-            *args, **constants, num_warps=4, num_stages=3, **pdl_options(x.device)
-        )
+        _head_matmul_kernel[grid](*args, **launch, **pdl_options(x.device))
     return out
 
 

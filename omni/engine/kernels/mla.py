@@ -484,11 +484,11 @@ def _values(out, part, lse, w_uv, seq_lens, cu_seqlens_q, stride, layout, pdl) -
     _, heads, latent = out.shape
     if w_uv.shape[0] != heads or w_uv.shape[2] != latent:
         raise ValueError("w_uv must be [heads, v, latent]")
-    values, grid, args, constants = head_matmul_args(out, w_uv, True)
+    values, grid, args, launch = head_matmul_args(out, w_uv, True)
     x, w, v, rows, _, _, w_head, w_k, w_n, _, n = args
     _mla_values_kernel[grid](
         x, part, lse, w, v, seq_lens, cu_seqlens_q, rows, cu_seqlens_q.shape[0] - 1, stride,
-        w_head, w_k, w_n, n, **constants, LATENT=latent, CONTEXT_N=layout["BLOCK_N"],
-        MAX_S=layout["MAX_S"], MIN_TILES=layout["MIN_TILES"], num_warps=4, num_stages=3, **pdl,
+        w_head, w_k, w_n, n, **launch, LATENT=latent, CONTEXT_N=layout["BLOCK_N"],
+        MAX_S=layout["MAX_S"], MIN_TILES=layout["MIN_TILES"], **pdl,
     )  # fmt: skip
     return values

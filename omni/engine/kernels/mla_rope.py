@@ -196,7 +196,7 @@ def mla_query_and_cache(
         raise ValueError("each head's values must be packed")
     if q_nope.shape[:2] != (tokens, heads):
         raise ValueError("q_nope and q_rope must hold the same tokens and heads")
-    lat, grid, args, constants = head_matmul_args(q_nope, w_uk, False)
+    lat, grid, args, launch = head_matmul_args(q_nope, w_uk, False)
     q_out = torch.empty(tokens, heads, rope, dtype=q_rope.dtype, device=q_rope.device)
     if not tokens:
         return lat, q_out
@@ -205,9 +205,8 @@ def mla_query_and_cache(
         *args, products, q_rope, latent, k_rope, q_out, positions, inv_freq, cache,
         slot_mapping, latent if norm is None else norm, eps, q_rope.stride(0),
         q_rope.stride(1), latent.stride(0), k_rope.stride(0), cache.stride(1),
-        **constants, GROUPS=groups, ROPE_H=ROPE_HEADS, LATENT=width,
+        **launch, GROUPS=groups, ROPE_H=ROPE_HEADS, LATENT=width,
         LATENT_P2=triton.next_power_of_2(width), HALF=half,
-        HALF_P2=triton.next_power_of_2(half), NORM=norm is not None, num_warps=4,
-        num_stages=3, **pdl_options(q_rope.device),
+        HALF_P2=triton.next_power_of_2(half), NORM=norm is not None, **pdl_options(q_rope.device),
     )  # fmt: skip
     return lat, q_out
