@@ -8,6 +8,9 @@ Greedy steps overlap with the host: step N+1 is launched before step N's tokens
 are read back (its inputs come from N's tokens on the device), so scheduling,
 preparing and streaming happen while the GPU computes. The host waits on a
 blocking event, asleep rather than spinning.
+
+Here are the loop and the public API; how tokens become streamed text is output.py's,
+the speculative verify step speculative.py's, a request's data request.py's.
 """
 
 from __future__ import annotations
@@ -15,12 +18,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import itertools
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -28,108 +29,26 @@ from omni.cudashim.kv_pool import KVPool
 
 from . import kv_transfer
 from .block_manager import BlockManager
-from .grammar import Constraint, Grammars, GrammarSpec
+from .grammar import Grammars, GrammarSpec
 from .kernels import builds
 from .kv_tiers import DiskTier, HostTier
 from .llama import LlamaForCausalLM
 from .model_runner import ModelRunner
+from .output import Outputs, launch_greedy
 from .proposers import Proposer, draft_bytes_per_block, make_proposer
-from .sampling import SamplingParams, make_generator, probabilities, sample, shape
+from .request import Active, Emit, GenerationRequest, StepOutput
+from .sampling import SamplingParams, make_generator
 from .scheduler import Batch, Scheduler
-from .sequence import PLACEHOLDER, Sequence, Status
-from .speculative import AdaptiveK, SpecConfig, SpecStats, accept_greedy, accept_sampled
+from .sequence import PLACEHOLDER, Sequence
+from .speculative import SpecConfig, SpeculativeStep
 from .step import Prepared, Previous
 from .stops import StopMatcher
-from .tokenizer import StreamDecoder, TextTokenizer
+from .tokenizer import TextTokenizer
 from .tp_runner import LeaderRunner
 
+__all__ = ["Emit", "Engine", "GenerationRequest", "StepOutput"]
+
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepOutput:
-    """What one engine step produced for one request."""
-
-    text: str
-    token_ids: list[int]
-    finished: bool = False
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
-    # per token: (id, logprob, [(alternative id, logprob), ...]) when the request asked
-    logprobs: list[tuple[int, float, list[tuple[int, float]]]] | None = None
-    error: str | None = None
-    index: int = 0  # which of the request's n sequences
-    # the K/V of the prompt's first blocks, [layers, blocks, block, heads, dim] each, on the
-    # host: what a request with `export_blocks` hands to a decode instance (last output)
-    kv: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
-@dataclass
-class GenerationRequest:
-    prompt_ids: list[int]
-    params: SamplingParams
-    principal: str = ""  # prefix-cache scope: tenant and session
-    request_id: int = field(default_factory=itertools.count().__next__)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    # disaggregated serving (kv_transfer.py): a prefill instance exports the K/V of the
-    # prompt's first `export_blocks` blocks when the request ends; a decode instance starts
-    # from `kv_import`, those blocks' K/V, and reports the prefill side's cache hits
-    export_blocks: int = 0
-    kv_import: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    prior_cached_tokens: int | None = None
-
-
-Emit = Callable[[StepOutput], None]
-
-
-@dataclass
-class _InFlight:
-    """A launched step whose greedy tokens are still on their way to the host."""
-
-    seqs: list[Sequence]  # the sampling ones, in row order
-    on_device: torch.Tensor  # [rows] int64: the next step's inputs
-    on_host: torch.Tensor  # the same, copied without waiting
-    ready: torch.cuda.Event | None  # recorded after the copy (None on the CPU)
-
-    def tokens(self) -> list[int]:
-        if self.ready is not None:
-            self.ready.synchronize()  # a blocking-sync event: the thread sleeps
-        return self.on_host.tolist()
-
-
-@dataclass
-class _Active:
-    request: GenerationRequest
-    emit: Emit
-    seq: Sequence
-    decoder: StreamDecoder
-    stops: StopMatcher
-    generator: torch.Generator
-    eos: set[int]
-    constraint: Constraint | None = None  # its grammar, for structured output
-    index: int = 0  # of the request's n sequences
-    forks: int = 0  # sequences still to start from this one's prompt (n - 1, then 0)
-    delivered: int = 0  # tokens streamed (the sequence may hold one more, on the GPU)
-    logprob: tuple[int, float, list[tuple[int, float]]] | None = None  # of the newest token
-
-    def output(self, text: str, tokens: list[int], reason: str | None = None) -> StepOutput:
-        seq = self.seq
-        wanted = self.request.params.logprobs is not None and tokens and self.logprob
-        return StepOutput(
-            text,
-            tokens,
-            reason is not None,
-            reason,
-            seq.num_prompt_tokens,
-            self.delivered,
-            seq.num_cached_tokens
-            if self.request.prior_cached_tokens is None
-            else self.request.prior_cached_tokens,
-            [self.logprob] if wanted else None,
-            index=self.index,
-        )
 
 
 class Engine:
@@ -155,9 +74,6 @@ class Engine:
         `disk_cache_bytes`: a disk tier under it for the blocks it drops, in
         `disk_cache_dir` (this engine's alone: the *.kv files there are deleted)."""
         self.model = model
-        self.speculative = speculative  # speculative.py; None: off
-        self.spec_stats = SpecStats()
-        self._spec_k: dict[int, AdaptiveK] = {}  # seq_id -> its k
         self.before_step = before_step  # e.g. yield the GPU to a hotter instance
         self.tokenizer = tokenizer
         self._grammars: Grammars | None = None
@@ -195,7 +111,9 @@ class Engine:
             max_batch_tokens or (8192 if on_gpu else 512),
             max_seqs=max_seqs or (512 if on_gpu else 256),
         )
+        self.outputs = Outputs(lambda: self.grammars, self._finish)
         self.proposer: Proposer | None = None
+        self.speculation: SpeculativeStep | None = None  # speculative.py; None: off
         if speculative is not None:
             self.proposer = make_proposer(
                 speculative,
@@ -204,13 +122,19 @@ class Engine:
                 self.scheduler.blocks,
                 self.scheduler.max_batch_tokens,
             )
-        self._in_flight: _InFlight | None = None
+            self.speculation = SpeculativeStep(
+                speculative,
+                self.proposer,
+                self.scheduler,
+                self.runner,
+                self.outputs,
+                self.max_context,
+            )
         # a step launched by the last one, right after its pick (grammar steps)
         self._launched: tuple[Batch, torch.Tensor] | None = None
         # requests, batches of idle-time work (lists), or None: shut down
         self._inbox: queue.Queue[tuple[GenerationRequest, Emit] | list | None] = queue.Queue()
         self._idle_work: collections.deque[Callable[[], None]] = collections.deque()
-        self._active: dict[int, _Active] = {}
         self._thread = threading.Thread(target=self._run, name="omni-engine", daemon=True)
         self._thread.start()
 
@@ -274,7 +198,7 @@ class Engine:
             ),
             "idle_work": len(self._idle_work),
             "kernel_builds": builds.BUILDS.count,  # Triton builds so far, warm-up included
-            **(self.spec_stats.as_dict() if self.speculative else {}),
+            **(self.speculation.stats.as_dict() if self.speculation else {}),
             **(self.tier.stats_dict() if self.tier else {}),
         }
 
@@ -355,8 +279,8 @@ class Engine:
                 self._step()
             except Exception as exc:  # fail the requests in flight, keep serving
                 log.exception("engine step failed")
-                self._in_flight = self._launched = None
-                for state in list(self._active.values()):
+                self.outputs.in_flight = self._launched = None
+                for state in list(self.outputs.active.values()):
                     self._finish(state, StepOutput("", [], True, "error", error=str(exc)))
 
     def _admit_new(self) -> bool:
@@ -443,12 +367,12 @@ class Engine:
         state.forks = params.n - 1  # forked once the prompt is computed, sharing its KV
         self.scheduler.add(seq)
 
-    def _start(self, request: GenerationRequest, emit: Emit, seq: Sequence, index: int):
+    def _start(self, request: GenerationRequest, emit: Emit, seq: Sequence, index: int) -> Active:
         """The engine's state for one of the request's sequences; the i-th of n draws from
         seed + i (the first is what n=1 with that seed gives)."""
         params = request.params
         seed = None if params.seed is None else params.seed + index
-        state = _Active(
+        state = Active(
             request,
             emit,
             seq,
@@ -460,245 +384,113 @@ class Engine:
             self.grammars.constraint(params.grammar) if params.grammar else None,
             index,
         )
-        self._active[seq.seq_id] = state
+        self.outputs.active[seq.seq_id] = state
         return state
 
     def _drop_cancelled(self) -> None:
-        for state in list(self._active.values()):
+        for state in list(self.outputs.active.values()):
             if state.request.cancelled.is_set():
                 self._finish(state, state.output("", [], "abort"))
 
-    def _finish(self, state: _Active, out: StepOutput) -> None:
+    def _finish(self, state: Active, out: StepOutput) -> None:
+        """End the sequence: its blocks freed at once, its last output emitted."""
         n = state.request.export_blocks
         if n and out.finish_reason in ("stop", "length"):  # (its prompt is computed)
             out.kv = self.runner.export_blocks(state.seq.block_table[:n])
-        self.scheduler.finish(state.seq)  # frees its blocks at once
-        self._active.pop(state.seq.seq_id, None)
-        self._spec_k.pop(state.seq.seq_id, None)
-        if self.proposer is not None:
-            self.proposer.release(state.seq.seq_id)
+        self.scheduler.finish(state.seq)
+        self.outputs.active.pop(state.seq.seq_id, None)
+        if self.speculation is not None:
+            self.speculation.forget(state.seq.seq_id)
         state.emit(out)
 
     def _step(self) -> None:
         self._enter_pool()  # (before the scheduler looks for cached prefixes)
+        outputs = self.outputs
         if self._launched is not None:  # launched by the last step, right after its pick
             batch, logits = self._launched
             self._launched = None
         else:
             batch = self.scheduler.schedule()
             if batch is None:
-                self._land()
+                outputs.land_in_flight()
                 return
-            if self._speculates(batch) and self._speculative_step(batch):
+            if self._speculates(batch) and self.speculation.run(batch, self._before_launch):
                 return
             logits = self._launch(batch)
         sampling = [s for i, s in enumerate(batch.seqs) if batch.samples(i)]
-        if any(self._constraint(s) for s in sampling):
+        if any(outputs.constraint(s) for s in sampling):
             # A grammar's mask needs the last step's token accepted first. While the GPU
             # runs this step's model, the grammar thread accepts the tokens that landed
             # and fills the masks; meanwhile this one schedules the next step and streams
             # the tokens (the device's mask lets no refused token through: one would end
             # its request, after it was streamed). Then mask and pick, and launch the
             # next step at once (its inputs are this step's picks, on the device).
-            landed = self._take_landed()
-            masking = self._advance_grammars(landed, sampling)
-            pipelined = all(self._on_device(s) for s in sampling) and not self._may_propose(batch)
+            landed = outputs.take_in_flight()
+            masking = outputs.advance_grammars(landed, sampling)
+            pipelined = all(outputs.on_device(s) for s in sampling) and not self._may_propose(batch)
             if pipelined:  # the next step, ready before this one's pick
                 self.scheduler.update(batch, {s.seq_id: PLACEHOLDER for s in sampling})
                 after = self.scheduler.schedule()
                 rows = {s.seq_id: i for i, s in enumerate(sampling)}
                 inputs = self.runner.prepare_inputs(after, rows) if after is not None else None
-                self._deliver_all(landed)
-            refused = self._mask_grammars(logits, masking)
-            step = self._launch_greedy(logits, sampling)
+                outputs.stream_tokens(landed)
+            refused = outputs.mask_grammars(logits, masking)
+            step = launch_greedy(logits, sampling)
             if pipelined:
-                self._in_flight = step
+                outputs.in_flight = step
                 if after is not None:
                     self._launched = after, self._launch(after, inputs)
-                self._end_grammars(landed, refused)
+                outputs.end_grammars(landed, refused)
                 return
-            self._deliver_landed(landed, refused)
+            outputs.stream_checked(landed, refused)
         else:
-            step = self._launch_greedy(logits, sampling)
-            self._land()  # the last step's tokens, while the GPU runs this one
+            step = launch_greedy(logits, sampling)
+            outputs.land_in_flight()  # the last step's tokens, while the GPU runs this one
             # (not while the next step may speculate: its proposals need these tokens)
-            if all(self._on_device(s) for s in sampling) and not self._may_propose(batch):
+            if all(outputs.on_device(s) for s in sampling) and not self._may_propose(batch):
                 self.scheduler.update(batch, {s.seq_id: PLACEHOLDER for s in sampling})
-                self._in_flight = step
+                outputs.in_flight = step
                 return
         tokens = step.tokens()
         new_tokens, forking = {}, []
         for row, seq in enumerate(sampling):
-            state = self._active.get(seq.seq_id)
+            state = outputs.active.get(seq.seq_id)
             if state is None:
                 continue  # finished by the last step's tokens
-            new_tokens[seq.seq_id] = self._sample(state, logits[row], tokens[row])
+            new_tokens[seq.seq_id] = outputs.sample(state, logits[row], tokens[row])
             if state.forks:
                 forking.append((state, row))
         self.scheduler.update(batch, new_tokens)
         children = [
-            (child, self._sample(child, logits[row], tokens[row]))
+            (child, outputs.sample(child, logits[row], tokens[row]))
             for state, row in forking
             for child in self._fork(state)
         ]
         for child, token in children:
             child.seq.token_ids.append(token)
-        landed = [(self._active[seq_id], token) for seq_id, token in new_tokens.items()]
-        self._deliver_accepted(landed + children)
-
-    # ------------------------------------------------------------ speculative decoding
+        landed = [(outputs.active[seq_id], token) for seq_id, token in new_tokens.items()]
+        outputs.check_and_stream(landed + children)
 
     def _speculates(self, batch: Batch) -> bool:
-        """Whether `batch` may be a speculative step: decodes only, few enough of them,
-        every newest token on the host (then the step after a step of such a batch
-        waits for its tokens, rather than be launched ahead with them on the device)."""
-        spec = self.speculative
-        if spec is None or len(batch.seqs) > spec.max_batch:
-            return False
-        for seq in batch.seqs:
-            state = self._active.get(seq.seq_id)
-            if seq.is_prefilling or state is None:
-                return False
-            if state.forks or seq.token_ids[-1] == PLACEHOLDER:
-                return False
-        return True
+        return self.speculation is not None and self.speculation.speculates(batch)
 
     def _may_propose(self, batch: Batch) -> bool:
-        """Whether the step after `batch` (its sequences one token on) may propose: then
-        it waits for this step's tokens rather than be launched ahead of them."""
-        if not self._speculates(batch):
-            return False
-        k = self.speculative.k
-        return any(
-            self._spec_k[s.seq_id].k_at(s.num_generated + 1) if s.seq_id in self._spec_k else k
-            for s in batch.seqs
-        )
+        return self.speculation is not None and self.speculation.may_propose(batch)
 
-    def _proposals(self, batch: Batch) -> list[list[int]]:
-        """Each sequence's proposed tokens, within its max_tokens, the context, and the
-        free blocks (reserved here, before a draft writes its K/V there)."""
-        spec, ks = self.speculative, []
-        for seq in batch.seqs:
-            k = self._spec_k.setdefault(seq.seq_id, AdaptiveK(spec.k)).k_at(seq.num_generated)
-            room = min(seq.max_tokens - seq.num_generated, self.max_context - len(seq.token_ids))
-            k = max(0, min(k, room - 1))
-            if k and not self.scheduler.blocks.reserve(seq, len(seq.token_ids) + k):
-                k = 0
-            ks.append(k)
-        out = self.proposer.propose(batch.seqs, ks)
-        for i, seq in enumerate(batch.seqs):
-            constraint = self._constraint(seq)
-            if out[i] and constraint is not None:  # only what its grammar allows can be kept
-                out[i] = out[i][: constraint.valid_prefix(out[i])]
-        return out
-
-    def _speculative_step(self, batch: Batch) -> bool:
-        """Run `batch` as a verify step: each sequence's newest token and its proposals,
-        one row each; keep what the target model agrees with, stream it. False: nothing
-        was proposed (the caller runs a plain step)."""
-        proposals = self._proposals(batch)
-        if not any(proposals):
-            return False
+    def _before_launch(self) -> None:
+        """Before any step of the model: yield to a hotter instance if asked, and copy in
+        the blocks the host tier gave back."""
         if self.before_step is not None:
             self.before_step()
-        pairs = list(zip(batch.seqs, proposals, strict=True))
-        rows = [[seq.token_ids[-1], *guess] for seq, guess in pairs]
         self._restore_blocks()
-        logits = self.runner.run_rows(batch.seqs, rows)
-        self.proposer.observe(batch.seqs, [len(r) for r in rows])
-        self._mask_greedy_rows(logits, pairs)
-        picks = logits.argmax(-1).tolist()  # (rows needing no more: only these travel)
-        stats, first = self.spec_stats, 0
-        stats.steps += 1
-        for seq, guess in pairs:
-            state = self._active.get(seq.seq_id)
-            span, first = slice(first, first + len(guess) + 1), first + len(guess) + 1
-            if state is None:
-                continue
-            generated = seq.num_generated
-            mine = None if self._device_pick(state) else logits[span].float().cpu()
-            tokens = self._verify(state, mine, picks[span], guess)
-            accepted = len(tokens) - 1
-            self._spec_k[seq.seq_id].update(len(guess), accepted, generated)
-            stats.rows += 1
-            stats.proposed += len(guess)
-            stats.accepted += accepted
-            stats.emitted += len(tokens)
-            self.scheduler.advance(seq, tokens)
-            for i, token in enumerate(tokens):
-                if state.request.params.logprobs is not None:
-                    state.logprob = self._logprob(mine[i], token, state.request.params.logprobs)
-                if state.constraint is not None:
-                    state.constraint.accept(token)  # (its row was masked: it is allowed)
-                self._deliver(state, token)
-                if seq.seq_id not in self._active:
-                    break  # finished (EOS, a stop, max_tokens): the rest is dropped
-                if state.constraint is not None and state.constraint.done:
-                    self._finish(state, state.output(state.stops.flush(), [], "stop"))
-                    break
-        return True
-
-    def _mask_greedy_rows(self, logits: torch.Tensor, pairs) -> None:
-        """Mask, on the device, the verify rows of the greedy sequences under a grammar
-        (each for its place after the proposals before it), as plain decoding masks its
-        rows: their argmax is then their pick."""
-        bitmask, rows, first = None, [], 0
-        for seq, guess in pairs:
-            state = self._active.get(seq.seq_id)
-            if state is not None and state.constraint is not None and self._device_pick(state):
-                if bitmask is None:
-                    bitmask = self.grammars._bitmask_rows(len(logits))
-                state.constraint.fill_along(bitmask, first, guess)
-                rows.extend(range(first, first + len(guess) + 1))
-            first += len(guess) + 1
-        if rows:
-            self.grammars.apply_masks(logits, bitmask, rows)
-
-    def _verify(
-        self, state: _Active, logits: torch.Tensor | None, picks: list[int], guess: list[int]
-    ) -> list[int]:
-        """The tokens one sequence's verify rows emit: the target's picks (greedy) or
-        rejection sampling, each row shaped as plain decoding would shape it there.
-        `picks`: each row's argmax (all a plain greedy request needs, `logits` None)."""
-        if logits is None:
-            return accept_greedy(picks, guess)
-        params, seq = state.request.params, state.seq
-        prompt = seq.token_ids[: seq.num_prompt_tokens]
-        output = seq.token_ids[seq.num_prompt_tokens :]
-        if state.constraint is not None:  # each row masked where the grammar is there
-            logits = state.constraint.mask_along(logits.clone(), guess)
-        rows = []
-        for i in range(len(guess) + 1):
-            so_far = output + guess[:i]
-            # min_tokens holds back the end; under a grammar, the grammar decides it
-            early = len(so_far) < params.min_tokens and state.constraint is None
-            rows.append(shape(logits[i], params, prompt, so_far, state.eos if early else set()))
-        if params.greedy:
-            return accept_greedy([int(r.argmax()) for r in rows], guess)
-        return accept_sampled([probabilities(r, params) for r in rows], guess, state.generator)
-
-    @staticmethod
-    def _logprob(logits: torch.Tensor, token: int, top: int):
-        """(token, its logprob, the `top` most likely with theirs) of one row of the
-        model's logits, before any shaping or mask."""
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        best = torch.topk(logprobs, top) if top else None
-        alternatives = (
-            list(zip(best.indices.tolist(), best.values.tolist(), strict=True))
-            if best is not None
-            else []
-        )
-        return token, float(logprobs[token]), alternatives
 
     def _launch(self, batch: Batch, inputs: Prepared | None = None) -> torch.Tensor:
         """Run `batch`'s model step (not waiting for the GPU); a decoding sequence's newest
         token, if still on the device, comes from the step in flight. `inputs`: prepared
         ahead."""
-        if self.before_step is not None:
-            self.before_step()
-        previous = self._in_flight
+        self._before_launch()
+        previous = self.outputs.in_flight
         rows = {s.seq_id: i for i, s in enumerate(previous.seqs)} if previous else {}
-        self._restore_blocks()
         logits = self.runner.run(
             batch, previous=Previous(previous.on_device, rows) if previous else None, inputs=inputs
         )
@@ -715,7 +507,7 @@ class Engine:
                 self.runner.recycle(payload)
             blocks.restores = []
 
-    def _fork(self, parent: _Active) -> list[_Active]:
+    def _fork(self, parent: Active) -> list[Active]:
         """The request's other sequences, started on the parent's computed prompt: its
         full KV blocks shared, the partial last one copied (each writes its own token
         there next)."""
@@ -728,155 +520,3 @@ class Engine:
             self.runner.copy_blocks(copies)
             children.append(self._start(parent.request, parent.emit, seq, index))
         return children
-
-    def _constraint(self, seq: Sequence) -> Constraint | None:
-        state = self._active.get(seq.seq_id)
-        return state.constraint if state is not None else None
-
-    def _advance_grammars(self, landed: list[tuple[_Active, int]], sampling: list[Sequence]):
-        """Start the grammar thread on the landed tokens and this step's masks: the rows
-        whose grammar is applied on the device (their pick is the argmax), less those
-        whose landed token ends their grammar."""
-        accepting = [(state, token) for state, token in landed if state.constraint is not None]
-        ending = {s.seq.seq_id for s, token in accepting if token in self.grammars.stop_ids}
-        rows, filling = [], []
-        for row, seq in enumerate(sampling):
-            state = self._active.get(seq.seq_id)
-            if state is None or state.constraint is None or state.constraint.done:
-                continue
-            if self._device_pick(state) and seq.seq_id not in ending:
-                rows.append(row)
-                filling.append(state.constraint)
-        return accepting, self.grammars.advance_and_fill(
-            [s.constraint for s, _ in accepting],
-            [t for _, t in accepting],
-            len(sampling),
-            rows,
-            filling,
-        )
-
-    def _mask_grammars(self, logits: torch.Tensor, masking) -> set[int]:
-        """Wait for the grammar thread; mask its rows of `logits` on the device (one copy,
-        xgrammar's kernel). Returns the sequences whose landed token was refused."""
-        accepting, job = masking
-        accepted, bitmask, rows = job.result()
-        if bitmask is not None:
-            self.grammars.apply_masks(logits, bitmask, rows)
-        return {s.seq.seq_id for (s, _), ok in zip(accepting, accepted, strict=True) if not ok}
-
-    def _accept(self, landed: list[tuple[_Active, int]]) -> set[int]:
-        """Advance the grammars by their new tokens (in one batch); returns the sequences
-        whose token its grammar refused."""
-        pairs = [(state, token) for state, token in landed if state.constraint is not None]
-        if not pairs:
-            return set()
-        accepted = self.grammars.accept([s.constraint for s, _ in pairs], [t for _, t in pairs])
-        return {s.seq.seq_id for (s, _), ok in zip(pairs, accepted, strict=True) if not ok}
-
-    def _end_grammars(self, landed: list[tuple[_Active, int]], refused: set[int]) -> None:
-        """After delivery: fail the requests whose token their grammar refused; finish
-        those whose grammar is complete (its end token is EOS, which finished them
-        already, unless EOS is ignored)."""
-        for state, token in landed:
-            if state.constraint is None or state.seq.seq_id not in self._active:
-                continue
-            if state.seq.seq_id in refused:
-                out = state.output("", [], "error")
-                out.error = f"structured output: the grammar does not allow token {token} here"
-                self._finish(state, out)
-            elif state.constraint.done:
-                self._finish(state, state.output(state.stops.flush(), [], "stop"))
-
-    def _launch_greedy(self, logits: torch.Tensor, sampling: list[Sequence]) -> _InFlight:
-        """Every row's argmax, on its way to the host without waiting for the GPU."""
-        on_device = logits.argmax(-1) if sampling else logits.new_empty(0, dtype=torch.int64)
-        if on_device.device.type != "cuda":
-            return _InFlight(sampling, on_device, on_device, None)
-        on_host = torch.empty(on_device.shape, dtype=on_device.dtype, pin_memory=True)
-        on_host.copy_(on_device, non_blocking=True)
-        ready = torch.cuda.Event(blocking=True)
-        ready.record()
-        return _InFlight(sampling, on_device, on_host, ready)
-
-    @staticmethod
-    def _device_pick(state: _Active) -> bool:
-        """Whether the (grammar-masked) argmax on the device is this sequence's token."""
-        params = state.request.params
-        return params.greedy and not params.shaped and params.logprobs is None
-
-    def _on_device(self, seq: Sequence) -> bool:
-        """Whether the argmax is all this sequence's sampling needs (no host work)."""
-        state = self._active.get(seq.seq_id)
-        if state is None:
-            return True  # finished meanwhile: its row is dropped
-        return self._device_pick(state) and not state.forks
-
-    def _land(self) -> None:
-        """Fill in and stream the tokens of the step in flight, if any."""
-        self._deliver_accepted(self._take_landed())
-
-    def _deliver_accepted(self, landed: list[tuple[_Active, int]]) -> None:
-        """Advance the grammars by the new tokens, then stream those they accepted."""
-        self._deliver_landed(landed, self._accept(landed))
-
-    def _deliver_landed(self, landed: list[tuple[_Active, int]], refused: set[int]) -> None:
-        """Stream the tokens their grammars accepted; then fail the refused requests and
-        finish those whose grammar is complete."""
-        self._deliver_all([(s, t) for s, t in landed if s.seq.seq_id not in refused])
-        self._end_grammars(landed, refused)
-
-    def _take_landed(self) -> list[tuple[_Active, int]]:
-        """The tokens of the step in flight (waiting for them), filled in for their
-        placeholders."""
-        step, self._in_flight = self._in_flight, None
-        if step is None:
-            return []
-        landed = []
-        for seq, token in zip(step.seqs, step.tokens(), strict=True):
-            state = self._active.get(seq.seq_id)
-            if state is None or seq.status is Status.FINISHED:
-                continue
-            seq.token_ids[-1] = token  # its placeholder: nothing was appended since
-            landed.append((state, token))
-        return landed
-
-    def _deliver_all(self, landed: list[tuple[_Active, int]]) -> None:
-        for state, token in landed:
-            if state.seq.seq_id in self._active:
-                self._deliver(state, token)
-
-    def _sample(self, state: _Active, logits: torch.Tensor, greedy: int) -> int:
-        params, seq = state.request.params, state.seq
-        # the device's argmax: of the plain logits, or of the grammar-masked ones (a row
-        # that also wants logprobs is not masked on the device: they are the model's own)
-        if self._device_pick(state) or (
-            params.greedy and not params.shaped and state.constraint is None
-        ):
-            token = greedy
-        else:
-            prompt = seq.token_ids[: seq.num_prompt_tokens]
-            output = seq.token_ids[seq.num_prompt_tokens :]
-            # min_tokens holds back the end; under a grammar, the grammar decides it
-            early = len(output) < params.min_tokens and state.constraint is None
-            banned = state.eos if early else frozenset()
-            allowed = logits  # logprobs below stay the model's own, unmasked
-            if state.constraint is not None:
-                allowed = state.constraint.mask(logits.float().clone())
-            token = sample(allowed, params, state.generator, prompt, output, banned)
-        if params.logprobs is not None:  # of the model's distribution, before sampling
-            state.logprob = self._logprob(logits, token, params.logprobs)
-        return token
-
-    def _deliver(self, state: _Active, token: int) -> None:
-        """Stream the new token's text; finish on EOS, a stop string or max_tokens."""
-        state.delivered += 1
-        if token in state.eos:
-            self._finish(state, state.output(state.stops.flush(), [token], "stop"))
-            return
-        text, hit_stop = state.stops.feed(state.decoder.push(token))
-        if hit_stop:
-            self._finish(state, state.output(text, [token], "stop"))
-        elif state.delivered >= state.request.params.max_tokens:
-            self._finish(state, state.output(text + state.stops.flush(), [token], "length"))
-        else:
-            state.emit(state.output(text, [token]))

@@ -20,13 +20,31 @@ and k more rows per sequence would cost what they save.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from .output import Outputs
+from .request import Active, logprob_of
+from .sampling import probabilities, shape
+from .sequence import PLACEHOLDER
 from .spec_config import SpecConfig
 
-__all__ = ["AdaptiveK", "SpecConfig", "SpecStats", "accept_greedy", "accept_sampled"]
+if TYPE_CHECKING:
+    from .model_runner import ModelRunner
+    from .proposers import Proposer
+    from .scheduler import Batch, Scheduler
+
+__all__ = [
+    "AdaptiveK",
+    "SpecConfig",
+    "SpecStats",
+    "SpeculativeStep",
+    "accept_greedy",
+    "accept_sampled",
+]
 
 
 def ngram_proposal(tokens: list[int], k: int, n_max: int = 4, n_min: int = 1) -> list[int]:
@@ -141,3 +159,157 @@ class SpecStats:
             "spec_acceptance": self.accepted / self.proposed if self.proposed else 0.0,
             "spec_tokens_per_step": self.emitted / self.rows if self.rows else 0.0,
         }
+
+
+class SpeculativeStep:
+    """The engine's verify steps: which batches may speculate, their proposals, and
+    what of them each sequence keeps and streams (through the engine's `outputs`)."""
+
+    def __init__(
+        self,
+        config: SpecConfig,
+        proposer: Proposer,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        outputs: Outputs,
+        max_context: int,
+    ):
+        self.config = config
+        self.proposer = proposer
+        self.stats = SpecStats()
+        self._scheduler, self._runner, self._outputs = scheduler, runner, outputs
+        self._max_context = max_context
+        self._k: dict[int, AdaptiveK] = {}  # seq_id -> its k
+
+    def forget(self, seq_id: int) -> None:
+        """The sequence has finished."""
+        self._k.pop(seq_id, None)
+        self.proposer.release(seq_id)
+
+    def speculates(self, batch: Batch) -> bool:
+        """Whether `batch` may be a speculative step: decodes only, few enough of them,
+        every newest token on the host (then the step after a step of such a batch
+        waits for its tokens, rather than be launched ahead with them on the device)."""
+        if len(batch.seqs) > self.config.max_batch:
+            return False
+        for seq in batch.seqs:
+            state = self._outputs.active.get(seq.seq_id)
+            if seq.is_prefilling or state is None:
+                return False
+            if state.forks or seq.token_ids[-1] == PLACEHOLDER:
+                return False
+        return True
+
+    def may_propose(self, batch: Batch) -> bool:
+        """Whether the step after `batch` (its sequences one token on) may propose: then
+        it waits for this step's tokens rather than be launched ahead of them."""
+        if not self.speculates(batch):
+            return False
+        k = self.config.k
+        return any(
+            self._k[s.seq_id].k_at(s.num_generated + 1) if s.seq_id in self._k else k
+            for s in batch.seqs
+        )
+
+    def run(self, batch: Batch, before_launch: Callable[[], None]) -> bool:
+        """Run `batch` as a verify step: each sequence's newest token and its proposals,
+        one row each; keep what the target model agrees with, stream it. False: nothing
+        was proposed (the caller runs a plain step). `before_launch`: what the engine
+        does before any step of the model."""
+        proposals = self._proposals(batch)
+        if not any(proposals):
+            return False
+        pairs = list(zip(batch.seqs, proposals, strict=True))
+        rows = [[seq.token_ids[-1], *guess] for seq, guess in pairs]
+        before_launch()
+        logits = self._runner.run_rows(batch.seqs, rows)
+        self.proposer.observe(batch.seqs, [len(r) for r in rows])
+        self._mask_greedy_rows(logits, pairs)
+        picks = logits.argmax(-1).tolist()  # (rows needing no more: only these travel)
+        stats, first, outputs = self.stats, 0, self._outputs
+        stats.steps += 1
+        for seq, guess in pairs:
+            state = outputs.active.get(seq.seq_id)
+            span, first = slice(first, first + len(guess) + 1), first + len(guess) + 1
+            if state is None:
+                continue
+            generated = seq.num_generated
+            mine = None if state.picks_on_device else logits[span].float().cpu()
+            tokens = self._verify(state, mine, picks[span], guess)
+            accepted = len(tokens) - 1
+            self._k[seq.seq_id].update(len(guess), accepted, generated)
+            stats.rows += 1
+            stats.proposed += len(guess)
+            stats.accepted += accepted
+            stats.emitted += len(tokens)
+            self._scheduler.advance(seq, tokens)
+            for i, token in enumerate(tokens):
+                if state.request.params.logprobs is not None:
+                    state.logprob = logprob_of(mine[i], token, state.request.params.logprobs)
+                if state.constraint is not None:
+                    state.constraint.accept(token)  # (its row was masked: it is allowed)
+                outputs.stream_token(state, token)
+                if seq.seq_id not in outputs.active:
+                    break  # finished (EOS, a stop, max_tokens): the rest is dropped
+                if state.constraint is not None and state.constraint.done:
+                    outputs.finish(state, state.output(state.stops.flush(), [], "stop"))
+                    break
+        return True
+
+    def _proposals(self, batch: Batch) -> list[list[int]]:
+        """Each sequence's proposed tokens, within its max_tokens, the context, and the
+        free blocks (reserved here, before a draft writes its K/V there)."""
+        ks = []
+        for seq in batch.seqs:
+            k = self._k.setdefault(seq.seq_id, AdaptiveK(self.config.k)).k_at(seq.num_generated)
+            room = min(seq.max_tokens - seq.num_generated, self._max_context - len(seq.token_ids))
+            k = max(0, min(k, room - 1))
+            if k and not self._scheduler.blocks.reserve(seq, len(seq.token_ids) + k):
+                k = 0
+            ks.append(k)
+        out = self.proposer.propose(batch.seqs, ks)
+        for i, seq in enumerate(batch.seqs):
+            constraint = self._outputs.constraint(seq)
+            if out[i] and constraint is not None:  # only what its grammar allows can be kept
+                out[i] = out[i][: constraint.valid_prefix(out[i])]
+        return out
+
+    def _mask_greedy_rows(self, logits: torch.Tensor, pairs) -> None:
+        """Mask, on the device, the verify rows of the greedy sequences under a grammar
+        (each for its place after the proposals before it), as plain decoding masks its
+        rows: their argmax is then their pick."""
+        bitmask, rows, first = None, [], 0
+        for seq, guess in pairs:
+            state = self._outputs.active.get(seq.seq_id)
+            if state is not None and state.constraint is not None and state.picks_on_device:
+                if bitmask is None:
+                    bitmask = self._outputs.grammars()._bitmask_rows(len(logits))
+                state.constraint.fill_along(bitmask, first, guess)
+                rows.extend(range(first, first + len(guess) + 1))
+            first += len(guess) + 1
+        if rows:
+            self._outputs.grammars().apply_masks(logits, bitmask, rows)
+
+    @staticmethod
+    def _verify(
+        state: Active, logits: torch.Tensor | None, picks: list[int], guess: list[int]
+    ) -> list[int]:
+        """The tokens one sequence's verify rows emit: the target's picks (greedy) or
+        rejection sampling, each row shaped as plain decoding would shape it there.
+        `picks`: each row's argmax (all a plain greedy request needs, `logits` None)."""
+        if logits is None:
+            return accept_greedy(picks, guess)
+        params, seq = state.request.params, state.seq
+        prompt = seq.token_ids[: seq.num_prompt_tokens]
+        output = seq.token_ids[seq.num_prompt_tokens :]
+        if state.constraint is not None:  # each row masked where the grammar is there
+            logits = state.constraint.mask_along(logits.clone(), guess)
+        rows = []
+        for i in range(len(guess) + 1):
+            so_far = output + guess[:i]
+            # min_tokens holds back the end; under a grammar, the grammar decides it
+            early = len(so_far) < params.min_tokens and state.constraint is None
+            rows.append(shape(logits[i], params, prompt, so_far, state.eos if early else set()))
+        if params.greedy:
+            return accept_greedy([int(r.argmax()) for r in rows], guess)
+        return accept_sampled([probabilities(r, params) for r in rows], guess, state.generator)
