@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE_DIR = Path(__file__).resolve().parents[2] / "native" / "omnicuda"
-SOURCES = ("omnicuda.c", "omnicuda.h", "cuda_abi.h")
+SOURCE_GLOBS = ("*.c", "*.h", "*.def")  # every file the library is built from
 CFLAGS = ("-O2", "-fPIC", "-shared", "-Wall", "-Wextra", "-fvisibility=hidden")
 LIBS = ("-ldl", "-lpthread")
 
@@ -30,12 +30,18 @@ def cache_dir() -> Path:
     return Path(base) / "omni"
 
 
-def _digest(compiler: str) -> str:
+def _sources() -> list[Path]:
+    """The shim's source files, sorted: a file added to native/omnicuda is picked up."""
+    paths = sorted(p for pattern in SOURCE_GLOBS for p in SOURCE_DIR.glob(pattern))
+    if not any(p.suffix == ".c" for p in paths):
+        raise ShimBuildError(f"{SOURCE_DIR}: no C sources (the shim's sources ship in native/)")
+    return paths
+
+
+def _digest(compiler: str, paths: list[Path]) -> str:
     h = hashlib.sha256(" ".join((compiler, *CFLAGS, *LIBS)).encode())
-    for name in SOURCES:
-        path = SOURCE_DIR / name
-        if not path.exists():
-            raise ShimBuildError(f"{path}: missing (the shim's C sources ship in native/)")
+    for path in paths:
+        h.update(path.name.encode() + b"\0")
         h.update(path.read_bytes())
     return h.hexdigest()[:16]
 
@@ -43,13 +49,15 @@ def _digest(compiler: str) -> str:
 def library_path(out_dir: Path | None = None) -> Path:
     """The built shim, compiling it first if this version is not built yet."""
     compiler = os.environ.get("CC", "cc")
-    target = (out_dir or cache_dir()) / f"omnicuda-{_digest(compiler)}" / "libomnicuda.so"
+    paths = _sources()
+    target = (out_dir or cache_dir()) / f"omnicuda-{_digest(compiler, paths)}" / "libomnicuda.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    cmd = [compiler, *CFLAGS, "-o", tmp, str(SOURCE_DIR / "omnicuda.c"), *LIBS]
+    c_files = [str(p) for p in paths if p.suffix == ".c"]
+    cmd = [compiler, *CFLAGS, "-o", tmp, *c_files, *LIBS]
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     except FileNotFoundError:

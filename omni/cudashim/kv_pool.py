@@ -1,4 +1,4 @@
-"""The shim's KV pool: GPU memory a swap-out releases instead of copying (omnicuda.c).
+"""The shim's KV pool: GPU memory a swap-out releases instead of copying (kv_pool.c).
 
 An engine's KV cache is most of an instance's quota, and an idle instance keeps nothing
 in it but the prefixes it cached; copying it to the host was most of a swap-out (~1.4 of

@@ -1,7 +1,7 @@
 """Telling libomnicuda which GPU memory is never written again (a model's weights).
 
 The shim keeps the host copy of such memory across swaps: a swap-out drops the GPU
-copy instead of copying it back (native/omnicuda/omnicuda.c, move_all). Only whole
+copy instead of copying it back (native/omnicuda/swap.c, move_all). Only whole
 2 MiB pages inside a tensor are declared: a page a weight shares with memory that is
 written (a small tensor beside it, an activation later) would fault on every write.
 """

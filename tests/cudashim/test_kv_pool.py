@@ -1,7 +1,8 @@
-"""The shim's KV pool (omnicuda.c, omni/cudashim/kv_pool.py) under the fake driver: the
-whole pool is committed against the quota but backed by memory only where the process
-maps it; a swap-out waits for the process to leave the pool, then releases that memory
-instead of copying it; after a swap-in the pool is empty until the process maps again."""
+"""The shim's KV pool (native/omnicuda/kv_pool.c, omni/cudashim/kv_pool.py) under the fake
+driver: the whole pool is committed against the quota but backed by memory only where the
+process maps it; a swap-out waits for the process to leave the pool, then releases that
+memory instead of copying it; after a swap-in the pool is empty until the process maps
+again."""
 
 from __future__ import annotations
 
