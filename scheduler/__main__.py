@@ -70,7 +70,7 @@ async def run(args: argparse.Namespace) -> None:
     from .autoscale import AutoscaleConfig
     from .history import HistoryStore
     from .membership import parse_endpoint
-    from .service import Scheduler, load_models
+    from .service import ClusterScheduler, load_models
     from .state import ClusterStore
     from .telemetry import TelemetryServer
 
@@ -100,7 +100,7 @@ async def run(args: argparse.Namespace) -> None:
         advertised_host(listen_host, etcd_host), bound
     )
     store = ClusterStore(etcd_host, etcd_port)
-    scheduler = Scheduler(
+    scheduler = ClusterScheduler(
         store,
         args.name,
         models,

@@ -235,7 +235,7 @@ def one_per_node(
     return out, unplaced
 
 
-class Scheduler:
+class ClusterScheduler:
     """One scheduler replica: campaigns, and while it leads, reconciles every round.
 
     Without `history` there is no autoscaling (each model runs its `replicas`); without

@@ -7,7 +7,7 @@ acknowledged once the scheduler has stored it; unacknowledged ones (at most
 `max_buffered`, an hour) are resent after a reconnect, so a scheduler restart or
 failover loses nothing.
 
-Scheduler side: a `TelemetryServer` writes every report into a `HistoryStore`
+The scheduler's side: a `TelemetryServer` writes every report into a `HistoryStore`
 (history.py: sqlite, survives restarts) and keeps the latest per (node, model) in memory.
 
 The messages are in telemetry.proto next to this file, compiled in-process when this

@@ -14,15 +14,14 @@ import time
 import pytest
 
 from omni.api.errors import ApiError
-from omni.cudashim import Residency as Where
-from omni.cudashim import SwapError, SwapResult
+from omni.cudashim import ShimResidency, SwapError, SwapResult
 from omni.runtime.gpuyield import YieldFlag, YieldGate
 from omni.runtime.residency import (
     CHARGE_MARGIN_MIN,
     HEAD_AFTER_S,
     GpuPool,
+    PoolMember,
     Residency,
-    Tenant,
 )
 
 Q = 1 << 30
@@ -36,7 +35,7 @@ class Block:
         self.delay_s, self.fail, self.moves = delay_s, fail, []
         self.window_peak_bytes = window_peak_bytes
 
-    def move(self, target: Where, timeout_s: float) -> SwapResult:
+    def move(self, target: ShimResidency, timeout_s: float) -> SwapResult:
         self.moves.append(target)
         time.sleep(self.delay_s)
         if self.fail:
@@ -50,19 +49,19 @@ class Block:
 async def pool_with(names: list[str], budget_quotas: int, **blocks):
     failures: list[tuple[str, str]] = []
     pool = GpuPool(0, budget_quotas * Q, swap_timeout_s=5)
-    tenants = {}
+    members = {}
     for name in names:
-        t = Tenant(name, Q, lambda reason, n=name: failures.append((n, reason)))
+        t = PoolMember(name, Q, lambda reason, n=name: failures.append((n, reason)))
         pool.add(t)
         await pool.starting(t, blocks.get(name) or Block())
         await pool.ready(t, cold=True)
-        tenants[name] = t
-    return pool, tenants, failures
+        members[name] = t
+    return pool, members, failures
 
 
-async def request(pool, tenant, hold_s: float = 0.0, deadline_s: float = 5.0):
-    async with pool.use(tenant, time.monotonic() + deadline_s):
-        assert tenant.state is Residency.RESIDENT
+async def request(pool, member, hold_s: float = 0.0, deadline_s: float = 5.0):
+    async with pool.use(member, time.monotonic() + deadline_s):
+        assert member.state is Residency.RESIDENT
         assert pool.charged_bytes <= pool.budget_bytes
         await asyncio.sleep(hold_s)
 
@@ -91,7 +90,7 @@ def test_concurrent_requests_for_a_cold_instance_share_one_swap_in():
         return t
 
     t = asyncio.run(main())
-    assert block.moves.count(Where.GPU) == 1
+    assert block.moves.count(ShimResidency.GPU) == 1
     assert t["a"].swaps_in == 1
 
 
@@ -189,7 +188,7 @@ def test_swap_ins_of_one_gpu_take_turns():
         await asyncio.gather(request(pool, t["a"]), request(pool, t["b"]))
 
     asyncio.run(main())
-    ins = sorted((start, end) for _, where, start, end in log if where is Where.GPU)
+    ins = sorted((start, end) for _, where, start, end in log if where is ShimResidency.GPU)
     assert len(ins) == 2 and ins[1][0] >= ins[0][1], ins
 
 
@@ -226,14 +225,14 @@ def test_sixteen_clients_over_a_mixed_catalog_are_all_answered():
         pool = GpuPool(0, int(6.4 * Q), swap_timeout_s=5)
         pool.evict_idle_s = 0.2
         failures: list = []
-        tenants = []
+        members = []
         for i, quota in enumerate(quotas):
-            t = Tenant(f"m{i}", int(quota * Q), failures.append)
+            t = PoolMember(f"m{i}", int(quota * Q), failures.append)
             pool.add(t)
             await pool.starting(t, Block(delay_s=rng.uniform(0.005, 0.03)))
             await pool.ready(t, cold=True)
-            tenants.append(t)
-        weights = [1 / (k + 1) ** 1.1 for k in range(len(tenants))]
+            members.append(t)
+        weights = [1 / (k + 1) ** 1.1 for k in range(len(members))]
         answered = []
         start = time.monotonic()
         hot_out: list[int] = []  # the hottest's swap-outs once its demand has shown
@@ -242,13 +241,13 @@ def test_sixteen_clients_over_a_mixed_catalog_are_all_answered():
             end = start + 3
             while time.monotonic() < end:
                 if not hot_out and time.monotonic() > start + 1:
-                    hot_out.append(tenants[0].swaps_out)
-                t = rng.choices(tenants, weights)[0]
+                    hot_out.append(members[0].swaps_out)
+                t = rng.choices(members, weights)[0]
                 await request(pool, t, hold_s=rng.uniform(0.001, 0.03), deadline_s=3)
                 answered.append(t.name)
 
         await asyncio.gather(*(client() for _ in range(16)))
-        return answered, failures, pool, tenants[0].swaps_out - hot_out[0]
+        return answered, failures, pool, members[0].swaps_out - hot_out[0]
 
     answered, failures, pool, hot_evicted = asyncio.run(main())
     assert not failures and len(set(answered)) == len(quotas)
@@ -279,7 +278,7 @@ def test_an_instance_stopped_mid_swap_is_let_go_once_its_move_ends():
 def test_a_quota_larger_than_the_budget_is_refused():
     pool = GpuPool(0, Q)
     with pytest.raises(ValueError, match="exceeds the budget"):
-        pool.add(Tenant("big", 2 * Q, lambda _r: None))
+        pool.add(PoolMember("big", 2 * Q, lambda _r: None))
 
 
 def test_a_hotter_idle_instance_is_spared_while_a_colder_one_finishes():
@@ -341,7 +340,9 @@ def swap_in_order(budget_quotas: int, demands: dict[str, int], holders: int = 1)
         await asyncio.gather(*tasks)
 
     asyncio.run(main())
-    return [name for name, where, *_ in sorted(log, key=lambda e: e[2]) if where is Where.GPU]
+    return [
+        name for name, where, *_ in sorted(log, key=lambda e: e[2]) if where is ShimResidency.GPU
+    ]
 
 
 def test_a_hot_instances_swap_in_goes_before_queued_cold_ones():
@@ -366,7 +367,7 @@ def test_colder_instances_yield_while_one_of_the_hot_set_serves(tmp_path):
     async def main():
         # all four fit; a never-used "big" one (2 quotas) leaves room for a hot set of 2
         pool, t, _ = await pool_with(["hot", "warm", "cold1", "cold2"], 4)
-        big = Tenant("big", 2 * Q, lambda reason: None)
+        big = PoolMember("big", 2 * Q, lambda reason: None)
         pool.add(big)
         pool.yield_max_s = 0.02
         for name in t:
@@ -517,7 +518,7 @@ def head_scenario(
 ) -> dict[str, float]:
     """On a 4-quota GPU, `b1` and `b2` (resident, the others cold) serve `busy_s`
     requests; 0.05 s in, `big` asks for room; past HEAD_AFTER_S the `later` requests
-    (tenant, label, seconds held) arrive. `holds` and `demands`: request times and
+    (member, label, seconds held) arrive. `holds` and `demands`: request times and
     demand as if measured before. When each request began, from the first; the budget
     holds throughout."""
     starts: dict[str, float] = {}
@@ -527,7 +528,7 @@ def head_scenario(
         pool.evict_idle_s = 0
         t = {}
         for name, quota in quotas.items():
-            t[name] = Tenant(name, int(quota * Q), lambda reason: None)
+            t[name] = PoolMember(name, int(quota * Q), lambda reason: None)
             pool.add(t[name])
             await pool.starting(t[name], Block())
             await pool.ready(t[name], cold=name not in ("b1", "b2"))
@@ -596,7 +597,7 @@ def test_the_head_drains_the_instance_whose_requests_end_soonest():
         }
         t = {}
         for name, (quota, demand, state, hold) in specs.items():
-            t[name] = Tenant(name, int(quota * Q), lambda reason: None)
+            t[name] = PoolMember(name, int(quota * Q), lambda reason: None)
             pool.add(t[name])
             t[name].state, t[name].demand, t[name].demand_at = state, demand, now
             t[name].hold_s, t[name].busy_since = hold, now

@@ -28,9 +28,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.results_io import write_result
-from omni.cudashim import Residency as Where
-from omni.cudashim import SwapResult
-from omni.runtime.residency import GpuPool, Tenant
+from omni.cudashim import ShimResidency, SwapResult
+from omni.runtime.residency import GpuPool, PoolMember
 
 GiB = 1 << 30
 BUDGET_GIB = 6.4
@@ -57,7 +56,7 @@ HOLD_S = {"llm-small": 0.04, "llm-large": 0.2, "t2i": 0.4, "detector": 0.1, "asr
 class HeadOnly(GpuPool):
     """The policy without backfilling: no cold model takes room the head waits for."""
 
-    def _backfills(self, tenant: Tenant, head: Tenant, now: float) -> bool:
+    def _backfills(self, member: PoolMember, head: PoolMember, now: float) -> bool:
         return False
 
 
@@ -70,7 +69,7 @@ class FakeShim:
     def __init__(self, delay_s: float, use: int):
         self.delay_s, self.window_peak_bytes = delay_s, use
 
-    def move(self, target: Where, timeout_s: float) -> SwapResult:
+    def move(self, target: ShimResidency, timeout_s: float) -> SwapResult:
         time.sleep(self.delay_s)
         return SwapResult(target, self.delay_s, self.window_peak_bytes)
 
@@ -81,24 +80,24 @@ class FakeShim:
 async def run(seed: int, use: dict[str, float], policy: type[GpuPool], args) -> dict:
     rng = random.Random(seed)
     pool = policy(0, int(BUDGET_GIB * GiB), swap_timeout_s=5)
-    tenants = []
+    members = []
     for i, (kind, quota) in enumerate(CATALOG):
-        t = Tenant(f"{kind}-{i}", int(quota * GiB), lambda reason: print("failed:", reason))
+        t = PoolMember(f"{kind}-{i}", int(quota * GiB), lambda reason: print("failed:", reason))
         pool.add(t)
         shim = FakeShim(args.swap_s_per_gib * use[kind], int(use[kind] * GiB))
         await pool.starting(t, shim)
         await pool.ready(t, cold=True)
-        tenants.append((t, HOLD_S[kind]))
-    weights = [1 / (k + 1) ** 1.1 for k in range(len(tenants))]
-    latencies: dict[int, list[float]] = {i: [] for i in range(len(tenants))}
+        members.append((t, HOLD_S[kind]))
+    weights = [1 / (k + 1) ** 1.1 for k in range(len(members))]
+    latencies: dict[int, list[float]] = {i: [] for i in range(len(members))}
     start = time.monotonic()
 
     async def client() -> None:
         while time.monotonic() < start + args.warmup + args.duration:
-            i = rng.choices(range(len(tenants)), weights)[0]
-            tenant, hold_s = tenants[i]
+            i = rng.choices(range(len(members)), weights)[0]
+            member, hold_s = members[i]
             t0 = time.monotonic()
-            async with pool.use(tenant, t0 + 30):
+            async with pool.use(member, t0 + 30):
                 await asyncio.sleep(hold_s)
             if t0 - start > args.warmup:
                 latencies[i].append(time.monotonic() - t0)

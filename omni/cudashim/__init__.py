@@ -10,13 +10,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from .build import ShimBuildError, library_path
-from .control import ControlBlock, Mode, Residency, SwapError, SwapResult
+from .control import ControlBlock, Mode, ShimResidency, SwapError, SwapResult
 
 __all__ = [
     "ControlBlock",
     "Mode",
-    "Residency",
     "ShimBuildError",
+    "ShimResidency",
     "SwapError",
     "SwapResult",
     "instance_env",
@@ -35,9 +35,9 @@ def instance_env(control: Path, library: Path | None = None) -> dict[str, str]:
 
 def swap_out(block: ControlBlock, timeout_s: float = DEFAULT_SWAP_TIMEOUT_S) -> SwapResult:
     """Move all of an instance's GPU memory to host memory."""
-    return block.move(Residency.HOST, timeout_s)
+    return block.move(ShimResidency.HOST, timeout_s)
 
 
 def swap_in(block: ControlBlock, timeout_s: float = DEFAULT_SWAP_TIMEOUT_S) -> SwapResult:
     """Bring an instance's memory back to its GPU."""
-    return block.move(Residency.GPU, timeout_s)
+    return block.move(ShimResidency.GPU, timeout_s)

@@ -21,7 +21,7 @@ class Mode(enum.IntEnum):
     MANAGED = 1  # unified memory, so it can be swapped to host
 
 
-class Residency(enum.IntEnum):
+class ShimResidency(enum.IntEnum):
     GPU = 0
     HOST = 1
     MOVING = 2
@@ -57,7 +57,7 @@ class ControlStruct(ctypes.Structure):
 
 @dataclass(frozen=True)
 class SwapResult:
-    residency: Residency
+    residency: ShimResidency
     seconds: float  # measured by the shim, from first prefetch to synchronized
     bytes: int
 
@@ -118,7 +118,7 @@ class ControlBlock:
             "peak_bytes": c.peak_bytes,
             "live_allocs": c.live_allocs,
             "last_activity_ns": c.last_activity_ns,
-            "residency": _name(Residency, c.residency),
+            "residency": _name(ShimResidency, c.residency),
             "alloc_failures": c.alloc_failures,
             "window_peak_bytes": c.window_peak_bytes,
             "pool_bytes": c.pool_bytes,
@@ -127,10 +127,14 @@ class ControlBlock:
         }
 
     @property
-    def residency(self) -> Residency:
+    def residency(self) -> ShimResidency:
         """Where the shim says the memory is; a value no shim writes reads as moving."""
         value = self._ctl.residency
-        return Residency(value) if value in Residency._value2member_map_ else Residency.MOVING
+        return (
+            ShimResidency(value)
+            if value in ShimResidency._value2member_map_
+            else ShimResidency.MOVING
+        )
 
     @property
     def peak_bytes(self) -> int:
@@ -151,9 +155,9 @@ class ControlBlock:
     def set_quota(self, quota_bytes: int) -> None:
         self._ctl.quota_bytes = quota_bytes
 
-    def move(self, target: Residency, timeout_s: float) -> SwapResult:
+    def move(self, target: ShimResidency, timeout_s: float) -> SwapResult:
         """Ask the shim to move every allocation to `target`; wait for its ack."""
-        if target not in (Residency.GPU, Residency.HOST):
+        if target not in (ShimResidency.GPU, ShimResidency.HOST):
             raise ValueError(f"cannot move to {target!r}")
         self._ctl.desired_residency = target
         seq = self._ctl.request_seq + 1

@@ -189,7 +189,7 @@ class ClusterMember:
             now = {
                 name: {
                     "state": str(inst.state),
-                    "residency": inst.tenant.state.value if inst.tenant else None,
+                    "residency": inst.member.state.value if inst.member else None,
                     "origin": inst.entry.origin,
                     "restarts": inst.restarts,
                     "version": inst.entry.version,

@@ -39,7 +39,7 @@ from omni.isolation.sandbox import ExitStatus, Sandbox, SandboxSpec
 from .catalog import ModelEntry
 from .code import InstanceCode
 from .gpuyield import YieldFlag
-from .residency import GpuPool, Residency, Tenant
+from .residency import GpuPool, PoolMember, Residency
 
 log = logging.getLogger(__name__)
 
@@ -197,13 +197,13 @@ class Instance:
         self.python_base: tuple[Path, ...] | None = None
         # one standing per GPU (rank): each GPU's memory is accounted and swapped apart, and
         # a swap-out of one rank takes the others out with it (they serve only together)
-        self.tenants = [
-            Tenant(entry.name, entry.placement.quota_bytes or 0, self.restart)
+        self.members = [
+            PoolMember(entry.name, entry.placement.quota_bytes or 0, self.restart)
             for _ in (gpu.pools if gpu is not None else ())
         ]
-        if len(self.tenants) > 1:
-            for pool, tenant in zip(gpu.pools, self.tenants, strict=True):
-                tenant.after_swap_out = partial(self._swap_out_others, pool)
+        if len(self.members) > 1:
+            for pool, member in zip(gpu.pools, self.members, strict=True):
+                member.after_swap_out = partial(self._swap_out_others, pool)
         self.permits = asyncio.Semaphore(entry.placement.permits)
         self.in_flight = 0
         self.waiting = 0  # requests waiting for a permit
@@ -240,9 +240,9 @@ class Instance:
         )
 
     @property
-    def tenant(self) -> Tenant | None:
+    def member(self) -> PoolMember | None:
         """Rank 0's standing (the only one of a one-GPU instance); None on the CPU path."""
-        return self.tenants[0] if self.tenants else None
+        return self.members[0] if self.members else None
 
     @property
     def pid(self) -> int | None:
@@ -260,7 +260,7 @@ class Instance:
         """Rank `rank`'s shim control block, as its processes open it: a sealed memfd that
         the sandbox's init holds (its pid 1) where the instance has its own uid, else a
         file in omnid's directory for it."""
-        block = self.tenants[rank].block
+        block = self.members[rank].block
         if block is not None and block.fd is not None:
             return Path(f"/proc/1/fd/{block.fd}")
         name = "cuda.ctl" if rank == 0 else f"cuda.{rank}.ctl"
@@ -275,33 +275,33 @@ class Instance:
         """Every rank's memory on its GPU for one request (swapped in where it is not),
         GPUs taken in index order so that two instances never wait on each other."""
         assert self.gpu is not None
-        pairs = sorted(zip(self.gpu.pools, self.tenants, strict=True), key=lambda p: p[0].index)
+        pairs = sorted(zip(self.gpu.pools, self.members, strict=True), key=lambda p: p[0].index)
         async with contextlib.AsyncExitStack() as stack:
-            for pool, tenant in pairs:
-                await stack.enter_async_context(pool.use(tenant, deadline))
+            for pool, member in pairs:
+                await stack.enter_async_context(pool.use(member, deadline))
             yield
 
     async def force_swap(self, direction: str) -> None:
         """omnictl's swap-out or swap-in ("out" | "in"), of every rank: rank 0's pool
         refuses what it cannot do (409), the other ranks follow it."""
         assert self.gpu is not None
-        pairs = list(zip(self.gpu.pools, self.tenants, strict=True))
+        pairs = list(zip(self.gpu.pools, self.members, strict=True))
         if direction == "out":
             await pairs[0][0].force(pairs[0][1], "out")
-            for pool, tenant in pairs[1:]:
-                await pool.release(tenant)
+            for pool, member in pairs[1:]:
+                await pool.release(member)
             return
         swapped = [(p, t) for p, t in pairs if t.state is Residency.SWAPPED] or pairs[:1]
-        for pool, tenant in swapped:
-            await pool.force(tenant, "in")
+        for pool, member in swapped:
+            await pool.force(member, "in")
 
     def _swap_out_others(self, swapped: GpuPool) -> None:
         """One rank was swapped out to make room on its GPU: the others cannot serve
         without it, so their GPUs get their room back too (each pool in its own turn)."""
         assert self.gpu is not None
-        for pool, tenant in zip(self.gpu.pools, self.tenants, strict=True):
+        for pool, member in zip(self.gpu.pools, self.members, strict=True):
             if pool is not swapped:
-                task = asyncio.get_running_loop().create_task(pool.release(tenant))
+                task = asyncio.get_running_loop().create_task(pool.release(member))
                 self._releases.add(task)
                 task.add_done_callback(self._releases.discard)
 
@@ -379,9 +379,9 @@ class Instance:
             "in_flight": self.in_flight,
             "version": self.entry.version or None,
             "path": str(self.entry.path),
-            **(self.tenant.to_json() if self.tenant else {}),
+            **(self.member.to_json() if self.member else {}),
             "last_used": self.last_used,  # every instance's, the CPU path's too
-            **({"ranks": self._ranks_json()} if len(self.tenants) > 1 else {}),
+            **({"ranks": self._ranks_json()} if len(self.members) > 1 else {}),
             **self._engine_json(),
         }
 
@@ -421,15 +421,15 @@ class Instance:
     def _ranks_json(self) -> list[dict]:
         assert self.gpu is not None
         return [
-            {"rank": r, "gpu": pool.index, **tenant.to_json()}
-            for r, (pool, tenant) in enumerate(zip(self.gpu.pools, self.tenants, strict=True))
+            {"rank": r, "gpu": pool.index, **member.to_json()}
+            for r, (pool, member) in enumerate(zip(self.gpu.pools, self.members, strict=True))
         ]
 
     def settings(self) -> InstanceSettings:
         """What the instance is told to serve, and how (its one settings document)."""
         entry, placement, handler = self.entry, self.entry.placement, self.entry.handler
         gpus = len(self.gpu.pools) if self.gpu is not None else 0
-        yields = self.tenant is not None and self.tenant.yield_flag is not None
+        yields = self.member is not None and self.member.yield_flag is not None
         return InstanceSettings(
             name=self.name,
             model_dir=str(entry.path),
@@ -501,24 +501,24 @@ class Instance:
             fingerprint=self.fingerprint,
             python_env=self.packages_dir,
             python_base=self.python_base,
-            pass_fds=tuple(t.block.fd for t in self.tenants if t.block and t.block.fd is not None),
+            pass_fds=tuple(t.block.fd for t in self.members if t.block and t.block.fd is not None),
         )
 
     async def _claim_gpu(self) -> None:
         """Fresh control blocks for the new processes (one a rank), and room for them on
         their GPUs."""
-        assert self.gpu is not None and self.tenant is not None
+        assert self.gpu is not None and self.member is not None
         if self.gpu.pool.yield_max_s > 0:
-            self.tenant.yield_flag = YieldFlag(self.yield_path, self.gpu.pool.yield_max_s)
+            self.member.yield_flag = YieldFlag(self.yield_path, self.gpu.pool.yield_max_s)
         owner = self.gpu.owner_uid
-        for rank, (pool, tenant) in enumerate(zip(self.gpu.pools, self.tenants, strict=True)):
+        for rank, (pool, member) in enumerate(zip(self.gpu.pools, self.members, strict=True)):
             if owner is None:  # a plain process, omnid's own uid: a file will do
                 path = self.dir / ("cuda.ctl" if rank == 0 else f"cuda.{rank}.ctl")
-                block = ControlBlock.create(path, tenant.quota_bytes, Mode.MANAGED)
+                block = ControlBlock.create(path, member.quota_bytes, Mode.MANAGED)
             else:  # it may write the block, never resize it under omnid's mapping
                 name = f"omni-{self.name}-rank{rank}"
-                block = ControlBlock.create_sealed(name, tenant.quota_bytes, Mode.MANAGED, owner)
-            await pool.starting(tenant, block)
+                block = ControlBlock.create_sealed(name, member.quota_bytes, Mode.MANAGED, owner)
+            await pool.starting(member, block)
 
     async def _take_over(self, record: Record, adopter: SandboxAdopter) -> None:
         """Adopt the sandbox an earlier omnid left running (live restore): its process,
@@ -529,14 +529,14 @@ class Instance:
         if self.gpu is None:
             return
         if self.gpu.pool.yield_max_s > 0:
-            self.tenant.yield_flag = YieldFlag(
+            self.member.yield_flag = YieldFlag(
                 self.yield_path, self.gpu.pool.yield_max_s, new=False
             )
-        for rank, (pool, tenant) in enumerate(zip(self.gpu.pools, self.tenants, strict=True)):
+        for rank, (pool, member) in enumerate(zip(self.gpu.pools, self.members, strict=True)):
             # the sealed memfd its sandbox's init holds, opened again through the host's /proc
             fd = os.open(f"/proc/{record.init_pid}/fd/{record.held_fds[rank]}", os.O_RDWR)
             block = ControlBlock(Path(f"/proc/self/fd/{fd}"), fd)
-            await pool.adopted(tenant, block)
+            await pool.adopted(member, block)
         self._adopted_gpu = True
 
     async def detach(self) -> None:
@@ -587,8 +587,8 @@ class Instance:
             self._ready.clear()
             self._sandbox = None
             if self.gpu is not None:
-                for pool, tenant in zip(self.gpu.pools, self.tenants, strict=True):
-                    await pool.stopped(tenant)
+                for pool, member in zip(self.gpu.pools, self.members, strict=True):
+                    await pool.stopped(member)
             if self._stopping:
                 break
             self.restarts += 1
@@ -701,9 +701,9 @@ class Instance:
             await asyncio.sleep(0.1)
         if self.gpu is not None:
             try:
-                for pool, tenant in zip(self.gpu.pools, self.tenants, strict=True):
+                for pool, member in zip(self.gpu.pools, self.members, strict=True):
                     if not self._adopted_gpu:  # (adopted: resident or out as it was)
-                        await pool.ready(tenant, self.entry.placement.cold)
+                        await pool.ready(member, self.entry.placement.cold)
                 self._adopted_gpu = False
             except ApiError:  # the cold swap-out failed: the pool asked for a restart
                 return

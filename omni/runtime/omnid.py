@@ -272,8 +272,8 @@ class Node:
             data_dir=self.kv_disk_root.parent,  # (its packages' environments: envs.py)
             wheelhouse=self.wheelhouse,
         )
-        for pool, tenant in zip(gpu.pools if gpu else (), inst.tenants, strict=True):
-            pool.add(tenant)
+        for pool, member in zip(gpu.pools if gpu else (), inst.members, strict=True):
+            pool.add(member)
         self.instances[entry.name] = inst
         inst.start()
         return inst
@@ -924,7 +924,7 @@ def admin_app(node: Node) -> web.Application:
 
     async def swap(request: web.Request) -> web.Response:
         inst = node.get(request.match_info["name"])
-        if inst.gpu is None or inst.tenant is None:
+        if inst.gpu is None or inst.member is None:
             raise ApiError(409, f"Model '{inst.name}' has no GPU memory to swap.")
         direction = request.match_info["direction"]
         await inst.force_swap("out" if direction == "swap-out" else "in")
@@ -1063,8 +1063,8 @@ async def serve_node(
         admin_path,
         ", ".join(e.name for e in entries) or "none",
     )
-    member = ClusterMember(node, args, node_record(args, config), placed_entry)
-    await member.start()
+    cluster = ClusterMember(node, args, node_record(args, config), placed_entry)
+    await cluster.start()
     sdnotify.notify("READY=1", f"STATUS=serving {len(entries)} models")
     watchdog = asyncio.create_task(sdnotify.watchdog(lambda: True))
 
@@ -1076,7 +1076,7 @@ async def serve_node(
     log.info("omnid stopping")
     sdnotify.notify("STOPPING=1")
     watchdog.cancel()
-    await member.stop()  # routed around at once, not a lease TTL later
+    await cluster.stop()  # routed around at once, not a lease TTL later
     if grpc_front is not None:
         await grpc_front.stop()
     for runner in runners:

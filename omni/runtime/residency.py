@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 
 from omni.api.errors import ApiError, unavailable
 from omni.cudashim import ControlBlock, SwapError, SwapResult, swap_in, swap_out
-from omni.cudashim.control import Residency as ShimResidency
+from omni.cudashim.control import ShimResidency
 
 from .gpuyield import YieldFlag
 
@@ -178,7 +178,7 @@ SwapObserver = Callable[[str, str, SwapResult], None]  # (instance, direction, r
 
 
 @dataclass(eq=False)
-class Tenant:
+class PoolMember:
     """One instance's standing on its GPU."""
 
     name: str
@@ -264,7 +264,7 @@ class GpuPool:
         self.swap_timeout_s = swap_timeout_s
         self.max_waiting = max_waiting
         self.observer = observer
-        self.tenants: dict[str, Tenant] = {}
+        self.members: dict[str, PoolMember] = {}
         self.waiting = 0
         self._cond = asyncio.Condition(PriorityLock())  # guards states and the charge
         self._lanes = {"in": PriorityLock(), "out": PriorityLock()}  # one move each way
@@ -272,29 +272,29 @@ class GpuPool:
         self.swap_s_per_byte = DEFAULT_SWAP_S_PER_BYTE  # this GPU's swap-in rate, measured
         # room an instance's swap-outs freed for it, held until it is charged: with the lock
         # let go during moves, another waiter would take it (and a hot one wait again)
-        self._claims: dict[Tenant, int] = {}
+        self._claims: dict[PoolMember, int] = {}
         # swap-ins that want room, with when they began to: the oldest cold one (the head)
         # is the only cold one that evicts, and the room it still needs is kept for it, so
         # a large model is not passed again and again by smaller ones taking each piece
-        self._room_wanted: dict[Tenant, float] = {}
+        self._room_wanted: dict[PoolMember, float] = {}
 
     # ------------------------------------------------------------- accounting
 
     @property
     def charged_bytes(self) -> int:
-        return sum(t.charge for t in self.tenants.values() if t.state in CHARGED)
+        return sum(t.charge for t in self.members.values() if t.state in CHARGED)
 
-    def add(self, tenant: Tenant) -> None:
-        if tenant.quota_bytes > self.budget_bytes:
+    def add(self, member: PoolMember) -> None:
+        if member.quota_bytes > self.budget_bytes:
             raise ValueError(
-                f"quota of {tenant.name} ({tenant.quota_bytes} bytes) exceeds the budget "
+                f"quota of {member.name} ({member.quota_bytes} bytes) exceeds the budget "
                 f"of GPU {self.index} ({self.budget_bytes} bytes)"
             )
-        self.tenants[tenant.name] = tenant
+        self.members[member.name] = member
 
     async def remove(self, name: str) -> None:
         async with self._cond:
-            self.tenants.pop(name, None)
+            self.members.pop(name, None)
             self._cond.notify_all()
 
     def to_json(self) -> dict:
@@ -302,102 +302,102 @@ class GpuPool:
             "index": self.index,
             "budget_bytes": self.budget_bytes,
             "charged_bytes": self.charged_bytes,
-            "resident": sorted(n for n, t in self.tenants.items() if t.state in CHARGED),
+            "resident": sorted(n for n, t in self.members.items() if t.state in CHARGED),
             "waiting": self.waiting,
         }
 
     # --------------------------------------------------- instance lifecycle
 
-    async def starting(self, tenant: Tenant, block: ControlBlock) -> None:
+    async def starting(self, member: PoolMember, block: ControlBlock) -> None:
         """A new process is about to load its weights: make room for its quota first."""
         async with self._cond:
-            await self._make_room(tenant, deadline=None)
-            tenant.block = block
-            tenant.charge = tenant.quota_bytes  # until it has loaded, anything up to it
-            tenant.state = Residency.STARTING
-            tenant._swap_in = None
+            await self._make_room(member, deadline=None)
+            member.block = block
+            member.charge = member.quota_bytes  # until it has loaded, anything up to it
+            member.state = Residency.STARTING
+            member._swap_in = None
             self._cond.notify_all()
 
-    async def adopted(self, tenant: Tenant, block: ControlBlock) -> None:
+    async def adopted(self, member: PoolMember, block: ControlBlock) -> None:
         """A running process an earlier omnid left (live restore): resident or swapped
         out as its shim says, making no room (its memory is where it already is)."""
         async with self._cond:
-            tenant.block = block
-            tenant.measure()
+            member.block = block
+            member.measure()
             out = block.residency is ShimResidency.HOST
-            tenant.state = Residency.SWAPPED if out else Residency.RESIDENT
-            tenant.last_used = time.monotonic()
-            tenant._swap_in = None
+            member.state = Residency.SWAPPED if out else Residency.RESIDENT
+            member.last_used = time.monotonic()
+            member._swap_in = None
             self._update_yields()
             self._cond.notify_all()
 
-    async def ready(self, tenant: Tenant, cold: bool) -> None:
+    async def ready(self, member: PoolMember, cold: bool) -> None:
         """Loaded: resident now, or swapped out at once when it was asked to start cold."""
         async with self._cond:
-            tenant.state = Residency.RESIDENT
-            tenant.last_used = time.monotonic()
-            tenant.measure()
+            member.state = Residency.RESIDENT
+            member.last_used = time.monotonic()
+            member.measure()
             self._cond.notify_all()
             if cold:
-                await self._swap(tenant, "out")
+                await self._swap(member, "out")
 
-    async def stopped(self, tenant: Tenant) -> None:
+    async def stopped(self, member: PoolMember) -> None:
         """The process is gone, and its memory with it (its control block is closed once
         a move under way, which still uses it, has ended)."""
-        if tenant._moving is not None:
+        if member._moving is not None:
             with contextlib.suppress(Exception):
-                await asyncio.shield(tenant._moving)
+                await asyncio.shield(member._moving)
         async with self._cond:
-            tenant.state = Residency.STOPPED
-            if tenant.block is not None:
-                tenant.block.close()
-                tenant.block = None
-            if tenant.yield_flag is not None:
-                tenant.yield_flag.close()
-                tenant.yield_flag = None
+            member.state = Residency.STOPPED
+            if member.block is not None:
+                member.block.close()
+                member.block = None
+            if member.yield_flag is not None:
+                member.yield_flag.close()
+                member.yield_flag = None
             self._update_yields()
             self._cond.notify_all()
 
     # -------------------------------------------------------------- requests
 
     @contextlib.asynccontextmanager
-    async def use(self, tenant: Tenant, deadline: float) -> AsyncIterator[None]:
-        """Hold `tenant` resident for one request (swapping it in if needed)."""
-        tenant.requested()
-        if tenant.state is Residency.RESIDENT and self._room_wanted:
-            await self._let_room_drain(tenant, deadline)  # (returns at once if not a victim)
-        if tenant.state is not Residency.RESIDENT:
-            await self._bring_in(tenant, deadline)
+    async def use(self, member: PoolMember, deadline: float) -> AsyncIterator[None]:
+        """Hold `member` resident for one request (swapping it in if needed)."""
+        member.requested()
+        if member.state is Residency.RESIDENT and self._room_wanted:
+            await self._let_room_drain(member, deadline)  # (returns at once if not a victim)
+        if member.state is not Residency.RESIDENT:
+            await self._bring_in(member, deadline)
         started = time.monotonic()
-        if not tenant.in_flight:
-            tenant.busy_since = started
-        tenant.in_flight += 1
-        tenant.last_used, tenant.last_used_unix = started, time.time()
+        if not member.in_flight:
+            member.busy_since = started
+        member.in_flight += 1
+        member.last_used, member.last_used_unix = started, time.time()
         self._update_yields()
         try:
             yield
         finally:
-            tenant.in_flight -= 1
-            tenant.last_used, tenant.last_used_unix = time.monotonic(), time.time()
-            tenant.hold_s = moving_average(tenant.hold_s, tenant.last_used - started)
+            member.in_flight -= 1
+            member.last_used, member.last_used_unix = time.monotonic(), time.time()
+            member.hold_s = moving_average(member.hold_s, member.last_used - started)
             self._update_yields()
-            if tenant.state is Residency.RESIDENT:
-                tenant.measure()
-            if tenant.in_flight == 0:
+            if member.state is Residency.RESIDENT:
+                member.measure()
+            if member.in_flight == 0:
                 self._notify_soon()
-                self._evict_when_idle(tenant)
+                self._evict_when_idle(member)
             if self.charged_bytes > self.budget_bytes:
                 self._shed_soon()
 
-    async def _let_room_drain(self, tenant: Tenant, deadline: float) -> None:
+    async def _let_room_drain(self, member: PoolMember, deadline: float) -> None:
         """A resident instance the head will evict takes no new request until the head is
         in (up to DRAIN_MAX_S): otherwise its steady trickle of requests keeps it busy, and
         a large cold model waits for every such instance to be idle at once. The others
         serve on."""
         until = min(deadline, time.monotonic() + DRAIN_MAX_S)
-        while tenant in self._head_victims(time.monotonic()):
+        while member in self._head_victims(time.monotonic()):
             left = until - time.monotonic()
-            if left <= 0 or tenant.state is not Residency.RESIDENT:
+            if left <= 0 or member.state is not Residency.RESIDENT:
                 return
             async with self._cond:
                 with contextlib.suppress(TimeoutError):
@@ -414,10 +414,10 @@ class GpuPool:
         hot = self._hot_set(now)
         serving = [t.demand_now(now) for t in hot if t.in_flight and t.state is Residency.RESIDENT]
         hottest = max(serving, default=-math.inf)
-        flagged = {t for t in self.tenants.values() if t.demand_now(now) < hottest}
+        flagged = {t for t in self.members.values() if t.demand_now(now) < hottest}
         waiting = sum(1 for t in flagged if t.in_flight)
         max_defer = self.yield_max_s * max(1, waiting)
-        for t in self.tenants.values():
+        for t in self.members.values():
             if t.yield_flag is not None:
                 t.yield_flag.set(t in flagged, max_defer)
 
@@ -435,26 +435,26 @@ class GpuPool:
         self._notifies.add(task)
         task.add_done_callback(self._notifies.discard)
 
-    def _evict_when_idle(self, tenant: Tenant) -> None:
-        """Swap `tenant` out `evict_idle_s` from now if it is still idle then, outside the
+    def _evict_when_idle(self, member: PoolMember) -> None:
+        """Swap `member` out `evict_idle_s` from now if it is still idle then, outside the
         hot set, and its room is needed by a colder arrival (see EVICT_IDLE_S); its swap
         takes the lock after every waiting swap-in."""
         if self.evict_idle_s <= 0:
             return
-        used_at = tenant.last_used
+        used_at = member.last_used
 
         async def evict() -> None:
             await asyncio.sleep(self.evict_idle_s)
             SWAP_PRIORITY.set(-math.inf)  # this task's own context
             async with self._cond:
-                if tenant.state is not Residency.RESIDENT or tenant.in_flight + tenant.waiting:
+                if member.state is not Residency.RESIDENT or member.in_flight + member.waiting:
                     return
-                if tenant.last_used != used_at or tenant in self._hot_set(time.monotonic()):
+                if member.last_used != used_at or member in self._hot_set(time.monotonic()):
                     return
                 if self._room_for_any():
                     return
                 with contextlib.suppress(ApiError):  # a failed swap restarts it
-                    await self._swap(tenant, "out")
+                    await self._swap(member, "out")
 
         task = asyncio.create_task(evict())
         self._notifies.add(task)
@@ -470,7 +470,7 @@ class GpuPool:
                 while self.charged_bytes > self.budget_bytes:
                     now = time.monotonic()
                     hot = self._hot_set(now)
-                    idle = [t for t in self.tenants.values() if t not in hot and self._idle(t)]
+                    idle = [t for t in self.members.values() if t not in hot and self._idle(t)]
                     if not idle:
                         return
                     victim = min(idle, key=lambda t: (self._keep_value(t, now), t.last_used))
@@ -483,75 +483,75 @@ class GpuPool:
 
     def _room_for_any(self) -> bool:
         """Whether any instance that is out fits the budget without a swap-out."""
-        out = [t.charge for t in self.tenants.values() if t.state is Residency.SWAPPED]
+        out = [t.charge for t in self.members.values() if t.state is Residency.SWAPPED]
         taken = self.charged_bytes + sum(self._claims.values())
         return taken + max(out, default=0) <= self.budget_bytes
 
-    def _claimed_by_others(self, tenant: Tenant) -> int:
-        return sum(self._claims.values()) - self._claims.get(tenant, 0)
+    def _claimed_by_others(self, member: PoolMember) -> int:
+        return sum(self._claims.values()) - self._claims.get(member, 0)
 
-    def _fits(self, tenant: Tenant) -> bool:
-        """Whether `tenant` fits the budget beside what is charged and claimed by others,
+    def _fits(self, member: PoolMember) -> bool:
+        """Whether `member` fits the budget beside what is charged and claimed by others,
         and (a cold one) beside the room the head still needs."""
-        taken = self.charged_bytes + self._claimed_by_others(tenant)
+        taken = self.charged_bytes + self._claimed_by_others(member)
         now = time.monotonic()
         head = self._head(now)
-        kept = head not in (None, tenant) and tenant not in self._hot_set(now)
-        if kept and not self._backfills(tenant, head, now):
+        kept = head not in (None, member) and member not in self._hot_set(now)
+        if kept and not self._backfills(member, head, now):
             taken += max(0, head.charge - self._claims.get(head, 0))
-        return taken + tenant.charge <= self.budget_bytes
+        return taken + member.charge <= self.budget_bytes
 
-    def _backfills(self, tenant: Tenant, head: Tenant, now: float) -> bool:
-        """Whether cold `tenant` may take room kept for the head: only if its swap-in, a
+    def _backfills(self, member: PoolMember, head: PoolMember, now: float) -> bool:
+        """Whether cold `member` may take room kept for the head: only if its swap-in, a
         request and its swap-out should be over before the head's room could be free
         anyway (its victims still serving). While a large model waits for a busy one to
         drain, the small ones are served in the room it cannot use yet, instead of all
         waiting behind it (the H100 catalog bench: 16 requests waited with 1.2 GiB free)."""
-        if tenant.hold_s is None:
+        if member.hold_s is None:
             return False  # nothing measured: it could hold the room for long
-        victims = self._head_victims(now) - {tenant}
+        victims = self._head_victims(now) - {member}
         head_waits = max((self._idle_in(t, now) for t in victims), default=0.0)
         if math.isinf(head_waits):  # a victim's first request: as long as a drain may last
             head_waits = DRAIN_MAX_S
-        return 2 * self._swap_cost_s(tenant) + tenant.hold_s <= head_waits
+        return 2 * self._swap_cost_s(member) + member.hold_s <= head_waits
 
-    def _head(self, now: float) -> Tenant | None:
+    def _head(self, now: float) -> PoolMember | None:
         """The cold swap-in that has wanted room longest."""
         hot = self._hot_set(now)
         cold = [(at, t.name, t) for t, at in self._room_wanted.items() if t not in hot]
         at, _, head = min(cold, default=(math.inf, None, None))
         return head if now - at >= HEAD_AFTER_S else None
 
-    async def _bring_in(self, tenant: Tenant, deadline: float) -> None:
+    async def _bring_in(self, member: PoolMember, deadline: float) -> None:
         if self.waiting >= self.max_waiting:
             raise unavailable(f"GPU {self.index} has too many requests waiting for a swap.", 1.0)
         self.waiting += 1
-        tenant.waiting += 1
+        member.waiting += 1
         try:
-            while tenant.state is not Residency.RESIDENT:
+            while member.state is not Residency.RESIDENT:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise unavailable(f"Model '{tenant.name}' could not be swapped in in time.", 2)
-                if tenant.state is Residency.SWAPPED:
-                    if tenant._swap_in is None or tenant._swap_in.done():
-                        tenant._swap_in = asyncio.create_task(self._swap_in_task(tenant))
+                    raise unavailable(f"Model '{member.name}' could not be swapped in in time.", 2)
+                if member.state is Residency.SWAPPED:
+                    if member._swap_in is None or member._swap_in.done():
+                        member._swap_in = asyncio.create_task(self._swap_in_task(member))
                     # shielded: a request that gives up does not cancel the others' swap-in
-                    await asyncio.wait_for(asyncio.shield(tenant._swap_in), left)
+                    await asyncio.wait_for(asyncio.shield(member._swap_in), left)
                 else:  # starting, moving out, or restarting: wait for its next state
                     async with self._cond:
                         with contextlib.suppress(TimeoutError):
                             await asyncio.wait_for(
-                                self._cond.wait_for(lambda: tenant.state is Residency.RESIDENT),
+                                self._cond.wait_for(lambda: member.state is Residency.RESIDENT),
                                 min(left, 0.5),
                             )
         except TimeoutError:
-            message = f"Model '{tenant.name}' could not be swapped in in time."
+            message = f"Model '{member.name}' could not be swapped in in time."
             raise unavailable(message, 2) from None
         finally:
             self.waiting -= 1
-            tenant.waiting -= 1
+            member.waiting -= 1
 
-    async def _swap_in_task(self, tenant: Tenant) -> None:
+    async def _swap_in_task(self, member: PoolMember) -> None:
         # (this task's own context) a hot-set instance's swap-in goes first, the hotter
         # the sooner; the others in the order they were asked for. Ordered by demand, the
         # least wanted of them starved while the others kept coming: one waited 27 s on
@@ -559,55 +559,55 @@ class GpuPool:
         # (Priorities, not the lock's arrival order: a swap-in that waits for room waits on
         # the condition and queues for the lock again, behind later arrivals.)
         now = time.monotonic()
-        hot = tenant in self._hot_set(now)
-        SWAP_PRIORITY.set(tenant.demand_now(now) if hot else -now)
+        hot = member in self._hot_set(now)
+        SWAP_PRIORITY.set(member.demand_now(now) if hot else -now)
         async with self._cond:
-            if tenant.state is not Residency.SWAPPED:
+            if member.state is not Residency.SWAPPED:
                 return  # restarted or removed meanwhile
-            await self._make_room(tenant, deadline=None)
-            await self._swap(tenant, "in")
+            await self._make_room(member, deadline=None)
+            await self._swap(member, "in")
 
     # ----------------------------------------------------------------- admin
 
-    async def force(self, tenant: Tenant, direction: str) -> None:
+    async def force(self, member: PoolMember, direction: str) -> None:
         """Swap out (if idle) or in, now."""
         async with self._cond:
             if direction == "out":
-                if tenant.state is not Residency.RESIDENT:
-                    raise ApiError(409, f"Model '{tenant.name}' is {tenant.state}, not resident.")
-                if tenant.in_flight:
-                    raise ApiError(409, f"Model '{tenant.name}' has requests in flight.")
-                await self._swap(tenant, "out")
+                if member.state is not Residency.RESIDENT:
+                    raise ApiError(409, f"Model '{member.name}' is {member.state}, not resident.")
+                if member.in_flight:
+                    raise ApiError(409, f"Model '{member.name}' has requests in flight.")
+                await self._swap(member, "out")
             else:
-                if tenant.state is not Residency.SWAPPED:
-                    raise ApiError(409, f"Model '{tenant.name}' is {tenant.state}, not swapped.")
-                await self._make_room(tenant, deadline=time.monotonic() + self.swap_timeout_s)
-                await self._swap(tenant, "in")
+                if member.state is not Residency.SWAPPED:
+                    raise ApiError(409, f"Model '{member.name}' is {member.state}, not swapped.")
+                await self._make_room(member, deadline=time.monotonic() + self.swap_timeout_s)
+                await self._swap(member, "in")
 
-    async def release(self, tenant: Tenant) -> None:
-        """Swap `tenant` out if it is resident and idle (a multi-GPU instance whose other
+    async def release(self, member: PoolMember) -> None:
+        """Swap `member` out if it is resident and idle (a multi-GPU instance whose other
         rank went out); nothing otherwise."""
         async with self._cond:
-            if tenant.state is Residency.RESIDENT and tenant.in_flight == 0:
+            if member.state is Residency.RESIDENT and member.in_flight == 0:
                 with contextlib.suppress(ApiError):  # a failed swap restarts it
-                    await self._swap(tenant, "out")
+                    await self._swap(member, "out")
 
     # -------------------------------------------------------------- internals
 
-    def _hot_set(self, now: float) -> set[Tenant]:
+    def _hot_set(self, now: float) -> set[PoolMember]:
         """The most wanted instances that fit the budget with room for the largest quota
         left over: a colder instance never evicts one of these, so the hot models stay on
         the GPU and the cold ones take turns in the room that is left."""
-        room = self.budget_bytes - max((t.charge for t in self.tenants.values()), default=0)
-        hot: set[Tenant] = set()
-        for t in sorted(self.tenants.values(), key=lambda t: -t.demand_now(now)):
+        room = self.budget_bytes - max((t.charge for t in self.members.values()), default=0)
+        hot: set[PoolMember] = set()
+        for t in sorted(self.members.values(), key=lambda t: -t.demand_now(now)):
             if t.demand_now(now) <= 0 or t.charge > room:
                 break
             room -= t.charge
             hot.add(t)
         return hot
 
-    def _head_victims(self, now: float) -> set[Tenant]:
+    def _head_victims(self, now: float) -> set[PoolMember]:
         """The resident instances the head will send out for the room it still needs: the
         idle ones, then those whose requests should end soonest (by how long a request
         holds each: its GPU phase and what follows), the least costly to lose first among
@@ -621,12 +621,12 @@ class GpuPool:
         spared = {t for t in hot if t.demand_now(now) > head.demand_now(now)}
         candidates = [
             t
-            for t in self.tenants.values()
+            for t in self.members.values()
             if t.state is Residency.RESIDENT and t is not head and t not in spared
         ]
-        victims: set[Tenant] = set()
+        victims: set[PoolMember] = set()
 
-        def soonest(t: Tenant) -> tuple:
+        def soonest(t: PoolMember) -> tuple:
             return self._idle_in(t, now), self._keep_value(t, now), t.last_used
 
         for t in sorted(candidates, key=soonest):
@@ -636,87 +636,89 @@ class GpuPool:
             need -= t.charge
         return victims
 
-    def _pick_victim(self, tenant: Tenant, now: float) -> Tenant | None:
-        """The idle resident instance least costly to lose (_keep_value) that `tenant` may
+    def _pick_victim(self, member: PoolMember, now: float) -> PoolMember | None:
+        """The idle resident instance least costly to lose (_keep_value) that `member` may
         evict; None to wait for one (a colder instance is busy, starting or moving, or room
         is claimed, and room will come free)."""
-        others = [t for t in self.tenants.values() if t is not tenant]
+        others = [t for t in self.members.values() if t is not member]
         idle = [t for t in others if self._idle(t)]
         if not idle:
             return None
-        hot, wanted = self._hot_set(now), tenant.demand_now(now)
-        if tenant not in hot and self._head(now) not in (tenant, None):
+        hot, wanted = self._hot_set(now), member.demand_now(now)
+        if member not in hot and self._head(now) not in (member, None):
             return None  # the head cold swap-in takes the room that frees first
         spared = {t for t in hot if t.demand_now(now) > wanted}
         allowed = [t for t in idle if t not in spared]
         # room another request claimed will be charged, then freed, like any cold one's
-        claimed = any(n for t, n in self._claims.items() if t is not tenant)
+        claimed = any(n for t, n in self._claims.items() if t is not member)
         charged = any(t.state in CHARGED and t not in spared for t in others)
         if not allowed and not claimed and not charged:
             allowed = idle  # nothing else will ever free room: the hot one has to go
         return min(allowed, key=lambda t: (self._keep_value(t, now), t.last_used), default=None)
 
     @staticmethod
-    def _idle_in(tenant: Tenant, now: float) -> float:
+    def _idle_in(member: PoolMember, now: float) -> float:
         """Seconds until its requests in flight should have ended: 0 idle, inf before its
         first request has ended (nothing measured)."""
-        if not tenant.in_flight:
+        if not member.in_flight:
             return 0.0
-        if tenant.hold_s is None:
+        if member.hold_s is None:
             return math.inf
-        return max(0.0, tenant.hold_s - (now - tenant.busy_since))
+        return max(0.0, member.hold_s - (now - member.busy_since))
 
     @staticmethod
-    def _idle(tenant: Tenant) -> bool:
+    def _idle(member: PoolMember) -> bool:
         """Resident with no request in flight or waiting for it: it may go out."""
-        return tenant.state is Residency.RESIDENT and not tenant.in_flight + tenant.waiting
+        return member.state is Residency.RESIDENT and not member.in_flight + member.waiting
 
-    def _swap_cost_s(self, tenant: Tenant) -> float:
+    def _swap_cost_s(self, member: PoolMember) -> float:
         """How long its swap-in takes: measured, or its charge at the GPU's measured rate."""
-        if tenant.swap_in_s is not None:
-            return tenant.swap_in_s
-        return tenant.charge * self.swap_s_per_byte
+        if member.swap_in_s is not None:
+            return member.swap_in_s
+        return member.charge * self.swap_s_per_byte
 
-    def _keep_value(self, tenant: Tenant, now: float) -> float:
+    def _keep_value(self, member: PoolMember, now: float) -> float:
         """The swap time its residency saves, per second and per byte of quota it holds."""
-        return tenant.demand_now(now) * self._swap_cost_s(tenant) / max(tenant.charge, 1)
+        return member.demand_now(now) * self._swap_cost_s(member) / max(member.charge, 1)
 
-    async def _make_room(self, tenant: Tenant, deadline: float | None) -> None:
-        """With the lock held: swap out idle instances until `tenant` fits the budget,
-        waiting (lock released) while none may go. The caller charges `tenant` at once
+    async def _make_room(self, member: PoolMember, deadline: float | None) -> None:
+        """With the lock held: swap out idle instances until `member` fits the budget,
+        waiting (lock released) while none may go. The caller charges `member` at once
         (no await between): the room claimed for it is then its own."""
         try:
-            while not self._fits(tenant):
-                self._room_wanted.setdefault(tenant, time.monotonic())
-                victim = self._pick_victim(tenant, time.monotonic())
+            while not self._fits(member):
+                self._room_wanted.setdefault(member, time.monotonic())
+                victim = self._pick_victim(member, time.monotonic())
                 if victim is not None:
                     with contextlib.suppress(ApiError):  # a failed victim restarts: charged 0
-                        await self._swap(victim, "out", claimant=tenant)
+                        await self._swap(victim, "out", claimant=member)
                     continue
                 # none may go: waiting, it claims nothing (two waiters each holding room
                 # the other needs would wait for ever; the head's need is kept free by _fits)
-                self._claims.pop(tenant, None)
+                self._claims.pop(member, None)
                 timeout = None if deadline is None else deadline - time.monotonic()
                 if timeout is not None and timeout <= 0:
                     raise unavailable(f"GPU {self.index} has no idle instance to swap out.", 2)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._cond.wait(), 1.0 if timeout is None else timeout)
         finally:
-            self._claims.pop(tenant, None)
-            self._room_wanted.pop(tenant, None)
+            self._claims.pop(member, None)
+            self._room_wanted.pop(member, None)
 
-    async def _swap(self, tenant: Tenant, direction: str, claimant: Tenant | None = None) -> None:
-        """With the lock held: move `tenant`'s memory; a failure restarts the instance.
+    async def _swap(
+        self, member: PoolMember, direction: str, claimant: PoolMember | None = None
+    ) -> None:
+        """With the lock held: move `member`'s memory; a failure restarts the instance.
         The lock is let go while the memory moves (the instance stays charged, MOVING),
         and held again on return, as Condition.wait does. A swap-out made for `claimant`
         leaves it the room freed."""
-        block = tenant.block
+        block = member.block
         if block is None:
-            raise unavailable(f"Model '{tenant.name}' is restarting.", 2)
-        tenant.state = Residency.MOVING
-        move = asyncio.create_task(self._move(tenant, block, direction, claimant))
+            raise unavailable(f"Model '{member.name}' is restarting.", 2)
+        member.state = Residency.MOVING
+        move = asyncio.create_task(self._move(member, block, direction, claimant))
         move.add_done_callback(lambda task: task.cancelled() or task.exception())
-        tenant._moving = move
+        member._moving = move
         self._cond.release()
         try:
             await asyncio.shield(move)  # a caller that gives up leaves the move to finish
@@ -736,7 +738,7 @@ class GpuPool:
             raise cancelled
 
     async def _move(
-        self, tenant: Tenant, block: ControlBlock, direction: str, claimant: Tenant | None
+        self, member: PoolMember, block: ControlBlock, direction: str, claimant: PoolMember | None
     ) -> None:
         """(Its own task, in the caller's priority.) Wait for the direction's lane, move,
         and record the new state under the lock, ahead of every waiter: it frees room."""
@@ -747,42 +749,42 @@ class GpuPool:
         except (SwapError, OSError) as exc:
             SWAP_PRIORITY.set(math.inf)
             async with self._cond:
-                log.error("swap %s of %s failed: %s; restarting it", direction, tenant.name, exc)
-                tenant._moving = None
-                tenant.state = Residency.STOPPED  # charged nothing once the process is killed
-                tenant.on_failure(f"swap-{direction} failed: {exc}")
+                log.error("swap %s of %s failed: %s; restarting it", direction, member.name, exc)
+                member._moving = None
+                member.state = Residency.STOPPED  # charged nothing once the process is killed
+                member.on_failure(f"swap-{direction} failed: {exc}")
                 self._cond.notify_all()
-            message = f"Model '{tenant.name}' failed to swap and is restarting."
+            message = f"Model '{member.name}' failed to swap and is restarting."
             raise unavailable(message, 5) from None
         SWAP_PRIORITY.set(math.inf)
         async with self._cond:
-            tenant._moving = None
-            self._moved(tenant, direction, result)
+            member._moving = None
+            self._moved(member, direction, result)
             if claimant is not None and direction == "out":
-                self._claims[claimant] = self._claims.get(claimant, 0) + tenant.charge
+                self._claims[claimant] = self._claims.get(claimant, 0) + member.charge
             self._cond.notify_all()
 
-    def _moved(self, tenant: Tenant, direction: str, result: SwapResult) -> None:
+    def _moved(self, member: PoolMember, direction: str, result: SwapResult) -> None:
         """With the lock held: a move is done; its state, counters and measured cost."""
-        tenant.state = Residency.RESIDENT if direction == "in" else Residency.SWAPPED
+        member.state = Residency.RESIDENT if direction == "in" else Residency.SWAPPED
         if direction == "in":
-            tenant.swaps_in += 1
-            tenant.last_used = time.monotonic()  # its waiters are about to use it: not a victim
-            tenant.swap_in_s = moving_average(tenant.swap_in_s, result.seconds)
+            member.swaps_in += 1
+            member.last_used = time.monotonic()  # its waiters are about to use it: not a victim
+            member.swap_in_s = moving_average(member.swap_in_s, result.seconds)
             if result.bytes > 0:
                 rate = result.seconds / result.bytes
                 self.swap_s_per_byte = moving_average(self.swap_s_per_byte, rate)
         else:
-            tenant.swaps_out += 1
-            if tenant.after_swap_out is not None:
-                tenant.after_swap_out()
-        tenant.history.append(SwapRecord(direction, result.seconds, result.bytes, time.time()))
+            member.swaps_out += 1
+            if member.after_swap_out is not None:
+                member.after_swap_out()
+        member.history.append(SwapRecord(direction, result.seconds, result.bytes, time.time()))
         if self.observer:
-            self.observer(tenant.name, direction, result)
+            self.observer(member.name, direction, result)
         log.info(
             "swapped %s %s: %.1f MiB in %.1f ms",
             direction,
-            tenant.name,
+            member.name,
             result.bytes / (1 << 20),
             result.seconds * 1e3,
         )

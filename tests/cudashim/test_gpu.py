@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from omni.cudashim import ControlBlock, Mode, Residency, instance_env, swap_in, swap_out
+from omni.cudashim import ControlBlock, Mode, ShimResidency, instance_env, swap_in, swap_out
 
 pytestmark = pytest.mark.gpu
 
@@ -100,7 +100,7 @@ def test_swap_moves_the_memory_off_the_gpu_and_back(tmp_path, quota):
         proc.stdin.close()
         proc.wait(60)
     assert proc.returncode == 0, proc.stderr.read()
-    assert out.residency == Residency.HOST and back.residency == Residency.GPU
+    assert out.residency == ShimResidency.HOST and back.residency == ShimResidency.GPU
     assert out.bytes >= ready["bytes"]
     # Moving it costs bus time (no faster than 100 GB/s); a move to where it is, little.
     assert min(out.seconds, back.seconds) > ready["bytes"] / 100e9, (out, back)

@@ -7,7 +7,7 @@ import re
 import subprocess
 import sys
 
-from omni.cudashim import Mode, Residency, swap_in, swap_out
+from omni.cudashim import Mode, ShimResidency, swap_in, swap_out
 from omni.cudashim.control import ControlStruct
 
 from .conftest import kv
@@ -112,11 +112,11 @@ def test_swap_out_and_in_prefetch_every_live_allocation(fake, tmp_path):
         ptrs = ptrs.split()
         assert (int(free), int(total)) == (64 * MiB - sum(sizes), 64 * MiB)
         out = swap_out(block, timeout_s=10)
-        assert out.bytes == sum(sizes) and block.residency == Residency.HOST
+        assert out.bytes == sum(sizes) and block.residency == ShimResidency.HOST
         moved_out = re.findall(r"^prefetch (\S+) (\d+) host$", log.read_text(), re.M)
         assert sorted(moved_out) == sorted(zip(ptrs, map(str, sizes), strict=True))
         back = swap_in(block, timeout_s=10)
-        assert back.bytes == sum(sizes) and block.residency == Residency.GPU
+        assert back.bytes == sum(sizes) and block.residency == ShimResidency.GPU
         moved_in = re.findall(r"^prefetch (\S+) (\d+) device$", log.read_text(), re.M)
         assert sorted(moved_in) == sorted(moved_out)
         text = log.read_text()

@@ -155,7 +155,7 @@ def test_planted_links_and_full_directories_across_a_restart(host, target, tmp_p
 
     async def go() -> dict:
         inst = Instance(entry, runtime, factory, Backoff(initial_s=0.1, max_s=0.2), gpu=gpu)
-        pool.add(inst.tenant)
+        pool.add(inst.member)
         inst.start()
         deadline = time.monotonic() + 60
         while inst.restarts < 2:

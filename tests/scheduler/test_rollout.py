@@ -35,7 +35,7 @@ from scheduler.rollout import (
     stable,
     versions,
 )
-from scheduler.service import Scheduler, WantedModel
+from scheduler.service import ClusterScheduler, WantedModel
 from scheduler.state import ClusterStore
 from scheduler.telemetry import IntervalReport, LoadAccumulator, ModelFigures
 from tests.conftest import free_port, wait_until
@@ -200,7 +200,7 @@ def test_the_leader_carries_a_rollout_through_and_rolls_a_bad_one_back(etcd, tmp
         nodes = FakeNodes(store, history)
         await nodes.register()
         model = WantedModel(ModelSpec("m", 1 << 30, replicas=4), "/models/m-v1", version="v1")
-        scheduler = Scheduler(store, "lead", [model], history=history)
+        scheduler = ClusterScheduler(store, "lead", [model], history=history)
         try:
             await scheduler.reconcile()
             assert sorted((await nodes.versions()).values()) == ["v1"] * 4

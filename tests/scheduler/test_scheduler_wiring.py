@@ -22,7 +22,7 @@ from scheduler.autoscale import AutoscaleConfig
 from scheduler.history import HistoryStore
 from scheduler.latency import publish_row, read_map
 from scheduler.placement import ModelSpec
-from scheduler.service import AUTOSCALE, TELEMETRY, Scheduler, WantedModel
+from scheduler.service import AUTOSCALE, TELEMETRY, ClusterScheduler, WantedModel
 from scheduler.state import ClusterStore
 from scheduler.telemetry import (
     IntervalReport,
@@ -143,7 +143,7 @@ async def register_nodes(store: ClusterStore, n: int) -> None:
 
 
 @asynccontextmanager
-async def leading(store: ClusterStore, scheduler: Scheduler):
+async def leading(store: ClusterStore, scheduler: ClusterScheduler):
     """The scheduler running (and leading: it is alone) until the block ends."""
     task = asyncio.create_task(scheduler.run())
     try:
@@ -194,7 +194,7 @@ def test_a_saturated_model_gets_more_replicas_placed_and_omnictl_shows_why(etcd,
         server = TelemetryServer(history)
         target = f"127.0.0.1:{await server.start('127.0.0.1', 0)}"
         model = WantedModel(ModelSpec("m", 1 << 30, replicas=1), "/models/m", 2, max_replicas=4)
-        scheduler = Scheduler(
+        scheduler = ClusterScheduler(
             store,
             "lead",
             [model],
@@ -282,7 +282,7 @@ def test_the_leader_publishes_the_latency_map_and_omnictl_shows_it(etcd, tmp_pat
         await publish_row(store, "n1", {"n2": 0.040})
         await publish_row(store, "n2", {"n1": 0.042, "gone": 0.5})  # a peer since gone
         await publish_row(store, "ghost", {"n1": 0.3})  # a node that is not announced
-        scheduler = Scheduler(store, "lead", [], interval_s=0.25, lease_ttl_s=TTL)
+        scheduler = ClusterScheduler(store, "lead", [], interval_s=0.25, lease_ttl_s=TTL)
         async with leading(store, scheduler):
             latency_map = await until(lambda: read_map(store), 10, "the latency map")
             assert latency_map.rows == {"n1": {"n2": 0.040}, "n2": {"n1": 0.042}}
@@ -334,7 +334,7 @@ def test_a_model_is_placed_near_where_its_requests_come_from(etcd, tmp_path):
         placed = {}
         try:
             for name, known in (("no demand", None), ("demand", history)):
-                await Scheduler(store, "lead", models, history=known).reconcile()
+                await ClusterScheduler(store, "lead", models, history=known).reconcile()
                 (key,) = await store.placements()
                 placed[name] = key.split("/")[0]
                 await store.remove_placement(*key.split("/"))
