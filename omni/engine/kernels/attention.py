@@ -14,8 +14,8 @@ An FP8 cache (e4m3) holds each value divided by its KV head's scale (kv_scales:
 [2, kv_heads] fp32, K's then V's; kv_cache.py): the kernels read it in the model's dtype
 and fold the scales into the logits' scale and the output. Decode in a bf16 model reads
 it in fp16 instead, in which e4m3 values are exact: the conversion is one instruction a
-pair where bf16 takes three (H100, 400 sequences of 450 tokens, Llama-3-8B's heads: 279
--> 242 us a layer; 16 of 1,500: 38 -> 31; .probe, printed only). The query goes to fp16
+pair where bf16 takes three (faster on the H100 at Llama-3-8B's heads, from 16 to 400
+sequences). The query goes to fp16
 too (exact for |q| in fp16's normal range; clamped to its max), and so do the
 probabilities (finer than bf16). The kernel is still bound by its work per token rather
 than its bytes over an e4m3 cache (README).
@@ -255,11 +255,9 @@ def paged_prefill(
 # MAX_SPLITS; a short one into a tile each, at least MIN_SPLIT_TILES splits from there, a
 # long one into runs of MIN_SPLIT_TILES tiles of DECODE_TILE tokens), each split's
 # partial result is kept apart and the merge combines them in a fixed order (split 0 first)
-# in whichever program of the sequence's KV head finishes last (H100, Llama-3-8B's heads,
-# contexts of 512, against the same merge in a kernel of its own, same bits: as fast or
-# faster from 1 to 512 sequences, 8.7 against 9.0 us at 1, 398.7 against 403.3 at 512;
-# .probe, printed only). How many
-# programs share the splits is then free to follow the batch (few sequences: many
+# in whichever program of the sequence's KV head finishes last (on the H100, as fast as
+# the same merge in a kernel of its own, or faster, from 1 to 512 sequences; same bits).
+# How many programs share the splits is then free to follow the batch (few sequences: many
 # programs, so a long context is read by the whole GPU) without changing a single bit
 # of any sequence's output: batch invariance.
 MAX_SPLITS = 16

@@ -72,9 +72,8 @@ def e4m3_values(x, scale, FMAX: tl.constexpr):
 def scaled(acc, w_scale, x_scale):
     """The epilogue's scales (both broadcast to acc's shape) in the one order every kernel
     here applies them: the weight row's, then the row's. It is torch._scaled_mm's
-    row-wise order on Hopper: with the row's first, 1 to 4 of 65,536-458,752 outputs
-    differed from it in the last bit at 16 rows; with the weight's, none (H100,
-    Llama-3-8B's o, gate/up and down; .probe, printed only)."""
+    row-wise order on Hopper: with the row's first, a few outputs a projection differed
+    from it in the last bit on an H100; with the weight's, none."""
     return acc * w_scale * x_scale
 
 
@@ -285,7 +284,7 @@ def fp8_tiles(m: int, n: int, k: int, tma: bool = False) -> dict:
     weight in the few-rows kernel) and takes K 128 at a time: on Hopper a 16-row tile's FP8
     MMA (mma) sums differently from a 64-row one's (wgmma), so a row's bits would follow the
     batch's size (the H100 test caught it); within that family, column width, warps and
-    stages keep the bits (.probe sweep). Up to FEW_ROWS rows, the few-rows kernel: on the
+    stages keep the bits (a sweep on the H100). Up to FEW_ROWS rows, the few-rows kernel: on the
     H100, Llama-3-8B's four projections at 1 row, 32 layers' weights back to back, took
     85.5 us a layer against 93.8 with the pointer kernel's tiles (down 28.4 -> 23.3 us;
     bench/diagnostics/fp8_few_rows.py). Past 512 rows: a first cut, not yet tuned. From TMA_MIN_ROWS
