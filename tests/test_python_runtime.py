@@ -261,6 +261,8 @@ def test_a_request_whose_client_left_is_dropped_before_it_runs(node):
     time.sleep(2)  # had it run, it would have by now
     stats = node.instances()["slow"]["batching"]
     assert (stats["batch_runs"], stats["batch_cancelled"]) == (1, 1), stats
+    # the weights its worker declared read-only (none on the CPU) are reported beside them
+    assert node.instances()["slow"]["weights"] == {"weights_read_only_bytes": 0}
 
 
 @pytest.mark.parametrize(

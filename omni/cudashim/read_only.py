@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # (a handler's worker imports this without torch)
+    import torch
 
 PAGE = 2 << 20
 

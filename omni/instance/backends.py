@@ -15,6 +15,7 @@ from typing import Protocol
 
 from aiohttp import web
 
+from omni.cudashim.read_only import declare_read_only
 from omni.engine.checkpoint import Checkpoint
 
 from .settings import InstanceSettings
@@ -46,7 +47,7 @@ class TextGenBackend:
     def __init__(self, settings: InstanceSettings, ckpt: Checkpoint):
         from .engine_loader import load_engine
 
-        self.engine, self.gate = load_engine(settings, ckpt)
+        self.engine, self.gate, self.read_only_bytes = load_engine(settings, ckpt)
         self.settings = settings
 
     def add_routes(self, app: web.Application) -> None:
@@ -58,7 +59,8 @@ class TextGenBackend:
         ).add_to(app)
 
     def stats(self) -> dict:
-        return {**self.engine.stats(), **self.gate.stats()} if self.gate else self.engine.stats()
+        gated = self.gate.stats() if self.gate else {}
+        return {**self.engine.stats(), **gated, "weights_read_only_bytes": self.read_only_bytes}
 
     def unhealthy(self) -> str | None:
         return None
@@ -77,6 +79,8 @@ class EmbeddingBackend:
 
         self.model = EmbeddingModel(ckpt, settings.device)  # "cpu" or its GPU
         self.name = settings.name
+        # on a GPU under the shim, swaps keep the weights' host copy (0 elsewhere)
+        self.read_only_bytes = declare_read_only(self.model.model.parameters())
 
     def add_routes(self, app: web.Application) -> None:
         from .embeddings import EmbeddingRoutes
@@ -84,7 +88,7 @@ class EmbeddingBackend:
         EmbeddingRoutes(self.model, self.name).add_to(app)
 
     def stats(self) -> dict:
-        return {}
+        return {"weights_read_only_bytes": self.read_only_bytes}
 
     def unhealthy(self) -> str | None:
         return None

@@ -28,7 +28,8 @@ CONTROL_ENV = "OMNI_CUDA_CONTROL"  # the shim's control block (omni.cudashim.ins
 
 
 def load_engine(settings: InstanceSettings, ckpt: Checkpoint):
-    """The engine serving `ckpt`, and the gate it yields its steps through (None: none)."""
+    """The engine serving `ckpt`, the gate it yields its steps through (None: none), and
+    the bytes of its weights declared read-only to the shim (0 off it)."""
     import torch
 
     from omni.engine.engine import Engine
@@ -55,12 +56,14 @@ def load_engine(settings: InstanceSettings, ckpt: Checkpoint):
     speculative = SpecConfig(**settings.speculative) if settings.speculative else None
     draft = load_draft(speculative, model, ckpt.path)
     on_shim = bool(os.environ.get(CONTROL_ENV))
+    read_only = 0
     if on_gpu and on_shim:  # swaps keep the weights' host copy
         from omni.cudashim.read_only import declare_read_only
 
         drafter = draft[0] if isinstance(draft, tuple) else draft  # (EAGLE-3: head, taps)
         weights = [*model.parameters(), *(drafter.parameters() if drafter else ())]
-        log.info("%.2f GiB of weights declared read-only", declare_read_only(weights) / 2**30)
+        read_only = declare_read_only(weights)
+        log.info("%.2f GiB of weights declared read-only", read_only / 2**30)
     engine = Engine(
         model,
         TextTokenizer(ckpt),
@@ -76,7 +79,7 @@ def load_engine(settings: InstanceSettings, ckpt: Checkpoint):
     engine.warm_up(when_idle=not (on_gpu and on_shim))
     if not on_gpu and on_shim:
         account_on_shim(engine.memory_bytes())
-    return engine, gate
+    return engine, gate, read_only
 
 
 def start_ranks(

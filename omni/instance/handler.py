@@ -21,11 +21,12 @@ again alone (batcher.py), so only the bad ones fail.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -161,3 +162,30 @@ class Handler:
 
     def unload(self) -> None:
         """Release what `load` took; called once as the instance stops."""
+
+    def weights(self) -> Iterable[Any]:
+        """The tensors this handler never writes once loaded: its models' parameters and
+        buffers. On a GPU under omnid their host copy is kept across swaps, so a swap-out
+        drops them instead of copying them back (else the longest part of a handler's
+        swap-out). The default finds the torch modules among the handler's attributes
+        (or in a list, tuple or dict there); override it to name others (a pipeline's
+        parts), or return () for weights changed in place."""
+        return module_tensors(vars(self).values())
+
+
+def module_tensors(objects: Iterable[object]) -> list[Any]:
+    """The parameters and buffers of the torch modules among `objects`, or in a list, tuple
+    or dict among them (none if torch was never imported: then there are no modules)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
+    found: list[Any] = []
+    for obj in objects:
+        if isinstance(obj, dict):
+            items: Iterable[object] = obj.values()
+        else:
+            items = obj if isinstance(obj, list | tuple) else (obj,)
+        for item in items:
+            if isinstance(item, torch.nn.Module):
+                found += [*item.parameters(), *item.buffers()]
+    return found

@@ -20,6 +20,7 @@ from pathlib import Path
 from aiohttp import web
 
 from omni.api import oip, phased
+from omni.cudashim.read_only import declare_read_only
 from omni.runtime.gpuyield import YieldGate
 
 from .batcher import Batcher, InferError
@@ -75,6 +76,21 @@ def declared(specs: object) -> tuple[TensorSpec, ...]:
     return specs
 
 
+def declare_weights(handler: Handler, device: str) -> int:
+    """On a GPU under the shim, the handler's weights declared read-only (swaps keep their
+    host copy); the bytes declared. Its `weights()` is handler code: if it fails, the
+    weights move on every swap like any memory, and the model serves as before."""
+    if not device.startswith("cuda"):
+        return 0
+    try:
+        declared = declare_read_only(handler.weights())
+    except Exception:
+        log.exception("the handler's weights() failed: its weights are copied at each swap-out")
+        return 0
+    log.info("%.2f GiB of weights declared read-only", declared / 2**30)
+    return declared
+
+
 def error(status: int, message: str) -> web.Response:
     """The protocol's error body."""
     return web.Response(body=oip.error_body(message), status=status, content_type=oip.JSON_TYPE)
@@ -91,6 +107,7 @@ class PythonBackend:
         assert settings.handler is not None
         self.handler = load_handler_class(settings.handler, model_dir)()
         self.handler.load(model_dir, settings.device)
+        self.read_only_bytes = declare_weights(self.handler, settings.device)
         self.inputs, self.outputs = declared(self.handler.inputs), declared(self.handler.outputs)
         delay_ms = settings.max_queue_delay_ms
         self.gate = YieldGate(Path(settings.yield_path)) if settings.yield_path else None
@@ -114,7 +131,7 @@ class PythonBackend:
 
     def stats(self) -> dict:
         gated = self.gate.stats() if self.gate is not None else {}
-        return {**self.batcher.stats(), **gated}
+        return {**self.batcher.stats(), **gated, "weights_read_only_bytes": self.read_only_bytes}
 
     async def close(self) -> None:
         await self.batcher.close()

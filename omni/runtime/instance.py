@@ -145,8 +145,8 @@ class Backoff:
 
 
 # what omnid keeps of an instance's health answers: speculation's counters, the KV tiers',
-# the load a router weighs (queued prompt tokens, KV blocks in use), a handler's batching
-# and the waits for hotter models of its GPU
+# the load a router weighs (queued prompt tokens, KV blocks in use), a handler's batching,
+# the waits for hotter models of its GPU, and the weights whose host copy swaps keep
 ENGINE_STATS = (
     "spec_",
     "kv_host_",
@@ -155,6 +155,7 @@ ENGINE_STATS = (
     "queued_prompt_tokens",
     "batch_",
     "yield_",
+    "weights_",
 )
 
 
@@ -412,6 +413,7 @@ class Instance:
             ("kv_disk", "kv_disk_"),
             ("batching", "batch_"),  # a handler's dynamic batching (omni/instance/batcher.py)
             ("gpu_yield", "yield_"),  # its waits for hotter models of its GPU (gpuyield.py)
+            ("weights", "weights_"),  # declared read-only: swaps keep their host copy
         ):
             part = {k: v for k, v in self.engine_stats.items() if k.startswith(prefix)}
             if part:

@@ -47,6 +47,7 @@ from omni.instance.handler import (
     each,
     gpu_done,
     gpu_step,
+    module_tensors,
     together,
 )
 
@@ -176,6 +177,11 @@ class TextToImage(Handler):
     def encode(self, pixels: np.ndarray) -> dict[str, np.ndarray]:
         """CPU work after the GPU's: the image as a PNG file."""
         return png(pixels)
+
+    def weights(self) -> list[torch.Tensor]:
+        """The pipeline's models' (text encoder, denoiser, VAE): the pipeline itself is not
+        a torch module, so the default finds none."""
+        return module_tensors(self.pipe.components.values()) if self.pipe is not None else []
 
     def unload(self) -> None:
         self.pipe = None

@@ -150,3 +150,25 @@ def test_an_engine_s_kv_pool_is_released_at_a_swap_out_not_copied(tmp_path, quot
     assert r["epoch"] == 1 and r["after"]["cached"] == [0, 0]  # nothing stale reused
     assert r["after"]["tokens"] == first["tokens"]
     assert r["again"]["cached"] == [32, 32] and r["again"]["tokens"] == first["tokens"]
+
+
+def test_a_handler_s_weights_keep_their_host_copy_and_answer_the_same_after_a_swap(tmp_path, quota):
+    """The worker declares a handler's weights (Handler.weights(): its model's parameters
+    and buffers) read-only after load(): their whole pages are declared, and the model
+    answers the same after its memory went to the host and back."""
+    proc, block = child(tmp_path, "handler", quota, Mode.MANAGED)
+    try:
+        ready = read(proc)
+        out = swap_out(block, timeout_s=60)
+        back = swap_in(block, timeout_s=60)
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        after = read(proc)
+    finally:
+        proc.stdin.close()
+        proc.wait(60)
+    assert proc.returncode == 0, proc.stderr.read()
+    assert out.residency == ShimResidency.HOST and back.residency == ShimResidency.GPU
+    # whole 2 MiB pages of ViT-base-wide layers: most of the weights' bytes
+    assert ready["declared"] >= 0.7 * ready["weight_bytes"], ready
+    assert after["scores"] == ready["scores"]

@@ -155,6 +155,53 @@ def scenario_engine(quota: int) -> None:
     engine.shutdown()
 
 
+def scenario_handler(quota: int) -> None:
+    """A handler's model (an image classifier, ViT-base's widths) whose worker declared its
+    weights read-only, as python_backend.py does after load()."""
+    import io
+    import tempfile
+    from pathlib import Path
+
+    import numpy as np
+    from PIL import Image
+    from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
+
+    from omni.instance.python_backend import declare_weights
+    from omni.runtimes.image_classifier import ImageClassifier
+
+    out = Path(tempfile.mkdtemp())
+    config = ViTConfig(image_size=64, patch_size=16, num_hidden_layers=4, num_labels=10)
+    torch.manual_seed(0)
+    ViTForImageClassification(config).save_pretrained(out)
+    ViTImageProcessor(size={"height": 64, "width": 64}).save_pretrained(out)
+    handler = ImageClassifier()
+    handler.load(out, "cuda")
+    png = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 255, (64, 64, 3), np.uint8)).save(
+        png, "PNG"
+    )
+    image = np.empty(1, dtype=object)
+    image[0] = png.getvalue()
+
+    def scores() -> list[float]:
+        [answer] = handler.infer([{"image": image}])
+        return answer["scores"].tolist()
+
+    weights = [*handler.model.parameters(), *handler.model.buffers()]
+    report(
+        declared=declare_weights(handler, "cuda"),
+        weight_bytes=sum(t.numel() * t.element_size() for t in weights),
+        scores=scores(),
+    )
+    sys.stdin.readline()  # the parent has swapped out and in again
+    report(scores=scores())
+
+
 if __name__ == "__main__":
-    scenarios = {"basics": scenario_basics, "swap": scenario_swap, "engine": scenario_engine}
+    scenarios = {
+        "basics": scenario_basics,
+        "swap": scenario_swap,
+        "engine": scenario_engine,
+        "handler": scenario_handler,
+    }
     scenarios[sys.argv[1]](int(sys.argv[2]))

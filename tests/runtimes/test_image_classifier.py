@@ -119,3 +119,11 @@ def test_a_resnet_with_its_own_processor_scores_as_run_bare(tmp_path):
     results = served(handler, [as_request(image=f) for f in FILES.values()])
     for file, result in zip(FILES.values(), results, strict=True):
         np.testing.assert_allclose(result["scores"], bare_scores(tmp_path, file), atol=1e-5)
+
+
+def test_its_weights_are_its_model_s_parameters_and_buffers(classifier):
+    """What the worker declares read-only on a GPU (Handler.weights()'s default: the torch
+    modules among the handler's attributes)."""
+    model = classifier.model
+    want = {t.data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    assert want and {t.data_ptr() for t in classifier.weights()} == want

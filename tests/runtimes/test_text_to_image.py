@@ -156,3 +156,12 @@ def test_bad_requests_are_refused_alone(painter):
     assert np.array_equal(
         pixels(results[1]), pixels(served(painter, [request("a red square", 5)])[0])
     )
+
+
+def test_its_weights_are_every_model_of_the_pipeline(painter):
+    """The pipeline is not a torch module: the handler names its models' tensors (text
+    encoder, denoiser, VAE) for the worker to declare read-only on a GPU."""
+    models = [m for m in painter.pipe.components.values() if isinstance(m, torch.nn.Module)]
+    assert len(models) == 3
+    want = {t.data_ptr() for m in models for t in [*m.parameters(), *m.buffers()]}
+    assert {t.data_ptr() for t in painter.weights()} == want
