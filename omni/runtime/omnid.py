@@ -22,27 +22,18 @@ import os
 import shutil
 import signal
 import socket
-import struct
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from omni import paths, sdnotify
-from omni.api import images, oip_grpc, run_json, transcriptions
-from omni.api.errors import ApiError, error_middleware, json_response, model_not_found, unavailable
+from omni.api import oip_grpc
+from omni.api.errors import ApiError, error_middleware, model_not_found, unavailable
 from omni.api.oip_http import oip_errors
-from omni.api.proxy import CLIENT_CLOSED, OUTCOME, relay
-from omni.api.schemas import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    EmbeddingRequest,
-    parse_request,
-)
 from omni.cudashim import ShimBuildError, library_path
-from omni.engine import kv_transfer
 from omni.engine.checkpoint import CheckpointError
 from omni.isolation import hostfs, seccomp
 from omni.isolation.cgroups import CgroupError, CgroupManager
@@ -53,32 +44,23 @@ from omni.isolation.uids import UidAllocator
 from omni.isolation.view import ViewConfig
 from omni.logs import setup_logging
 
-from . import (
-    dashboard,
-    disaggregated,
-    image_routes,
-    oip_routes,
-    run_routes,
-    transcription_routes,
-)
+from . import dashboard
+from .admin_routes import ADMIN_GROUP, AdminRoutes, peer_credentials
 from .catalog import (
     DEFAULT_GPU_YIELD_S,
-    HANDLER_KEYS,
     SANDBOX_LIMITS,
     CatalogError,
     ModelEntry,
     NodeConfig,
-    handler_from,
-    limits_from,
     load_config,
-    placement_from,
-    tool_parser_from,
 )
 from .cluster import ClusterMember
 from .code import InstanceCode
 from .defaults import MINILM_PACKAGE, SMOLLM_PACKAGE, default_entries, package_dir
+from .entry_spec import SPEC_KEYS, entry_from_spec
+from .inference_routes import InferenceRoutes, Ticket
 from .instance import GpuPlacement, Instance, SandboxAdopter, SandboxFactory, fingerprint
-from .metrics import CONTENT_TYPE, Metrics
+from .metrics import Metrics
 from .residency import GpuPool
 
 if TYPE_CHECKING:
@@ -90,24 +72,8 @@ log = logging.getLogger("omnid")
 # removes when its unit stops)
 HOST_UID_TABLE = Path("/run/omni-uids/table.json")
 MAX_UNIX_PATH = 107  # sun_path holds 108 bytes with the terminating NUL
-ADMIN_GROUP = "omni"  # members may use the admin socket
 PERMIT_QUEUE = 4  # requests that may wait for a permit, per permit
 DEFAULT_GRPC_PORT = "8082"  # on loopback: the edge's (8001) is the public one
-# endpoint -> (schema, model kind that serves it)
-ENDPOINTS = {
-    "/v1/chat/completions": (ChatCompletionRequest, "generate"),
-    "/v1/completions": (CompletionRequest, "generate"),
-    "/v1/embeddings": (EmbeddingRequest, "embed"),
-}
-
-
-@dataclass
-class Ticket:
-    """One request's turn at its instance, as admission() saw it."""
-
-    queue_s: float = 0.0  # waiting for a permit
-    held_s: float = 0.0  # holding it: until the whole answer was sent
-    usage: dict | None = None  # the response's usage, when it reported one
 
 
 class Node:
@@ -503,57 +469,6 @@ class CatalogStore:
         self._write(data)
 
 
-SPEC_KEYS = {
-    "path",
-    "gpu",
-    "quota",
-    "permits",
-    "cold",
-    "memory",
-    "cpus",
-    "pids",
-    "tmp",
-    "io",
-    "drain",
-    "version",
-    "tool_parser",
-    "tensor_parallel",
-    "parallel",
-    "quantization",
-    "kv_cache_dtype",
-    "speculative",
-    "kv_host_cache",
-    "kv_disk_cache",
-    "runtime",
-    *HANDLER_KEYS,
-}
-
-
-def entry_from_spec(name, spec: dict, origin: str = "admin") -> ModelEntry:
-    """A catalog entry from an admin request's fields (the config's keys, by name)."""
-    extra = set(spec) - SPEC_KEYS - {"name"}
-    if extra:
-        raise CatalogError(f"unknown parameter {sorted(extra)[0]!r}")
-    path = spec.get("path")
-    if not isinstance(path, str) or not path:
-        raise CatalogError("'path' is required")
-    version = spec.get("version", "")
-    if not isinstance(version, str) or len(version) > 64:
-        raise CatalogError("'version' must be a string of at most 64 characters")
-    limits = limits_from(spec, "model")
-    placement = placement_from(spec, "model", None)
-    if "model" in dict(placement.speculative):
-        raise CatalogError(
-            "speculative.model: names a draft among the config's [[models]]; here, give "
-            "the draft checkpoint's 'path'"
-        )
-    tool_parser = tool_parser_from(spec, "model")
-    handler = handler_from(spec, "model")
-    return ModelEntry.from_path(
-        name, path, origin, limits, placement, version, tool_parser, handler
-    )
-
-
 def node_record(args: argparse.Namespace, config: NodeConfig) -> dict:
     """What the cluster sees of this node: scheduler/service.py's cluster_nodes reads it."""
     return {
@@ -670,284 +585,15 @@ def sandbox_factory(
     return make, cgroups
 
 
-def failure(inst: Instance) -> dict:
-    """A failed instance's reason, for the model list."""
-    return {"error": inst.failure} if inst.failure is not None else {}
-
-
 def inference_app(node: Node) -> web.Application:
     app = web.Application(middlewares=[error_middleware, oip_errors], client_max_size=64 << 20)
-
-    async def models(_request: web.Request) -> web.Response:
-        # `permits`: the instance's concurrency, which the edge queues fairly for; `load`:
-        # what it weighs a node by (prompt tokens queued, KV blocks in use)
-        entries = {
-            name: {
-                "permits": inst.entry.placement.permits,
-                "state": str(inst.state),
-                **failure(inst),
-                "load": inst.load(),
-            }
-            for name, inst in node.instances.items()
-            if inst.entry.placement.serves is None  # (a side of a disaggregated model)
-        }
-        for name in {i.entry.placement.serves for i in node.instances.values()} - {None}:
-            entries[name] = disaggregated.listing(node.instances, name)
-        data = [
-            {"id": name, "object": "model", "created": node.started, "owned_by": "omni", **entry}
-            for name, entry in sorted(entries.items())
-        ]
-        return json_response({"object": "list", "data": data})
-
-    async def infer(request: web.Request) -> web.StreamResponse:
-        t0 = time.monotonic()
-        status = 500  # an unexpected error: the middleware answers 500
-        ticket = request["omni_ticket"] = Ticket()
-        try:
-            if request.path.startswith("/v2/"):
-                resp = await oip_routes.infer(node, request)
-            elif request.path == transcriptions.PATH:
-                resp = await transcription_routes.transcribe(node, request)
-            elif request.path == images.PATH:
-                resp = await image_routes.generate(node, request)
-            elif request.match_info.route.resource.canonical == run_json.PATH:
-                resp = await run_routes.run(node, request)
-            else:
-                resp = await route(request)
-            status = request.get(OUTCOME, resp.status)  # a stream cut short is not a 200
-            return resp
-        except ApiError as exc:
-            status = exc.status
-            raise
-        except asyncio.CancelledError:  # the client left: 499 unless it had the whole answer
-            status = request.get(OUTCOME, CLIENT_CLOSED)
-            raise
-        finally:
-            model = request.get("omni_model", "-")  # "-": no body read, or no such model
-            # the route's pattern, not the path: /v2's paths name the model (and version)
-            endpoint = request.match_info.route.resource.canonical
-            node.metrics.observe_request(model, endpoint, status, time.monotonic() - t0)
-            if node.load is not None and "omni_model" in request:
-                prompt, completion = usage_tokens(ticket.usage)
-                node.load.record_request(
-                    request["omni_model"],
-                    wall_s=ticket.held_s,
-                    queue_s=ticket.queue_s,
-                    prompt_tokens=prompt,
-                    completion_tokens=completion,
-                    status=status,
-                    version=request.get("omni_version", ""),
-                    origin=request.headers.get("x-omni-origin", ""),
-                )
-
-    async def route(request: web.Request) -> web.StreamResponse:
-        schema, kind = ENDPOINTS[request.path]
-        body = await request.read()
-        req = parse_request(schema, body)
-        ticket: Ticket = request["omni_ticket"]
-
-        def on_usage(usage: dict) -> None:
-            node.metrics.observe_usage(req.model, usage)
-            ticket.usage = usage
-
-        if node.draining:
-            raise unavailable("This node is draining; retry on another node.", 5)
-        if disaggregated.sides(node.instances, req.model) and kind == "generate":
-            request["omni_model"] = req.model
-            return await disaggregated.serve(node, request, body, req.model, on_usage)
-        inst = node.get(req.model)
-        request["omni_model"] = req.model
-        request["omni_version"] = inst.entry.version
-        if inst.entry.kind != kind:
-            raise ApiError(
-                400,
-                f"Model '{req.model}' does not serve {request.path}.",
-                param="model",
-                code="wrong_model_kind",
-            )
-        await node.wait_ready(inst)
-        t_admit = time.monotonic()
-        async with node.admission(inst, t_admit + node.request_timeout_s, ticket):
-            node.metrics.observe_admission(req.model, time.monotonic() - t_admit)
-            return await relay(
-                request,
-                inst.session,
-                inst.url(request.path),
-                body,
-                upstream_name=f"instance of '{req.model}'",
-                retry_after_s=inst.retry_after_s(),
-                drop_headers=kv_transfer.HEADERS,  # omnid's alone to give
-                on_usage=on_usage,
-            )
-
-    async def healthz(_request: web.Request) -> web.Response:
-        if node.draining:
-            return json_response({"status": "draining"}, 503)
-        return json_response({"status": "ok"})
-
-    async def metrics(_request: web.Request) -> web.Response:
-        body = await asyncio.to_thread(node.metrics.render)
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
-
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/metrics", metrics)
-    for path in (*ENDPOINTS, transcriptions.PATH, images.PATH, run_json.PATH):
-        app.router.add_post(path, infer)
-    oip_routes.add_routes(app, node, infer)  # /v2: the Open Inference Protocol
+    InferenceRoutes(node).add_to(app)
     return app
-
-
-def usage_tokens(usage: dict | None) -> tuple[int, int]:
-    """(prompt, completion) tokens of a response's usage; 0 for what it does not report."""
-
-    def count(key: str) -> int:
-        value = (usage or {}).get(key)
-        return value if isinstance(value, int) and value > 0 else 0
-
-    return count("prompt_tokens"), count("completion_tokens")
-
-
-def peer_allowed(uid: int, gid: int, pid: int) -> bool:
-    """Root, omnid's own user, or a member of the `omni` group (SO_PEERCRED's identity);
-    never omnid itself, which has no use for its own admin API: a connection from it was
-    steered here (a link an instance planted where omnid expected its socket)."""
-    if pid == os.getpid():
-        return False
-    if uid in (0, os.geteuid()):
-        return True
-    try:
-        omni_gid = grp.getgrnam(ADMIN_GROUP).gr_gid
-    except KeyError:
-        return False
-    if gid == omni_gid:
-        return True
-    try:  # supplementary groups of the connecting process
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("Groups:"):
-                return str(omni_gid) in line.split()[1:]
-    except OSError:
-        pass
-    return False
-
-
-@web.middleware
-async def peer_credentials(request: web.Request, handler):
-    sock = request.transport.get_extra_info("socket") if request.transport else None
-    if sock is None or sock.family != socket.AF_UNIX:
-        raise ApiError(403, "The admin API is only served on its Unix socket.")
-    pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-    if not peer_allowed(uid, gid, pid):
-        log.warning("admin request refused: uid %d gid %d pid %d", uid, gid, pid)
-        raise ApiError(403, f"uid {uid} may not use omnid's admin API.", code="forbidden")
-    return await handler(request)
 
 
 def admin_app(node: Node) -> web.Application:
     app = web.Application(middlewares=[error_middleware, peer_credentials])
-
-    async def list_models(_request: web.Request) -> web.Response:
-        # the catalog: what runs, and what a drain stopped (undrain starts it again)
-        running = [
-            {**i.entry.to_json(), "state": node.instance_json(i)["state"]}
-            for i in node.instances.values()
-        ]
-        drained = [{**e.to_json(), "state": "drained"} for e in node.drained or []]
-        return json_response({"models": running + drained})
-
-    async def list_instances(_request: web.Request) -> web.Response:
-        return json_response(
-            {
-                "instances": [node.instance_json(i) for i in node.instances.values()],
-                "draining": node.draining,
-                "drained": node.drained_names(),
-            }
-        )
-
-    async def node_status(_request: web.Request) -> web.Response:
-        return json_response(
-            {
-                "draining": node.draining,
-                "drained": node.drained_names(),
-                "instances": len(node.instances),
-                "gpus": [p.to_json() for p in node.pools.values()],
-                "sandbox": node.sandbox,
-            }
-        )
-
-    async def load(request: web.Request) -> web.Response:
-        try:
-            body = await request.json()
-        except ValueError:
-            raise ApiError(400, "Request body is not valid JSON.") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "Request body must be a JSON object.")
-        name, path = body.get("name"), body.get("path")
-        for key, value in (("name", name), ("path", path)):
-            if not isinstance(value, str) or not value:
-                raise ApiError(400, f"Missing required parameter: '{key}'.", param=key)
-        if name in node.instances or name in node.drained_names():
-            raise ApiError(
-                409, f"Model '{name}' is already loaded.", param="name", code="model_exists"
-            )
-        spec = {k: v for k, v in body.items() if k != "name"}
-        try:
-            entry = await asyncio.to_thread(entry_from_spec, name, spec)
-        except (CatalogError, CheckpointError) as exc:
-            raise ApiError(
-                400, str(exc), param="path" if isinstance(exc, CheckpointError) else None
-            ) from None
-        inst = node.add(entry)
-        if node.catalog:
-            node.catalog.loaded(name, spec)
-        log.info("loaded %s from %s", name, entry.path)
-        return json_response(node.instance_json(inst), 201)
-
-    async def unload(request: web.Request) -> web.Response:
-        name = request.match_info["name"]
-        drained = {e.name: e for e in node.drained or []}
-        if name in drained:  # stopped by a drain: out of the catalog, not started again
-            node.drained = [e for e in node.drained or [] if e.name != name]
-            origin = drained[name].origin
-        else:
-            origin = node.get(name).entry.origin
-            await node.remove(name)
-        if node.catalog:
-            node.catalog.unloaded(name, origin)
-        log.info("unloaded %s", name)
-        return json_response({"name": name, "unloaded": True})
-
-    async def restart(request: web.Request) -> web.Response:
-        inst = node.get(request.match_info["name"])
-        inst.restart("restarted by the operator", drain=True)
-        return json_response(node.instance_json(inst), 202)
-
-    async def swap(request: web.Request) -> web.Response:
-        inst = node.get(request.match_info["name"])
-        if inst.gpu is None or inst.member is None:
-            raise ApiError(409, f"Model '{inst.name}' has no GPU memory to swap.")
-        direction = request.match_info["direction"]
-        await inst.force_swap("out" if direction == "swap-out" else "in")
-        return json_response(node.instance_json(inst))
-
-    async def drain(_request: web.Request) -> web.Response:
-        node.start_drain()
-        return json_response({"draining": True}, 202)
-
-    async def undrain(_request: web.Request) -> web.Response:
-        started = await node.undrain()
-        return json_response({"draining": False, "started": started})
-
-    app.router.add_get("/v1/models", list_models)
-    app.router.add_post("/v1/models", load)
-    app.router.add_delete("/v1/models/{name}", unload)
-    app.router.add_get("/v1/instances", list_instances)
-    app.router.add_post("/v1/instances/{name}/restart", restart)
-    app.router.add_post("/v1/instances/{name}/{direction:swap-out|swap-in}", swap)
-    app.router.add_get("/v1/node", node_status)
-    app.router.add_post("/v1/node/drain", drain)
-    app.router.add_post("/v1/node/undrain", undrain)
-    dashboard.add_routes(app, node)  # read-only: GET /dashboard, /v1/dashboard[/events]
+    AdminRoutes(node).add_to(app)
     return app
 
 
