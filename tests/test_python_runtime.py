@@ -261,8 +261,9 @@ def test_a_request_whose_client_left_is_dropped_before_it_runs(node):
     time.sleep(2)  # had it run, it would have by now
     stats = node.instances()["slow"]["batching"]
     assert (stats["batch_runs"], stats["batch_cancelled"]) == (1, 1), stats
-    # the weights its worker declared read-only (none on the CPU) are reported beside them
-    assert node.instances()["slow"]["weights"] == {"weights_read_only_bytes": 0}
+    # its memory (on the CPU: no weights declared read-only, no trims) is reported beside
+    memory = {"memory_read_only_bytes": 0, "memory_trims": 0, "memory_trimmed_bytes": 0}
+    assert node.instances()["slow"]["memory"] == memory
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from omni.runtime.gpuyield import YieldFlag, YieldGate
 from omni.runtime.residency import (
     CHARGE_MARGIN_MIN,
     HEAD_AFTER_S,
+    TRIM_TIMEOUT_S,
     GpuPool,
     PoolMember,
     Residency,
@@ -92,6 +93,35 @@ def test_concurrent_requests_for_a_cold_instance_share_one_swap_in():
     t = asyncio.run(main())
     assert block.moves.count(ShimResidency.GPU) == 1
     assert t["a"].swaps_in == 1
+
+
+@pytest.mark.parametrize("answer", ["trims", "hangs", "fails"])
+def test_a_swap_out_first_asks_the_instance_to_trim_and_waits_a_bounded_time(answer):
+    """The instance frees its unused memory before the move (before_swap_out); one that
+    never answers, or fails, is swapped out after TRIM_TIMEOUT_S at most all the same."""
+    block, events = Block(), []
+
+    async def trim():
+        events.append(("trim", len(block.moves)))
+        if answer == "hangs":
+            await asyncio.sleep(60)
+        if answer == "fails":
+            raise ConnectionResetError("the instance hung up")
+
+    async def main():
+        pool, t, _ = await pool_with(["a", "b"], 1, a=block)
+        await request(pool, t["a"])
+        t["a"].before_swap_out = trim
+        moved = len(block.moves)
+        began = time.monotonic()
+        await request(pool, t["b"])  # needs a's room
+        return t, moved, time.monotonic() - began
+
+    t, moved, took = asyncio.run(main())
+    assert t["a"].state is Residency.SWAPPED and t["b"].state is Residency.RESIDENT
+    # asked once, before its swap-out moved anything
+    assert events == [("trim", moved)] and block.moves[moved:] == [ShimResidency.HOST]
+    assert took < TRIM_TIMEOUT_S + 2
 
 
 def test_a_failed_swap_restarts_the_instance_and_answers_503():

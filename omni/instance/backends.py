@@ -19,6 +19,7 @@ from omni.cudashim.read_only import declare_read_only
 from omni.engine.checkpoint import Checkpoint
 
 from .settings import InstanceSettings
+from .trim import free_cached
 
 log = logging.getLogger("omni.worker")
 
@@ -34,6 +35,11 @@ class Backend(Protocol):
 
     def unhealthy(self) -> str | None:
         """Why the instance must be restarted; None while it serves."""
+        ...
+
+    def trim(self) -> int:
+        """Free the GPU memory held unused, before omnid swaps the instance out (trim.py);
+        the bytes freed."""
         ...
 
     async def close(self) -> None: ...
@@ -60,10 +66,15 @@ class TextGenBackend:
 
     def stats(self) -> dict:
         gated = self.gate.stats() if self.gate else {}
-        return {**self.engine.stats(), **gated, "weights_read_only_bytes": self.read_only_bytes}
+        return {**self.engine.stats(), **gated, "memory_read_only_bytes": self.read_only_bytes}
 
     def unhealthy(self) -> str | None:
         return None
+
+    def trim(self) -> int:
+        """Nothing: the swap-out itself releases the KV pool, the engine's largest part
+        besides its weights, and its CUDA graphs keep their memory pools."""
+        return 0
 
     async def close(self) -> None:
         await asyncio.to_thread(self.engine.shutdown)
@@ -81,6 +92,7 @@ class EmbeddingBackend:
         self.name = settings.name
         # on a GPU under the shim, swaps keep the weights' host copy (0 elsewhere)
         self.read_only_bytes = declare_read_only(self.model.model.parameters())
+        self.device = settings.device
 
     def add_routes(self, app: web.Application) -> None:
         from .embeddings import EmbeddingRoutes
@@ -88,10 +100,13 @@ class EmbeddingBackend:
         EmbeddingRoutes(self.model, self.name).add_to(app)
 
     def stats(self) -> dict:
-        return {"weights_read_only_bytes": self.read_only_bytes}
+        return {"memory_read_only_bytes": self.read_only_bytes}
 
     def unhealthy(self) -> str | None:
         return None
+
+    def trim(self) -> int:
+        return free_cached(self.device)
 
     async def close(self) -> None:
         pass

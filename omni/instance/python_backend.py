@@ -26,6 +26,7 @@ from omni.runtime.gpuyield import YieldGate
 from .batcher import Batcher, InferError
 from .handler import Handler, TensorSpec
 from .settings import InstanceSettings
+from .trim import free_cached
 from .validate import TensorError, check_inputs, check_outputs
 
 log = logging.getLogger("omni.python_backend")
@@ -108,6 +109,7 @@ class PythonBackend:
         self.handler = load_handler_class(settings.handler, model_dir)()
         self.handler.load(model_dir, settings.device)
         self.read_only_bytes = declare_weights(self.handler, settings.device)
+        self.device = settings.device
         self.inputs, self.outputs = declared(self.handler.inputs), declared(self.handler.outputs)
         delay_ms = settings.max_queue_delay_ms
         self.gate = YieldGate(Path(settings.yield_path)) if settings.yield_path else None
@@ -131,7 +133,10 @@ class PythonBackend:
 
     def stats(self) -> dict:
         gated = self.gate.stats() if self.gate is not None else {}
-        return {**self.batcher.stats(), **gated, "weights_read_only_bytes": self.read_only_bytes}
+        return {**self.batcher.stats(), **gated, "memory_read_only_bytes": self.read_only_bytes}
+
+    def trim(self) -> int:
+        return free_cached(self.device)
 
     async def close(self) -> None:
         await self.batcher.close()

@@ -33,6 +33,7 @@ def build_app(settings: InstanceSettings, backend: Backend) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=MAX_REQUEST_BYTES)
     backend.add_routes(app)
     started = time.time()
+    trims = {"memory_trims": 0, "memory_trimmed_bytes": 0}  # omnid's asks before swap-outs
 
     async def health(_request: web.Request) -> web.Response:
         problem = backend.unhealthy()
@@ -44,11 +45,19 @@ def build_app(settings: InstanceSettings, backend: Backend) -> web.Application:
                 "kind": backend.kind,
                 "uptime_s": time.time() - started,
                 **backend.stats(),
+                **trims,
             },
             status=503 if problem else 200,
         )
 
+    async def trim(_request: web.Request) -> web.Response:
+        """omnid is about to swap this idle instance out: free what it holds unused."""
+        trims["memory_trims"] += 1
+        trims["memory_trimmed_bytes"] += await asyncio.to_thread(backend.trim)
+        return web.Response(status=204)
+
     app.router.add_get("/health", health)
+    app.router.add_post("/trim", trim)
     app.on_shutdown.append(lambda _app: backend.close())
     return app
 

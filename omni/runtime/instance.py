@@ -146,7 +146,8 @@ class Backoff:
 
 # what omnid keeps of an instance's health answers: speculation's counters, the KV tiers',
 # the load a router weighs (queued prompt tokens, KV blocks in use), a handler's batching,
-# the waits for hotter models of its GPU, and the weights whose host copy swaps keep
+# the waits for hotter models of its GPU, and its memory (the weights whose host copy
+# swaps keep, what trims before swap-outs freed)
 ENGINE_STATS = (
     "spec_",
     "kv_host_",
@@ -155,7 +156,7 @@ ENGINE_STATS = (
     "queued_prompt_tokens",
     "batch_",
     "yield_",
-    "weights_",
+    "memory_",
 )
 
 
@@ -202,6 +203,8 @@ class Instance:
             PoolMember(entry.name, entry.placement.quota_bytes or 0, self.restart)
             for _ in (gpu.pools if gpu is not None else ())
         ]
+        for member in self.members:
+            member.before_swap_out = self.trim
         if len(self.members) > 1:
             for pool, member in zip(gpu.pools, self.members, strict=True):
                 member.after_swap_out = partial(self._swap_out_others, pool)
@@ -266,6 +269,12 @@ class Instance:
             return Path(f"/proc/1/fd/{block.fd}")
         name = "cuda.ctl" if rank == 0 else f"cuda.{rank}.ctl"
         return self.dir / name
+
+    async def trim(self) -> None:
+        """Ask the idle process to free the GPU memory it holds unused (its allocator's
+        cache), before a swap-out moves its memory (the pool bounds the wait)."""
+        async with self.session.post(self.url("/trim")) as resp:
+            await resp.read()
 
     def _listener_is_ours(self, pid: int, uid: int) -> bool:
         """Whether the process listening on its socket is this instance's own."""
@@ -413,7 +422,7 @@ class Instance:
             ("kv_disk", "kv_disk_"),
             ("batching", "batch_"),  # a handler's dynamic batching (omni/instance/batcher.py)
             ("gpu_yield", "yield_"),  # its waits for hotter models of its GPU (gpuyield.py)
-            ("weights", "weights_"),  # declared read-only: swaps keep their host copy
+            ("memory", "memory_"),  # weights kept on the host, trims before swap-outs
         ):
             part = {k: v for k, v in self.engine_stats.items() if k.startswith(prefix)}
             if part:

@@ -13,6 +13,9 @@ and the shim runs inside the instance. A request for a swapped-out instance wait
 (boundedly) while the pool swaps out idle instances and swaps the wanted one in;
 concurrent requests for the same cold instance share one swap-in.
 
+Before a swap-out the instance is asked to free what it holds unused (its allocator's
+cache, before_swap_out, bounded by TRIM_TIMEOUT_S): that memory is then not moved.
+
 Swaps overlap where the link allows: one swap-in and one swap-out of a GPU at a time
 (PCIe is full duplex: a swap-out no longer holds up an unrelated swap-in), each
 moving with the pool's lock let go, so requests and the other direction's swaps go
@@ -56,7 +59,7 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from omni.api.errors import ApiError, unavailable
@@ -84,6 +87,9 @@ RATE_WEIGHT = 0.2  # how much each swap-in moves a measured rate (a moving avera
 # 1.0 s, 0.13 / 1.8-2.0; never, 0.13 / 2.5-4.
 HEAD_AFTER_S = 0.5
 DRAIN_MAX_S = 0.5  # longest a cold instance's new request waits while the head wants room
+# Longest a swap-out waits for the instance to free its unused memory (before_swap_out):
+# freeing a cache takes milliseconds, and the answer is the instance's word.
+TRIM_TIMEOUT_S = 0.25
 # charged beyond an instance's use, for growth before the request that grows ends
 CHARGE_MARGIN_MIN = 64 << 20
 CHARGE_MARGIN_SHARE = 1 / 16  # of the use
@@ -197,6 +203,8 @@ class PoolMember:
     demand: float = 0.0  # requests, decayed to `demand_at`
     demand_at: float = 0.0
     after_swap_out: Callable[[], None] | None = None  # a multi-GPU instance's other ranks
+    # asks the idle process to free what it holds unused (its allocator's cache) first
+    before_swap_out: Callable[[], Awaitable[None]] | None = None
     swap_in_s: float | None = None  # its swap-ins' moving average, once one is measured
     hold_s: float | None = None  # how long a request holds it: its GPU phase and what follows
     busy_since: float = 0.0  # monotonic: when its requests in flight last went from none
@@ -743,6 +751,8 @@ class GpuPool:
         """(Its own task, in the caller's priority.) Wait for the direction's lane, move,
         and record the new state under the lock, ahead of every waiter: it frees room."""
         move = swap_in if direction == "in" else swap_out
+        if direction == "out":
+            await self._trim(member)
         try:
             async with self._lanes[direction]:
                 result = await asyncio.to_thread(move, block, self.swap_timeout_s)
@@ -763,6 +773,19 @@ class GpuPool:
             if claimant is not None and direction == "out":
                 self._claims[claimant] = self._claims.get(claimant, 0) + member.charge
             self._cond.notify_all()
+
+    @staticmethod
+    async def _trim(member: PoolMember) -> None:
+        """Before its memory moves out, let the idle instance free what it holds but does
+        not use (a handler's allocator cache: a detector's batches leave a GiB of it): what
+        is freed is neither copied out nor back in. Waited for TRIM_TIMEOUT_S at most, and
+        a failure costs only the saving."""
+        if member.before_swap_out is None:
+            return
+        try:
+            await asyncio.wait_for(member.before_swap_out(), TRIM_TIMEOUT_S)
+        except Exception as exc:  # (TimeoutError among them)
+            log.debug("%s did not trim before its swap-out: %r", member.name, exc)
 
     def _moved(self, member: PoolMember, direction: str, result: SwapResult) -> None:
         """With the lock held: a move is done; its state, counters and measured cost."""

@@ -154,16 +154,24 @@ def test_an_engine_s_kv_pool_is_released_at_a_swap_out_not_copied(tmp_path, quot
 
 def test_a_handler_s_weights_keep_their_host_copy_and_answer_the_same_after_a_swap(tmp_path, quota):
     """The worker declares a handler's weights (Handler.weights(): its model's parameters
-    and buffers) read-only after load(): their whole pages are declared, and the model
-    answers the same after its memory went to the host and back."""
+    and buffers) read-only after load(): their whole pages are declared. Its trim before
+    a swap-out frees the allocator's cache, and the shim counts that memory gone. The
+    model answers the same after its memory went to the host and back."""
     proc, block = child(tmp_path, "handler", quota, Mode.MANAGED)
-    try:
-        ready = read(proc)
-        out = swap_out(block, timeout_s=60)
-        back = swap_in(block, timeout_s=60)
+
+    def step() -> dict:
         proc.stdin.write("go\n")
         proc.stdin.flush()
-        after = read(proc)
+        return read(proc)
+
+    try:
+        ready = read(proc)
+        held = block.stats()["used_bytes"]
+        trimmed = step()
+        left = block.stats()["used_bytes"]
+        out = swap_out(block, timeout_s=60)
+        back = swap_in(block, timeout_s=60)
+        after = step()
     finally:
         proc.stdin.close()
         proc.wait(60)
@@ -171,4 +179,5 @@ def test_a_handler_s_weights_keep_their_host_copy_and_answer_the_same_after_a_sw
     assert out.residency == ShimResidency.HOST and back.residency == ShimResidency.GPU
     # whole 2 MiB pages of ViT-base-wide layers: most of the weights' bytes
     assert ready["declared"] >= 0.7 * ready["weight_bytes"], ready
+    assert trimmed["freed"] > 0 and left <= held - trimmed["freed"], (held, left, trimmed)
     assert after["scores"] == ready["scores"]

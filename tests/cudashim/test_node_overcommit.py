@@ -177,6 +177,23 @@ def test_concurrent_requests_for_a_cold_instance_share_one_swap_in(node):
     assert after["residency"] == "resident"
 
 
+def test_omnid_asks_an_instance_to_trim_before_its_swap_out(node):
+    """POST /trim to the instance (its worker frees its allocator's cache: nothing here,
+    on the fake driver), counted by the worker and reported in its memory stats."""
+    name = node.names[2]
+    node.complete(name)  # resident now
+
+    def trims() -> int:
+        return node.omnid.instances()[name].get("memory", {}).get("memory_trims", -1)
+
+    wait_until(lambda: trims() >= 0, 10, "its memory stats")
+    before = trims()  # (as of its last health check: others may not be counted yet)
+    with node.omnid.admin() as c:
+        r = c.post(f"/v1/instances/{name}/swap-out")
+        assert r.status_code == 200, r.text
+    wait_until(lambda: trims() >= before + 1, 10, "the trim in its stats")
+
+
 def test_admin_swap_errors_are_clear(node):
     name = node.names[1]
     with node.omnid.admin() as c:

@@ -157,7 +157,8 @@ def scenario_engine(quota: int) -> None:
 
 def scenario_handler(quota: int) -> None:
     """A handler's model (an image classifier, ViT-base's widths) whose worker declared its
-    weights read-only, as python_backend.py does after load()."""
+    weights read-only, as python_backend.py does after load(), and trims its allocator's
+    cache when omnid asks before a swap-out (trim.py)."""
     import io
     import tempfile
     from pathlib import Path
@@ -167,13 +168,16 @@ def scenario_handler(quota: int) -> None:
     from transformers import ViTConfig, ViTForImageClassification, ViTImageProcessor
 
     from omni.instance.python_backend import declare_weights
+    from omni.instance.trim import free_cached
     from omni.runtimes.image_classifier import ImageClassifier
 
     out = Path(tempfile.mkdtemp())
-    config = ViTConfig(image_size=64, patch_size=16, num_hidden_layers=4, num_labels=10)
+    # ViT-base's widths and image size, four layers: a batch's activations (tens of MiB)
+    # leave whole segments in the allocator's cache
+    config = ViTConfig(num_hidden_layers=4, num_labels=10)
     torch.manual_seed(0)
     ViTForImageClassification(config).save_pretrained(out)
-    ViTImageProcessor(size={"height": 64, "width": 64}).save_pretrained(out)
+    ViTImageProcessor().save_pretrained(out)
     handler = ImageClassifier()
     handler.load(out, "cuda")
     png = io.BytesIO()
@@ -183,9 +187,9 @@ def scenario_handler(quota: int) -> None:
     image = np.empty(1, dtype=object)
     image[0] = png.getvalue()
 
-    def scores() -> list[float]:
-        [answer] = handler.infer([{"image": image}])
-        return answer["scores"].tolist()
+    def scores() -> list[list[float]]:
+        answers = handler.infer([{"image": image}] * 8)
+        return [answer["scores"].tolist() for answer in answers]
 
     weights = [*handler.model.parameters(), *handler.model.buffers()]
     report(
@@ -193,6 +197,8 @@ def scenario_handler(quota: int) -> None:
         weight_bytes=sum(t.numel() * t.element_size() for t in weights),
         scores=scores(),
     )
+    sys.stdin.readline()  # the parent has read the shim's count
+    report(freed=free_cached("cuda"))
     sys.stdin.readline()  # the parent has swapped out and in again
     report(scores=scores())
 
