@@ -24,8 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.decode_attention_bench import DIM, N_KV, N_Q, PAGE
 from bench.engine_bench import device_tag, measure_bandwidth
 from bench.results_io import write_result
-from omni.engine.fp8 import FP8
 from omni.engine.kernels import attention
+from omni.engine.kernels.e4m3 import FP8
 
 SHAPES = ((400, 450), (128, 640), (16, 1500))  # (sequences, context): big, mid, tail steps
 SIDES = (

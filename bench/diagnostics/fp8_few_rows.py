@@ -27,8 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.engine_bench import device_tag
 from bench.results_io import write_result
-from omni.engine.fp8 import FP8, FP8_MAX, quantize_weight
+from omni.engine.fp8 import quantize_weight
 from omni.engine.kernels import w8a8
+from omni.engine.kernels.e4m3 import FP8, FP8_MAX
 from omni.engine.kernels.matmul import launch_linear, tile_config
 from omni.engine.kernels.pdl import pdl_options
 

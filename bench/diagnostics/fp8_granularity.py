@@ -20,7 +20,8 @@ sys.path.insert(0, str(REPO))
 
 from bench.fp8_accuracy import all_logits, closeness, text_ids  # noqa: E402
 from bench.results_io import write_result  # noqa: E402
-from omni.engine.fp8 import PROJECTIONS, quantize_rows, quantize_weight  # noqa: E402
+from omni.engine.fp8 import PROJECTIONS, quantize_weight  # noqa: E402
+from omni.engine.kernels.e4m3 import quantize_rows  # noqa: E402
 
 # (activation scale: a row or a group of n along K; weight scale: the engine's per-row
 # search, a row's absmax, or a group of n along K)
@@ -37,7 +38,7 @@ VARIANTS = (
 
 def fake_quant(x: torch.Tensor, group: int) -> torch.Tensor:
     """x in e4m3 and back, each `group` values along the last axis with its own scale
-    (the engine's per-row quantizing, fp8.quantize_rows, on rows of `group` values)."""
+    (the engine's per-row quantizing, e4m3.quantize_rows, on rows of `group` values)."""
     shape = x.shape
     q, scale = quantize_rows(x.reshape(*shape[:-1], shape[-1] // group, group))
     return (q.float() * scale.unsqueeze(-1)).reshape(shape)

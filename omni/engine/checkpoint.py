@@ -12,15 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .errors import CheckpointError
+
 if TYPE_CHECKING:  # torch loads with the tensors: omnid reads checkpoints without it
     import torch
 
 CAUSAL_LM_SUFFIX = "ForCausalLM"
 ENCODER_ARCHITECTURES = {"BertModel", "BertForMaskedLM"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory that cannot be served; the message names the file."""
 
 
 def _read_json(path: Path) -> dict:
@@ -103,6 +101,6 @@ class Checkpoint:
         """All tensors on `device`, floating ones cast to `dtype`: through pinned chunked
         reads on CUDA, memory-mapped elsewhere (see safetensors_reader); each group in
         `together` back to back in one allocation."""
-        from . import safetensors_reader
+        from . import safetensors_reader  # (with torch: not at import, for omnid's sake)
 
         return safetensors_reader.load_tensors(self.shard_files(), device, dtype, together)

@@ -19,21 +19,12 @@ import torch
 from torch import nn
 
 from .checkpoint import CheckpointError
+from .kernels import ops
+from .kernels.e4m3 import FP8, quantize_rows
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)  # 448
 METHODS = ("fp8",)  # what `quantization` may name
 # the projections quantized, by their (fused) names in the model
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-
-
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of x scaled into e4m3's range by its own absolute max: (e4m3 rows, fp32
-    scales [rows]), x ~ rows * scales."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX
-    q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return q, scale
 
 
 SCALE_STEPS = 16  # candidate weight scales per row: absmax's, times 2^(i/16) for i < 16
@@ -63,34 +54,6 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def fp8_linear_ref(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    weight_scale: torch.Tensor,
-    bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """y = x @ w.T (+ bias) the W8A8 way: x quantized per token, `weight` [N, K] e4m3 with
-    fp32 `weight_scale` [N]; the e4m3 products summed in fp32, then both scales applied."""
-    shape = x.shape
-    xq, xs = quantize_rows(x.reshape(-1, shape[-1]))
-    y = (xq.float() @ weight.float().T) * xs[:, None] * weight_scale.float()[None, :]
-    if bias is not None:
-        y = y + bias.float()
-    return y.to(x.dtype).view(*shape[:-1], weight.shape[0])
-
-
-def attach_rows(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Give x [rows, K] its rows already quantized (quantize_rows' bits: a norm kernel that
-    wrote them beside x), so the FP8 projection it feeds skips quantizing them."""
-    x._omni_fp8_rows = (q, scale)
-    return x
-
-
-def attached_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """x's rows in e4m3 with their scales, if a kernel attached them (attach_rows)."""
-    return getattr(x, "_omni_fp8_rows", None)
-
-
 class Fp8Linear(nn.Module):
     """A projection with e4m3 weights and a scale per output channel (checkpoint names:
     `weight`, `weight_scale`, `bias`), through the `ops` switch."""
@@ -105,8 +68,6 @@ class Fp8Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, device=device)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from .kernels import ops
-
         return ops(x.device).fp8_linear(x, self.weight, self.weight_scale, self.bias)
 
 

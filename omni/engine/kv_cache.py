@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .checkpoint import CheckpointError
-from .fp8 import FP8, FP8_MAX
+from .kernels.e4m3 import FP8, FP8_MAX
 
 KV_CACHE_DTYPES = ("fp8",)  # what `kv_cache_dtype` may name (None: the model's dtype)
 # above the bound: the bf16 rounding of the normed input and, in an FP8 model, its

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from .checkpoint import CheckpointError
+from .errors import CheckpointError
 
 # Pinning host memory costs about 0.6 s a GiB, once per process (torch caches pinned
 # blocks): 8 MiB chunks x 2 buffers x 8 threads pin 128 MiB and still fill PCIe (larger

@@ -11,6 +11,7 @@ import os
 import threading
 from pathlib import Path
 
+from omni.cudashim.read_only import declare_read_only
 from omni.engine.checkpoint import Checkpoint
 from omni.logs import setup_logging
 from omni.runtime.gpuyield import YieldGate
@@ -58,8 +59,6 @@ def load_engine(settings: InstanceSettings, ckpt: Checkpoint):
     on_shim = bool(os.environ.get(CONTROL_ENV))
     read_only = 0
     if on_gpu and on_shim:  # swaps keep the weights' host copy
-        from omni.cudashim.read_only import declare_read_only
-
         drafter = draft[0] if isinstance(draft, tuple) else draft  # (EAGLE-3: head, taps)
         weights = [*model.parameters(), *(drafter.parameters() if drafter else ())]
         read_only = declare_read_only(weights)

@@ -12,7 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from bench.fp8_accuracy import VARIANTS, measure
 from omni.engine.checkpoint import Checkpoint, CheckpointError
-from omni.engine.fp8 import FP8, Fp8Linear, fp8_linear_ref, quantize_rows, quantize_weight
+from omni.engine.fp8 import Fp8Linear, quantize_weight
+from omni.engine.kernels.e4m3 import FP8, fp8_linear_ref, quantize_rows
 from omni.engine.llama import LlamaForCausalLM
 from omni.testing.runs import greedy_steps
 
@@ -219,9 +220,9 @@ def test_an_fp8_model_runs_on_the_gpu_with_cuda_graphs_near_bf16(tmp_path):
 def test_a_norm_hands_its_fp8_projection_the_rows_quantize_rows_would_give(tmp_path):
     """The norm kernel's e4m3 rows (kernels/norm.py, `quantize`): quantize_rows' bits on its
     output, and an FP8 model's logits the same with them as without."""
-    from omni.engine.fp8 import attached_rows
     from omni.engine.kernels import norm
     from omni.engine.kernels import w8a8 as kernel
+    from omni.engine.kernels.e4m3 import attached_rows
 
     gen = torch.Generator(device="cuda").manual_seed(4)
     x = torch.randn(300, 4096, generator=gen, device="cuda").to(torch.bfloat16)

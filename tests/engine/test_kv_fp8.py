@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from omni.engine.checkpoint import CheckpointError
-from omni.engine.fp8 import FP8, FP8_MAX
 from omni.engine.kernels import (
     paged_attention_ref,
     paged_decode,
@@ -17,6 +16,7 @@ from omni.engine.kernels import (
     rope_and_cache,
     rope_and_cache_ref,
 )
+from omni.engine.kernels.e4m3 import FP8, FP8_MAX
 from omni.engine.kernels.norm import rms_norm_ref
 from omni.engine.kv_cache import head_bounds
 from omni.engine.llama import LlamaForCausalLM

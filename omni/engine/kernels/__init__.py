@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import torch
 
-from ..fp8 import fp8_linear_ref
 from .activation import silu_and_mul, silu_and_mul_ref
 from .attention import paged_attention_ref, paged_decode, paged_prefill, prefill_work
+from .e4m3 import fp8_linear_ref
 from .grouped_router import grouped_router, grouped_router_ref
 from .head_matmul import head_matmul, head_matmul_ref
 from .matmul import linear, linear_ref

@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8 import FP8
 from .arrivals import arrival_counters, arrive_last
+from .e4m3 import FP8
 from .hardware import sm_count
 from .pdl import pdl_options, prefetch_l2, wait_for_inputs
 from .rows import empty_rows

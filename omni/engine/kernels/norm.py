@@ -7,7 +7,7 @@ fewer a layer.
 
 Before an FP8 projection (`quantize`), the kernel also writes its output's rows in e4m3
 with their scales, the bits of w8a8.quantize_rows on that output, attached to it for the
-projection (fp8.attach_rows): one kernel fewer a projection.
+projection (e4m3.attach_rows): one kernel fewer a projection.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8 import FP8, FP8_MAX, attach_rows
+from .e4m3 import FP8, FP8_MAX, attach_rows
 from .moe import add_slots, sum_slots_ref
 from .pdl import pdl_options, wait_for_inputs
 from .rows import empty_rows

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fp8 import FP8, FP8_MAX
+from .e4m3 import FP8, FP8_MAX
+from .norm import rms_norm_ref
 from .pdl import pdl_options, wait_for_inputs
 
 E4M3_MAX = tl.constexpr(FP8_MAX)
@@ -27,8 +28,6 @@ def rope_and_cache_ref(
     (q weight, k weight, eps) of a per-head RMS norm applied to q and k first;
     `kv_scales`: [2, kv_heads], an FP8 cache's."""
     if norms is not None:
-        from .norm import rms_norm_ref
-
         q_w, k_w, eps = norms
         q, k = rms_norm_ref(q, q_w, eps)[0], rms_norm_ref(k, k_w, eps)[0]
     freqs = positions[:, None].float() * inv_freq[None, :].float()

@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from ..fp8 import FP8, FP8_MAX, attached_rows
+from .e4m3 import FP8, FP8_MAX, attached_rows
 from .hardware import capability
 from .matmul import (
     TMA_ENABLED,
@@ -113,7 +113,7 @@ def _quantize_rows_kernel(
 
 
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp8.quantize_rows on the GPU: (e4m3 rows, fp32 scales [rows]) of x [M, K]. A row of
+    """e4m3.quantize_rows on the GPU: (e4m3 rows, fp32 scales [rows]) of x [M, K]. A row of
     up to WHOLE_ROW elements is read once into registers (a decode step's o and down
     inputs: each of the two passes over L2 was a round trip of its own), longer ones in
     QUANT_BLOCK pieces twice; the bits are the same."""
@@ -384,7 +384,7 @@ def fp8_linear(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fp8.fp8_linear_ref's W8A8 sums on the GPU: x [..., K] (bf16), weight [N, K] e4m3,
+    """e4m3.fp8_linear_ref's W8A8 sums on the GPU: x [..., K] (bf16), weight [N, K] e4m3,
     weight_scale [N] fp32."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1]).contiguous()
