@@ -205,6 +205,7 @@ class PoolMember:
     after_swap_out: Callable[[], None] | None = None  # a multi-GPU instance's other ranks
     # asks the idle process to free what it holds unused (its allocator's cache) first
     before_swap_out: Callable[[], Awaitable[None]] | None = None
+    trim_timed_out: bool = False  # this process let an ask time out: not asked again
     swap_in_s: float | None = None  # its swap-ins' moving average, once one is measured
     hold_s: float | None = None  # how long a request holds it: its GPU phase and what follows
     busy_since: float = 0.0  # monotonic: when its requests in flight last went from none
@@ -324,6 +325,7 @@ class GpuPool:
             member.charge = member.quota_bytes  # until it has loaded, anything up to it
             member.state = Residency.STARTING
             member._swap_in = None
+            member.trim_timed_out = False  # a new process: asked again
             self._cond.notify_all()
 
     async def adopted(self, member: PoolMember, block: ControlBlock) -> None:
@@ -778,13 +780,17 @@ class GpuPool:
     async def _trim(member: PoolMember) -> None:
         """Before its memory moves out, let the idle instance free what it holds but does
         not use (a handler's allocator cache: a detector's batches leave a GiB of it): what
-        is freed is neither copied out nor back in. Waited for TRIM_TIMEOUT_S at most, and
-        a failure costs only the saving."""
-        if member.before_swap_out is None:
+        is freed is neither copied out nor back in. Waited for TRIM_TIMEOUT_S at most; a
+        process that lets it pass is not asked again (a hostile one would otherwise slow
+        every swap-out made for its neighbours), and a failure costs only the saving."""
+        if member.before_swap_out is None or member.trim_timed_out:
             return
         try:
             await asyncio.wait_for(member.before_swap_out(), TRIM_TIMEOUT_S)
-        except Exception as exc:  # (TimeoutError among them)
+        except TimeoutError:
+            member.trim_timed_out = True
+            log.warning("%s did not trim in %.2f s: not asked again", member.name, TRIM_TIMEOUT_S)
+        except Exception as exc:
             log.debug("%s did not trim before its swap-out: %r", member.name, exc)
 
     def _moved(self, member: PoolMember, direction: str, result: SwapResult) -> None:
