@@ -43,8 +43,8 @@ import aiohttp  # noqa: E402
 import torch  # noqa: E402
 
 from bench.results_io import write_result  # noqa: E402
+from omni.model_spec import parse_size  # noqa: E402
 from omni.paths import admin_socket  # noqa: E402
-from omni.runtime.catalog import parse_size  # noqa: E402
 from omni.testing.checkpoints import save_word_level_tokenizer  # noqa: E402
 
 GIB = 1 << 30

@@ -158,7 +158,7 @@ class EdgeRoutes:
     def _follow_etcd(self, app: web.Application, etcd: str) -> None:
         """Route to the nodes announced in etcd too; with a location, read this edge's
         round trips to theirs from the latency map."""
-        from scheduler.membership import follow_nodes
+        from omni.cluster.membership import follow_nodes  # aetcd (gRPC) only with --etcd
 
         app[FOLLOWER] = asyncio.create_task(follow_nodes(etcd, self._joined))
         if self.location:
@@ -362,8 +362,9 @@ def relay_to(request: web.Request, call: Call) -> Send:
 
 async def follow_latency_map(etcd: str, location: str, nodes: NodeSet) -> None:
     """Keep `nodes.rtt_from_here` at the published map's row for this edge's location."""
-    from scheduler.latency import LATENCY_MAP, LatencyMap
-    from scheduler.membership import follow_key
+    # Here, not at the top: aetcd (gRPC) loads only for an edge that follows etcd.
+    from omni.cluster.latency import LATENCY_MAP, LatencyMap
+    from omni.cluster.membership import follow_key
 
     async for value in follow_key(etcd, LATENCY_MAP):
         if value is not None:

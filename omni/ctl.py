@@ -301,8 +301,9 @@ def _cluster_read(ctx: click.Context, read) -> dict:
     """Run `read(store)` against the cluster's etcd; a clear error when it is unreachable."""
     import asyncio
 
-    from scheduler.membership import parse_endpoint
-    from scheduler.state import ClusterStore
+    # Here, not at the top: aetcd (gRPC) loads only for the cluster commands.
+    from omni.cluster.membership import parse_endpoint
+    from omni.cluster.state import ClusterStore
 
     async def go() -> dict:
         store = ClusterStore(*parse_endpoint(ctx.obj["etcd"]))
@@ -358,7 +359,7 @@ def cluster_placements(ctx: click.Context) -> None:
     node reports of it (none yet: not converged)."""
 
     async def read(store) -> dict:
-        from scheduler.state import Election
+        from omni.cluster.state import Election  # aetcd (gRPC) only when run
 
         nodes = await store.nodes()
         observed = await store.observed()
@@ -414,7 +415,7 @@ def cluster_latency(ctx: click.Context) -> None:
     each node's row (its probes of the others; "no answer": probed, none came)."""
 
     async def read(store) -> dict:
-        from scheduler.latency import read_map
+        from omni.cluster.latency import read_map  # aetcd (gRPC) only when run
 
         latency_map = await read_map(store)
         if latency_map is None:
@@ -483,7 +484,7 @@ def cluster_forecast(ctx: click.Context) -> None:
     async def read(store) -> dict:
         import orjson
 
-        from scheduler.state import Election
+        from omni.cluster.state import Election  # aetcd (gRPC) only when run
 
         kv = await store.client.get(_AUTOSCALE_KEY)
         decisions = orjson.loads(kv.value) if kv is not None else {}
@@ -550,7 +551,7 @@ def rollout_start(
     version it replaces (`omnictl cluster rollout status`)."""
     import uuid
 
-    from scheduler.rollout import ROLLOUTS, RolloutRequest
+    from omni.cluster.rollout import ROLLOUTS, RolloutRequest  # aetcd (gRPC) only when run
 
     try:
         req = RolloutRequest(
@@ -588,7 +589,7 @@ def rollout_start(
 @click.pass_context
 def rollout_abort(ctx: click.Context, model: str) -> None:
     """Roll MODEL's rollout in progress back to the version it replaces."""
-    from scheduler.rollout import ROLLOUTS
+    from omni.cluster.rollout import ROLLOUTS  # aetcd (gRPC) only when run
 
     async def write(store) -> dict:
         import orjson
@@ -613,7 +614,7 @@ def rollout_status(ctx: click.Context) -> None:
     rolled-back, refused), stage, share of replicas, and the two versions' error rates."""
 
     async def read(store) -> dict:
-        from scheduler.rollout import ROLLOUT_STATUS, ROLLOUTS
+        from omni.cluster.rollout import ROLLOUT_STATUS, ROLLOUTS  # aetcd (gRPC) only when run
 
         asked = await store.get_prefix(ROLLOUTS)
         statuses = await store.get_prefix(ROLLOUT_STATUS)

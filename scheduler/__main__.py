@@ -67,11 +67,14 @@ def advertised_host(listen_host: str, etcd_host: str) -> str:
 
 
 async def run(args: argparse.Namespace) -> None:
+    # Here, not at the top: gRPC, aetcd and the telemetry messages load only to run, not
+    # for --help nor for the address helpers above.
+    from omni.cluster.membership import parse_endpoint
+    from omni.cluster.state import ClusterStore
+
     from .autoscale import AutoscaleConfig
     from .history import HistoryStore
-    from .membership import parse_endpoint
     from .service import ClusterScheduler, load_models
-    from .state import ClusterStore
     from .telemetry import TelemetryServer
 
     models = load_models(args.models) if args.models else []

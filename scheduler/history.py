@@ -18,8 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from omni.cluster.reports import DAY_S, EPS, MAX_INTERVAL_S, IntervalReport, ModelFigures
+
 from .autoscale import AutoscaleConfig, ReactivePolicy, Telemetry
-from .telemetry import _EPS, DAY_S, MAX_INTERVAL_S, IntervalReport, ModelFigures
 
 log = logging.getLogger(__name__)
 
@@ -185,18 +186,18 @@ class HistoryStore:
             self._db.close()
 
     def _index(self, t: float) -> int:
-        return math.floor(t / self.resolution_s + _EPS)
+        return math.floor(t / self.resolution_s + EPS)
 
     def _split(self, start: float, length: float) -> list[tuple[int, float, float]]:
         """(interval index, share of the report, seconds covered) for each interval hit."""
         res = self.resolution_s
         k = self._index(start)
-        if length <= 0 or k >= math.floor((start + length) / res - _EPS):  # the usual case
+        if length <= 0 or k >= math.floor((start + length) / res - EPS):  # the usual case
             return [(k, 1.0, max(length, 0.0))]
         out, end = [], start + length
-        while k * res < end - _EPS * res:
+        while k * res < end - EPS * res:
             covered = min(end, (k + 1) * res) - max(start, k * res)
-            if covered > _EPS * res:
+            if covered > EPS * res:
                 out.append((k, covered / length, covered))
             k += 1
         return out
@@ -323,10 +324,10 @@ class HistoryStore:
         res = self.resolution_s
         step = res if step is None else step
         ratio = round(step / res)
-        if ratio < 1 or abs(ratio * res - step) > _EPS * res:
+        if ratio < 1 or abs(ratio * res - step) > EPS * res:
             raise ValueError(f"step {step} s is not a multiple of the resolution ({res} s)")
-        first = math.ceil(since / step - _EPS)
-        last = math.ceil(until / step - _EPS)
+        first = math.ceil(since / step - EPS)
+        last = math.ceil(until / step - EPS)
         sums = ", ".join(f"SUM({c})" for c in _MODEL_COLS)
         with self._lock:
             rows = self._db.execute(
@@ -411,11 +412,11 @@ def demand_buckets(
     step = cfg.forecast.step_s
     sums: dict[int, list[float]] = {}
     for t, demand in demand_series(store, model, since, until, cfg):
-        acc = sums.setdefault(math.floor(t / step + _EPS), [0.0, 0])
+        acc = sums.setdefault(math.floor(t / step + EPS), [0.0, 0])
         acc[0] += demand
         acc[1] += 1
     return [
         (b * step, total / n)
         for b, (total, n) in sorted(sums.items())
-        if b * step >= since - _EPS and (b + 1) * step <= until + _EPS
+        if b * step >= since - EPS and (b + 1) * step <= until + EPS
     ]

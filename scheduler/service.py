@@ -1,7 +1,7 @@
 """The scheduler's leader loop: from the live nodes in etcd and the wanted models, the
 placements each node should run, written back to etcd for the nodes to converge on.
 
-Replicas elect one leader (scheduler/state.py); the others wait to take over. The
+Replicas elect one leader (omni/cluster/state.py); the others wait to take over. The
 leader reconciles on every change of nodes and every `interval_s`: a node that dies
 drops out of etcd when its lease runs out, and its models are placed elsewhere.
 
@@ -15,7 +15,7 @@ leader also
   /omni/autoscale (for `omnictl cluster forecast`);
 - publishes the latency map of the live nodes (/omni/latencymap, latency.py).
 
-Keys (JSON values), beside state.py's:
+Keys (JSON values), beside omni/cluster/state.py's:
     /omni/telemetry    {"target": "host:port", "leader": name}, under the leader's lease
     /omni/autoscale    {model: {replicas, reason, demand, predicted, at, min, max}}
 """
@@ -36,7 +36,9 @@ from pathlib import Path
 
 import orjson
 
-from omni.runtime.catalog import HANDLER_KEYS, parse_size
+from omni.cluster.rollout import ROLLOUT_STATUS, ROLLOUTS, RolloutRequest
+from omni.cluster.state import LEADER, NODES, PREFIX, TELEMETRY, ClusterStore, Election
+from omni.model_spec import HANDLER_KEYS, parse_size
 
 from .autoscale import AutoscaleConfig, Autoscaler, Decision
 from .history import HistoryStore, demand_buckets, telemetry_series
@@ -45,11 +47,8 @@ from .placement import Gpu, ModelSpec, Node, Placement, PlacementResult, Unplace
 from .rollout import (
     BASELINE_S,
     ROLLING,
-    ROLLOUT_STATUS,
-    ROLLOUTS,
     Counts,
     Observed,
-    RolloutRequest,
     Version,
     advance,
     begin,
@@ -57,7 +56,6 @@ from .rollout import (
     stable,
     versions,
 )
-from .state import LEADER, NODES, PREFIX, TELEMETRY, ClusterStore, Election
 
 log = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ from omni.api.toolcalls import PARSERS
 from omni.engine.checkpoint import Checkpoint, CheckpointError
 from omni.engine.spec_config import mtp_layers
 from omni.isolation.sandbox import Limits
+from omni.model_spec import HANDLER_KEYS, parse_size
 from omni.runtime import config_schema, envs
 
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -24,36 +25,9 @@ class CatalogError(ValueError):
 
 
 DEFAULT_LIMITS = Limits(memory_bytes=8 << 30, pids=512)
-SIZE_UNITS = {
-    "": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-}
-SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
-
-
-def parse_size(value) -> int:
-    """Bytes from an integer or a string such as '4GiB' or '512M'."""
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-        return value
-    if isinstance(value, str) and (m := SIZE_RE.match(value)):
-        unit = SIZE_UNITS.get(m.group(2).lower())
-        if unit is not None and float(m.group(1)) > 0:
-            return int(float(m.group(1)) * unit)
-    raise ValueError(f"{value!r} is not a size (e.g. 4GiB, 512MiB or a byte count)")
-
-
 PARALLEL_MODES = ("tp", "ep")  # each expert's width over the ranks, or whole experts
 SPECULATIVE_KEYS = config_schema.keys("models.speculative")
 RUNTIMES = {"omni", "python"}  # OMNI's engine; a handler (omni/instance/handler.py)
-HANDLER_KEYS = ("handler", "requirements", "max_batch_size", "max_queue_delay_ms", "infer_timeout")
-HANDLER_KEYS += ("gpu_split",)
 # what OMNI's engine alone reads: refused for a handler's model rather than ignored
 ENGINE_KEYS = ("tool_parser", "tensor_parallel", "parallel", "quantization", "kv_cache_dtype")
 ENGINE_KEYS += ("speculative", "kv_host_cache", "kv_disk_cache", "role", "serves")

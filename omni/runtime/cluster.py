@@ -26,16 +26,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from omni.api.errors import ApiError
-from omni.engine.checkpoint import CheckpointError
-from scheduler.latency import Prober, peers_from_nodes, publish_row
-from scheduler.membership import (
+from omni.cluster.latency import Prober, peers_from_nodes, publish_row
+from omni.cluster.membership import (
     Announcement,
     follow_key,
     follow_nodes,
     follow_placements,
 )
-from scheduler.state import TELEMETRY
-from scheduler.telemetry import MAX_INTERVAL_S, IntervalReport, LoadAccumulator, TelemetryReporter
+from omni.cluster.reports import MAX_INTERVAL_S, IntervalReport
+from omni.cluster.state import TELEMETRY
+from omni.cluster.telemetry import LoadAccumulator, TelemetryReporter
+from omni.engine.checkpoint import CheckpointError
 
 from .catalog import CatalogError, ModelEntry
 from .instance import State

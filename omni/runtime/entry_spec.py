@@ -5,8 +5,9 @@ its admin routes both make entries from specs.
 
 from __future__ import annotations
 
+from omni.model_spec import HANDLER_KEYS
+
 from .catalog import (
-    HANDLER_KEYS,
     CatalogError,
     ModelEntry,
     handler_from,

@@ -64,7 +64,7 @@ from .metrics import Metrics
 from .residency import GpuPool
 
 if TYPE_CHECKING:
-    from scheduler.telemetry import LoadAccumulator
+    from omni.cluster.telemetry import LoadAccumulator
 
 log = logging.getLogger("omnid")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.state import ClusterStore
+from omni.cluster.state import ClusterStore
 from tests.conftest import free_port, wait_until
 
 

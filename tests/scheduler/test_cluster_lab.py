@@ -15,9 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from omni.cluster.latency import read_map
+from omni.cluster.state import ClusterStore
 from omni.testing.checkpoints import tiny_llama
-from scheduler.latency import read_map
-from scheduler.state import ClusterStore
 from tests.conftest import free_port, wait_until
 from tests.nodes import Omnid
 

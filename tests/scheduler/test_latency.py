@@ -14,18 +14,16 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.latency import (
+from omni.cluster.latency import (
     LatencyMap,
     Prober,
-    build_map,
     peers_from_nodes,
-    publish_map,
     publish_row,
     read_map,
-    read_rows,
     tcp_rtt,
 )
-from scheduler.state import ClusterStore
+from omni.cluster.state import ClusterStore
+from scheduler.latency import build_map, publish_map, read_rows
 
 from . import netlab
 from .etcd import EtcdServer
@@ -195,7 +193,7 @@ def probe_all(lab: netlab.NetLab) -> dict[str, dict[str, float | None]]:
     for node in lab.nodes:  # one at a time: on a small host, parallel ones would skew each other
         probe = lab.run_in(
             node,
-            [sys.executable, "-m", "scheduler.latency", "probe", "--samples", "5"]
+            [sys.executable, "-m", "omni.cluster.latency", "probe", "--samples", "5"]
             + [f"--peer={p.name}={p.ip}:{PORT}" for p in lab.nodes if p != node],
             cwd=REPO,
             timeout=30,

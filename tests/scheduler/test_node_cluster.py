@@ -17,11 +17,11 @@ import httpx
 import orjson
 import pytest
 
+from omni.cluster.state import TELEMETRY, ClusterStore
 from omni.runtime.cluster import ClusterMember
 from omni.testing.checkpoints import tiny_llama
 from scheduler.history import HistoryStore
 from scheduler.latency import read_rows
-from scheduler.state import TELEMETRY, ClusterStore
 from scheduler.telemetry import TelemetryServer
 from tests.conftest import wait_until
 from tests.nodes import Omnid

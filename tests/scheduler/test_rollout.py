@@ -16,6 +16,10 @@ import httpx
 import orjson
 import pytest
 
+from omni.cluster.reports import IntervalReport, ModelFigures
+from omni.cluster.rollout import ROLLOUT_STATUS, RolloutRequest
+from omni.cluster.state import ClusterStore
+from omni.cluster.telemetry import LoadAccumulator
 from omni.testing.checkpoints import tiny_llama
 from scheduler.history import HistoryStore
 from scheduler.placement import ModelSpec
@@ -24,10 +28,8 @@ from scheduler.rollout import (
     REFUSED,
     ROLLED_BACK,
     ROLLING,
-    ROLLOUT_STATUS,
     Counts,
     Observed,
-    RolloutRequest,
     Version,
     advance,
     begin,
@@ -36,8 +38,6 @@ from scheduler.rollout import (
     versions,
 )
 from scheduler.service import ClusterScheduler, WantedModel
-from scheduler.state import ClusterStore
-from scheduler.telemetry import IntervalReport, LoadAccumulator, ModelFigures
 from tests.conftest import free_port, wait_until
 from tests.nodes import Omnid
 

@@ -18,19 +18,15 @@ from pathlib import Path
 import orjson
 import pytest
 
+from omni.cluster.latency import publish_row, read_map
+from omni.cluster.reports import IntervalReport, ModelFigures
+from omni.cluster.state import TELEMETRY, ClusterStore
+from omni.cluster.telemetry import LoadAccumulator, TelemetryReporter
 from scheduler.autoscale import AutoscaleConfig
 from scheduler.history import HistoryStore
-from scheduler.latency import publish_row, read_map
 from scheduler.placement import ModelSpec
-from scheduler.service import AUTOSCALE, TELEMETRY, ClusterScheduler, WantedModel
-from scheduler.state import ClusterStore
-from scheduler.telemetry import (
-    IntervalReport,
-    LoadAccumulator,
-    ModelFigures,
-    TelemetryReporter,
-    TelemetryServer,
-)
+from scheduler.service import AUTOSCALE, ClusterScheduler, WantedModel
+from scheduler.telemetry import TelemetryServer
 from tests.conftest import free_port, wait_until
 
 from .etcd import EtcdServer, lease_of

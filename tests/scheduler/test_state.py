@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler.state import ClusterStore, Election
+from omni.cluster.state import ClusterStore, Election
 from tests.conftest import wait_until
 
 from .etcd import EtcdServer, lease_of
@@ -37,7 +37,7 @@ def in_process(port: int, body: str) -> subprocess.Popen:
         textwrap.dedent(
             f"""
         import asyncio
-        from scheduler.state import ClusterStore, Election
+        from omni.cluster.state import ClusterStore, Election
         async def main():
             store = ClusterStore(port={port})
         """

@@ -11,15 +11,11 @@ from collections.abc import Callable
 
 import pytest
 
+from omni.cluster.reports import IntervalReport, ModelFigures
+from omni.cluster.telemetry import LoadAccumulator, TelemetryReporter
 from scheduler.autoscale import AutoscaleConfig, Autoscaler
 from scheduler.history import HistoryStore, demand_buckets, demand_series, telemetry_series
-from scheduler.telemetry import (
-    IntervalReport,
-    LoadAccumulator,
-    ModelFigures,
-    TelemetryReporter,
-    TelemetryServer,
-)
+from scheduler.telemetry import TelemetryServer
 
 INTERVAL = 0.2  # the tests' report interval (and history resolution)
 SUMMED = (
