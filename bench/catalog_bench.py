@@ -294,6 +294,8 @@ async def window(omnid: Omnid, load: CatalogLoad, stream, how: str, args, seed: 
         result["swap_in"] = result["swap_out"] = None
     else:
         result["hot_vs_swaps"] = swap_overlap(recs, after, window_unix)
+        kinds = {inst.name: inst.kind.name for inst in load.instances}
+        result["swaps_by_kind"] = swaps_by_kind(after, since, kinds)
     result["admission"] = admission_window(
         waits_before, await admission_snapshot(session, omnid.port)
     )
@@ -500,6 +502,29 @@ def load_targets(run: dict, lone: dict | None, how: str) -> dict:
     }
 
 
+def swaps_by_kind(instances: list[dict], since: float, kinds: dict[str, str]) -> dict:
+    """Each kind's swaps in the window, each way: how many, the median seconds and GiB
+    moved. A swap-out delays the cold request that waits for its room, so the two
+    directions are told apart (the handlers' went out slower than they came in)."""
+    out: dict[str, dict] = {}
+    for inst in instances:
+        kind = kinds.get(inst["name"])
+        for h in inst.get("swap_history") or []:
+            if kind is not None and h.get("at", 0) >= since:
+                out.setdefault(kind, {}).setdefault(h["direction"], []).append(h)
+    return {
+        kind: {
+            way: {
+                "count": len(hs),
+                "p50_s": percentile([h["seconds"] for h in hs], 50),
+                "gib_p50": percentile([h["bytes"] / GIB for h in hs], 50),
+            }
+            for way, hs in sorted(ways.items())
+        }
+        for kind, ways in sorted(out.items())
+    }
+
+
 def print_tables(seeds: dict) -> None:
     """Per seed and load: the figures, then the verdicts; then the split's gain."""
     heads = ["seed/load", "ok/sent", "req/s", "hot p99", "lone p99", "ratio", "cold p50/p99"]
@@ -533,6 +558,13 @@ def print_tables(seeds: dict) -> None:
             kinds = run["latency"]["per_kind"]
             shown = ", ".join(f"{k} {fmt(v['p50_s'])}/{fmt(v['p99_s'])}" for k, v in kinds.items())
             print(f"  {seed}/{how} per kind p50/p99 s: {shown}")
+            swaps = run.get("swaps_by_kind") or {}
+            shown = ", ".join(
+                f"{k} {fmt(w.get('in', {}).get('p50_s'))}/{fmt(w.get('out', {}).get('p50_s'))}"
+                for k, w in swaps.items()
+            )
+            if shown:
+                print(f"  {seed}/{how} per kind swap-in/out p50 s: {shown}")
             print(f"  {seed}/{how} statuses: {run['status_counts']}")
         print_split(seed, res.get("split"))
 
