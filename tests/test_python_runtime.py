@@ -239,6 +239,7 @@ def test_concurrent_requests_are_batched_and_answered_each_on_its_own(node):
     assert stats["batch_runs"] - before.get("batch_runs", 0) < 9  # some were merged
     metrics = httpx.get(f"{node.base_url}/metrics", timeout=30).text
     assert 'omni_batch_requests{model="add"}' in metrics
+    assert 'omni_memory_read_only_bytes{model="add"} 0.0' in metrics  # (the CPU: none)
     sizes = [line for line in metrics.splitlines() if line.startswith("omni_batch_size_batches")]
     assert any('model="add"' in s and 'size="1"' not in s for s in sizes), sizes
 

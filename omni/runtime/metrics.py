@@ -47,6 +47,11 @@ BATCH_GAUGES = {  # a handler's dynamic batching (omni/instance/batcher.py), cum
     "batch_gpu_phase_ms": "An infer() call's GPU work (moving average, ms)",
     "batch_cpu_phase_ms": "An infer() call's work after its GPU work (moving average, ms)",
 }
+MEMORY_GAUGES = {  # what the instance's worker did for its swaps (omni/instance/trim.py)
+    "memory_read_only_bytes": "Weights declared read-only: a swap-out keeps their host copy",
+    "memory_trims": "Asks to free unused GPU memory before a swap-out, answered",
+    "memory_trimmed_bytes": "GPU memory those asks freed (the allocator's cache)",
+}
 SWAP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
@@ -58,6 +63,13 @@ class NodeCollector(Collector):
         self._nvml = _Nvml()
 
     def collect(self):
+        yield from self._instance_families()
+        yield from self._pool_families()
+        yield from self._device_families()
+
+    def _instance_families(self):
+        """Per instance: state, residency, GPU memory, requests, and the counters of its
+        last health check (speculation, KV tiers, a handler's batching, its memory)."""
         state = GaugeMetricFamily(
             "omni_instance_state", "1 for the state the instance is in", labels=["model", "state"]
         )
@@ -80,19 +92,14 @@ class NodeCollector(Collector):
         restarts = GaugeMetricFamily(
             "omni_instance_restarts", "Restarts since omnid started", labels=["model"]
         )
-        # speculative decoding, as of the instance's last health check (2 s at most)
-        spec = {
-            key: GaugeMetricFamily(f"omni_{key}", help_text, labels=["model"])
-            for key, help_text in SPEC_GAUGES.items()
-        }
-        tier = {
-            key: GaugeMetricFamily(f"omni_{key}", help_text, labels=["model"])
-            for key, help_text in KV_TIER_GAUGES.items()
-        }
-        batching = {
-            key: GaugeMetricFamily(f"omni_{key}", help_text, labels=["model"])
-            for key, help_text in BATCH_GAUGES.items()
-        }
+        # as of the instance's last health check (2 s old at most)
+        spec, tier, batching, memory = (
+            {
+                key: GaugeMetricFamily(f"omni_{key}", help_text, labels=["model"])
+                for key, help_text in gauges.items()
+            }
+            for gauges in (SPEC_GAUGES, KV_TIER_GAUGES, BATCH_GAUGES, MEMORY_GAUGES)
+        )
         batch_sizes = GaugeMetricFamily(
             "omni_batch_size_batches", "Batches the handler ran, by size", labels=["model", "size"]
         )
@@ -102,15 +109,16 @@ class NodeCollector(Collector):
             state.add_metric([name, info["state"]], 1)
             in_flight.add_metric([name], info["in_flight"])
             restarts.add_metric([name], info["restarts"])
-            for key, value in (info.get("speculative") or {}).items():
-                if key in spec:
-                    spec[key].add_metric([name], value)
-            for key, value in {**info.get("kv_host", {}), **info.get("kv_disk", {})}.items():
-                if key in tier:
-                    tier[key].add_metric([name], value)
-            for key, value in (info.get("batching") or {}).items():
-                if key in batching and value is not None:
-                    batching[key].add_metric([name], value)
+            kv = {**info.get("kv_host", {}), **info.get("kv_disk", {})}
+            for families, values in (
+                (spec, info.get("speculative")),
+                (tier, kv),
+                (batching, info.get("batching")),
+                (memory, info.get("memory")),
+            ):
+                for key, value in (values or {}).items():
+                    if key in families and value is not None:
+                        families[key].add_metric([name], value)
             for size, count in (info.get("batching") or {}).get("batch_sizes", {}).items():
                 batch_sizes.add_metric([name, size], count)
             if "residency" in info:
@@ -121,7 +129,10 @@ class NodeCollector(Collector):
         yield from (state, residency, used, quota, in_flight, restarts, *spec.values())
         yield from tier.values()
         yield from (*batching.values(), batch_sizes)
+        yield from memory.values()
 
+    def _pool_families(self):
+        """Per GPU: its budget, what is charged against it, requests waiting for a swap-in."""
         budget = GaugeMetricFamily(
             "omni_gpu_budget_bytes", "GPU memory budget for instances", labels=["gpu"]
         )
@@ -140,6 +151,8 @@ class NodeCollector(Collector):
             waiting.add_metric([gpu], pool.waiting)
         yield from (budget, charged, waiting)
 
+    def _device_families(self):
+        """Per GPU, as NVML sees the device: memory in use and in all."""
         device = GaugeMetricFamily(
             "omni_gpu_memory_used_bytes", "Device memory in use (NVML)", labels=["gpu"]
         )
