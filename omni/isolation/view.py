@@ -210,6 +210,217 @@ def _narrow_site_packages(
                 bind(Path(entry))
 
 
+class _ViewBuilder:
+    """Builds one instance's mount plan, a part of its view per method; `bind` and
+    `generated` add to `mounts` and `visible` in the order the launcher mounts them
+    (build_plan's stable sort keeps that order among mounts of equal depth)."""
+
+    def __init__(self, spec: SandboxSpec, cfg: ViewConfig, workdir: Path) -> None:
+        self.spec, self.cfg, self.workdir = spec, cfg, workdir
+        self.mounts: list[dict] = []
+        self.visible: list[Path] = []
+        self.env = spec.env
+        self.hidden_envs: list[Path] = []
+        self.cpus = max(1, math.ceil(spec.limits.cpu_cores or os.cpu_count() or 1))
+
+    def bind(self, src: Path, dst: Path | None = None, **flags) -> None:
+        self.mounts.append({"type": "bind", "src": str(src), "dst": str(dst or src), **flags})
+        self.visible.append(Path(dst or src))
+
+    def generated(self, name: str, content: str, dst: str) -> None:
+        (self.workdir / name).write_text(content)
+        self.bind(self.workdir / name, Path(dst))
+
+    def system(self) -> None:
+        """The system directories and /etc, its passwd, group and hosts generated."""
+        for d in SYSTEM_DIRS:
+            if os.path.islink(d):
+                self.mounts.append({"type": "symlink", "target": os.readlink(d), "dst": d})
+            elif os.path.isdir(d):
+                self.bind(Path(d))
+        self.mounts.append({"type": "dir", "dst": "/etc"})
+        for entry in ETC_ENTRIES:
+            if os.path.exists(f"/etc/{entry}"):
+                self.bind(Path(f"/etc/{entry}"))
+        uid, gid = self.cfg.uid, self.cfg.gid
+        self.generated(
+            "passwd",
+            f"root:x:0:0:root:/:/usr/sbin/nologin\n"
+            f"omni:x:{uid}:{gid}:omni instance:/tmp:/usr/sbin/nologin\n",
+            "/etc/passwd",
+        )
+        self.generated("group", f"root:x:0:\nomni:x:{gid}:\n", "/etc/group")
+        hosts = f"127.0.0.1 localhost {self.spec.name}\n::1 localhost\n"
+        self.generated("hosts", hosts, "/etc/hosts")
+
+    def python(self) -> None:
+        """The interpreter and its packages (of site-packages only the shared base and
+        omni, where python_base is set), and the extra read-only paths."""
+        spec = self.spec
+        for path in [*python_paths(spec.env.get("PYTHONPATH", "")), *spec.extra_ro]:
+            if not _under(path, self.visible):
+                self.bind(path)
+        if spec.python_base is not None:
+            _narrow_site_packages(spec.python_base, self.visible, self.mounts, self.bind)
+
+    def own_dirs(self) -> None:
+        """The model's own directories and the instance's: model, packages, shared
+        directory, socket directory and the extra writable ones."""
+        spec = self.spec
+        self.bind(spec.model_dir)
+        if spec.python_env is not None:  # its own packages at a fixed path; no other model's
+            self.bind(spec.python_env, PYTHON_ENV_MOUNT)
+            self.env = with_import_path(self.env, str(PYTHON_ENV_MOUNT))
+            self.hidden_envs.append(spec.python_env.parent)
+        if spec.shared_dir is not None:  # root's directory: writable files, no new entries
+            self.bind(spec.shared_dir, ro=False, noexec=True)
+        self.bind(spec.socket_dir, ro=False, noexec=True)
+        for path in spec.extra_rw:
+            self.bind(path, ro=False, noexec=True)
+
+    def hide_others(self) -> None:
+        """Other models' directories under a visible path, covered with an empty tmpfs."""
+        spec = self.spec
+        hide = [
+            h
+            for h in (*spec.hide, *self.hidden_envs)
+            if h.is_dir() and not _under(spec.model_dir, [h])
+        ]
+        for hidden in _outermost(hide):  # another model's files under a visible path
+            if _under(hidden, self.visible):
+                self.mounts.append(
+                    {
+                        "type": "tmpfs",
+                        "dst": str(hidden),
+                        "flags": MS_RDONLY,
+                        "options": "size=4k,mode=0555",
+                    }
+                )
+
+    def proc(self) -> None:
+        """/proc: its mode, its generated meminfo, stat, loadavg and uptime, and the
+        host-wide entries masked."""
+        spec = self.spec
+        # Read-only: no sysctl, /proc/<pid>/mem or oom_score_adj writes (nothing needs them),
+        # except on a GPU, where the CUDA driver's cuInit fails on a read-only /proc (error
+        # 304, seen on an H100 host): there its kernel knobs alone are read-only.
+        if spec.gpus is None:
+            self.mounts.append({"type": "proc", "dst": "/proc", "flags": MS_RDONLY})
+        else:
+            self.mounts.append({"type": "proc", "dst": "/proc", "readonly": PROC_READONLY})
+        if spec.limits.memory_bytes:
+            self.generated("meminfo", meminfo(spec.limits.memory_bytes), "/proc/meminfo")
+        self.generated("stat", proc_stat(self.cpus), "/proc/stat")
+        self.generated("loadavg", LOADAVG, "/proc/loadavg")
+        self.generated("uptime", UPTIME, "/proc/uptime")
+        self._proc_masked()
+
+    def _proc_masked(self) -> None:
+        (self.workdir / "empty").write_text("")
+        for name in PROC_MASKED:  # `sys/...`: readable by anyone, host-wide counters
+            if os.path.isfile(f"/proc/{name}"):
+                self.bind(self.workdir / "empty", Path("/proc") / name)
+        for name in PROC_MASKED_DIRS:
+            if os.path.isdir(f"/proc/{name}"):
+                self.mounts.append(
+                    {
+                        "type": "tmpfs",
+                        "dst": f"/proc/{name}",
+                        "flags": MS_RDONLY,
+                        "options": "size=4k",
+                    }
+                )
+
+    def sysfs(self, cgroup_mounts: list[dict] | None) -> None:
+        """/sys: its parts, the instance's own cgroup, its CPUs and each node's meminfo."""
+        spec = self.spec
+        self.mounts.append(
+            {"type": "sysfs", "dst": "/sys", "parts": sys_parts(spec.gpus is not None)}
+        )
+        self.mounts.extend(cgroup_mounts or ())
+        if spec.limits.cpu_cores:
+            cpus = self.cpus
+            online = f"0-{cpus - 1}\n" if cpus > 1 else "0\n"
+            self.generated("cpu-online", online, "/sys/devices/system/cpu/online")
+        if spec.limits.memory_bytes:  # as /proc/meminfo: where it has a limit, that is all
+            for path in sorted(glob.glob("/sys/devices/system/node/node*/meminfo")):
+                node = Path(path).parent.name
+                text = node_meminfo(Path(path).read_text(), spec.limits.memory_bytes)
+                self.generated(f"{node}-meminfo", text, path)
+
+    def dev(self) -> None:
+        """/dev: a tmpfs with the harmless devices (and the GPUs given), the fd links and
+        /dev/shm."""
+        self.mounts.append({"type": "tmpfs", "dst": "/dev", "options": "mode=0755,size=64k"})
+        devices = list(DEVICES)
+        if self.spec.gpus is not None:
+            devices += [f"nvidia{i}" for i in self.spec.gpus] + list(GPU_SHARED_DEVICES)
+        for dev in devices:
+            if os.path.exists(f"/dev/{dev}"):
+                self.bind(Path(f"/dev/{dev}"), ro=False, device=True, noexec=True)
+        for name, target in (
+            ("fd", "/proc/self/fd"),
+            ("stdin", "/proc/self/fd/0"),
+            ("stdout", "/proc/self/fd/1"),
+            ("stderr", "/proc/self/fd/2"),
+        ):
+            self.mounts.append({"type": "symlink", "target": target, "dst": f"/dev/{name}"})
+        self.mounts.append(
+            {
+                "type": "tmpfs",
+                "dst": "/dev/shm",
+                "options": f"mode=1777,size={self.cfg.shm_bytes}",
+                "flags": MS_NOEXEC,
+            }
+        )
+
+    def tmpfs(self) -> None:
+        """The private /tmp (noexec) and the JIT cache."""
+        self.mounts.append(
+            {
+                "type": "tmpfs",
+                "dst": "/tmp",
+                "options": f"mode=1777,size={self.spec.limits.tmp_bytes}",
+                "flags": MS_NOEXEC,
+            }
+        )
+        # The one writable mount with exec (nosuid, nodev as every tmpfs): JIT_CACHE.
+        self.mounts.append(
+            {
+                "type": "tmpfs",
+                "dst": JIT_CACHE,
+                "options": f"mode=1777,size={self.cfg.jit_cache_bytes}",
+            }
+        )
+
+    def rlimits(self) -> dict[str, list[int]]:
+        cfg, limits = self.cfg, self.spec.limits
+        rlimits = {"RLIMIT_CORE": [0, 0], "RLIMIT_NOFILE": [cfg.open_files, cfg.open_files]}
+        if limits.pids:  # per uid: holds even where no pids controller is delegated
+            rlimits["RLIMIT_NPROC"] = [limits.pids, limits.pids]
+        return rlimits
+
+    def plan(self) -> dict:
+        """The plan of the parts added so far, its mounts parents first."""
+        spec, cfg = self.spec, self.cfg
+        rlimits = self.rlimits()
+        # Parents before children (stable): a bind under /tmp lands on the private /tmp,
+        # a hiding tmpfs on top of the bind that showed the hidden directory.
+        self.mounts.sort(key=lambda m: len(Path(m["dst"]).parts))
+        return {
+            "hostname": spec.name,
+            "root": str(self.workdir / "root"),
+            "mounts": self.mounts,
+            "uid": cfg.uid,
+            "gid": cfg.gid,
+            "rlimits": rlimits,
+            "argv": spec.argv,
+            "env": {**JIT_ENV, **self.env},  # the instance's own settings win
+            "cwd": "/tmp",
+            "memory_bytes": spec.limits.memory_bytes,  # what sysinfo(2) answers (launch.py)
+        }
+
+
 def build_plan(
     spec: SandboxSpec, cfg: ViewConfig, workdir: Path, cgroup_mounts: list[dict] | None = None
 ) -> dict:
@@ -218,151 +429,16 @@ def build_plan(
     Files the view needs (passwd, meminfo, ...) are written into `workdir`;
     `cgroup_mounts` show the instance its own cgroup (CgroupManager.view_mounts).
     """
-    mounts: list[dict] = []
-    visible: list[Path] = []
-
-    def bind(src: Path, dst: Path | None = None, **flags) -> None:
-        mounts.append({"type": "bind", "src": str(src), "dst": str(dst or src), **flags})
-        visible.append(Path(dst or src))
-
-    def generated(name: str, content: str, dst: str) -> None:
-        (workdir / name).write_text(content)
-        bind(workdir / name, Path(dst))
-
-    for d in SYSTEM_DIRS:
-        if os.path.islink(d):
-            mounts.append({"type": "symlink", "target": os.readlink(d), "dst": d})
-        elif os.path.isdir(d):
-            bind(Path(d))
-    mounts.append({"type": "dir", "dst": "/etc"})
-    for entry in ETC_ENTRIES:
-        if os.path.exists(f"/etc/{entry}"):
-            bind(Path(f"/etc/{entry}"))
-    generated(
-        "passwd",
-        f"root:x:0:0:root:/:/usr/sbin/nologin\n"
-        f"omni:x:{cfg.uid}:{cfg.gid}:omni instance:/tmp:/usr/sbin/nologin\n",
-        "/etc/passwd",
-    )
-    generated("group", f"root:x:0:\nomni:x:{cfg.gid}:\n", "/etc/group")
-    generated("hosts", f"127.0.0.1 localhost {spec.name}\n::1 localhost\n", "/etc/hosts")
-
-    for path in [*python_paths(spec.env.get("PYTHONPATH", "")), *spec.extra_ro]:
-        if not _under(path, visible):
-            bind(path)
-    if spec.python_base is not None:
-        _narrow_site_packages(spec.python_base, visible, mounts, bind)
-    bind(spec.model_dir)
-    env = spec.env
-    hidden_envs: list[Path] = []
-    if spec.python_env is not None:  # its own packages at a fixed path; no other model's
-        bind(spec.python_env, PYTHON_ENV_MOUNT)
-        env = with_import_path(env, str(PYTHON_ENV_MOUNT))
-        hidden_envs.append(spec.python_env.parent)
-    if spec.shared_dir is not None:  # root's directory: writable files, no new entries
-        bind(spec.shared_dir, ro=False, noexec=True)
-    bind(spec.socket_dir, ro=False, noexec=True)
-    for path in spec.extra_rw:
-        bind(path, ro=False, noexec=True)
-    hide = [h for h in (*spec.hide, *hidden_envs) if h.is_dir() and not _under(spec.model_dir, [h])]
-    for hidden in _outermost(hide):  # another model's files under a visible path
-        if _under(hidden, visible):
-            mounts.append(
-                {
-                    "type": "tmpfs",
-                    "dst": str(hidden),
-                    "flags": MS_RDONLY,
-                    "options": "size=4k,mode=0555",
-                }
-            )
-
-    # Read-only: no sysctl, /proc/<pid>/mem or oom_score_adj writes (nothing needs them),
-    # except on a GPU, where the CUDA driver's cuInit fails on a read-only /proc (error
-    # 304, seen on an H100 host): there its kernel knobs alone are read-only.
-    if spec.gpus is None:
-        mounts.append({"type": "proc", "dst": "/proc", "flags": MS_RDONLY})
-    else:
-        mounts.append({"type": "proc", "dst": "/proc", "readonly": PROC_READONLY})
-    if spec.limits.memory_bytes:
-        generated("meminfo", meminfo(spec.limits.memory_bytes), "/proc/meminfo")
-    cpus = max(1, math.ceil(spec.limits.cpu_cores or os.cpu_count() or 1))
-    generated("stat", proc_stat(cpus), "/proc/stat")
-    generated("loadavg", LOADAVG, "/proc/loadavg")
-    generated("uptime", UPTIME, "/proc/uptime")
-    (workdir / "empty").write_text("")
-    for name in PROC_MASKED:  # `sys/...`: readable by anyone, host-wide counters
-        if os.path.isfile(f"/proc/{name}"):
-            bind(workdir / "empty", Path("/proc") / name)
-    for name in PROC_MASKED_DIRS:
-        if os.path.isdir(f"/proc/{name}"):
-            mounts.append(
-                {"type": "tmpfs", "dst": f"/proc/{name}", "flags": MS_RDONLY, "options": "size=4k"}
-            )
-    mounts.append({"type": "sysfs", "dst": "/sys", "parts": sys_parts(spec.gpus is not None)})
-    mounts.extend(cgroup_mounts or ())
-    if spec.limits.cpu_cores:
-        generated(
-            "cpu-online", f"0-{cpus - 1}\n" if cpus > 1 else "0\n", "/sys/devices/system/cpu/online"
-        )
-    if spec.limits.memory_bytes:  # as /proc/meminfo: where it has a limit, that is all
-        for path in sorted(glob.glob("/sys/devices/system/node/node*/meminfo")):
-            node = Path(path).parent.name
-            text = node_meminfo(Path(path).read_text(), spec.limits.memory_bytes)
-            generated(f"{node}-meminfo", text, path)
-
-    mounts.append({"type": "tmpfs", "dst": "/dev", "options": "mode=0755,size=64k"})
-    devices = list(DEVICES)
-    if spec.gpus is not None:
-        devices += [f"nvidia{i}" for i in spec.gpus] + list(GPU_SHARED_DEVICES)
-    for dev in devices:
-        if os.path.exists(f"/dev/{dev}"):
-            bind(Path(f"/dev/{dev}"), ro=False, device=True, noexec=True)
-    for name, target in (
-        ("fd", "/proc/self/fd"),
-        ("stdin", "/proc/self/fd/0"),
-        ("stdout", "/proc/self/fd/1"),
-        ("stderr", "/proc/self/fd/2"),
-    ):
-        mounts.append({"type": "symlink", "target": target, "dst": f"/dev/{name}"})
-    mounts.append(
-        {
-            "type": "tmpfs",
-            "dst": "/dev/shm",
-            "options": f"mode=1777,size={cfg.shm_bytes}",
-            "flags": MS_NOEXEC,
-        }
-    )
-    mounts.append(
-        {
-            "type": "tmpfs",
-            "dst": "/tmp",
-            "options": f"mode=1777,size={spec.limits.tmp_bytes}",
-            "flags": MS_NOEXEC,
-        }
-    )
-    # The one writable mount with exec (nosuid, nodev as every tmpfs): JIT_CACHE.
-    mounts.append(
-        {"type": "tmpfs", "dst": JIT_CACHE, "options": f"mode=1777,size={cfg.jit_cache_bytes}"}
-    )
-
-    rlimits = {"RLIMIT_CORE": [0, 0], "RLIMIT_NOFILE": [cfg.open_files, cfg.open_files]}
-    if spec.limits.pids:  # per uid: holds even where no pids controller is delegated
-        rlimits["RLIMIT_NPROC"] = [spec.limits.pids, spec.limits.pids]
-    # Parents before children (stable): a bind under /tmp lands on the private /tmp,
-    # a hiding tmpfs on top of the bind that showed the hidden directory.
-    mounts.sort(key=lambda m: len(Path(m["dst"]).parts))
-    return {
-        "hostname": spec.name,
-        "root": str(workdir / "root"),
-        "mounts": mounts,
-        "uid": cfg.uid,
-        "gid": cfg.gid,
-        "rlimits": rlimits,
-        "argv": spec.argv,
-        "env": {**JIT_ENV, **env},  # the instance's own settings win
-        "cwd": "/tmp",
-        "memory_bytes": spec.limits.memory_bytes,  # what sysinfo(2) answers (launch.py)
-    }
+    view = _ViewBuilder(spec, cfg, workdir)
+    view.system()
+    view.python()
+    view.own_dirs()
+    view.hide_others()
+    view.proc()
+    view.sysfs(cgroup_mounts)
+    view.dev()
+    view.tmpfs()
+    return view.plan()
 
 
 if __name__ == "__main__":  # `python -m omni.isolation.view`: what instances are shown
