@@ -58,6 +58,13 @@ def read(proc) -> dict:
     return json.loads(line)
 
 
+def step(proc) -> dict:
+    """Let the child go on past where it waits for the parent, and read its next report."""
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    return read(proc)
+
+
 @pytest.mark.parametrize("mode", [Mode.MANAGED, Mode.PASSTHROUGH])
 def test_pytorch_runs_correctly_within_its_quota(tmp_path, quota, mode):
     proc, block = child(tmp_path, "basics", quota, mode)
@@ -80,22 +87,17 @@ def test_swap_moves_the_memory_off_the_gpu_and_back(tmp_path, quota):
     counted as used until another allocation needs them.)"""
     proc, block = child(tmp_path, "swap", quota, Mode.MANAGED)
 
-    def step() -> dict:
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        return read(proc)
-
     try:
         ready = read(proc)
         out = swap_out(block, timeout_s=60)
         back = swap_in(block, timeout_s=60)
         noop = swap_in(block, timeout_s=60)  # already on the GPU: nothing to move
-        r = step()
+        r = step(proc)
         swap_out(block, timeout_s=60)
         swap_in(block, timeout_s=60)
-        rewritten = step()
+        rewritten = step(proc)
         swap_out(block, timeout_s=60)
-        swapped = step()
+        swapped = step(proc)
     finally:
         proc.stdin.close()
         proc.wait(60)
@@ -128,9 +130,7 @@ def test_an_engine_s_kv_pool_is_released_at_a_swap_out_not_copied(tmp_path, quot
         out = swap_out(block, timeout_s=60)
         between = block.stats()
         back = swap_in(block, timeout_s=60)
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        r = read(proc)
+        r = step(proc)
         after = block.stats()
     finally:
         proc.stdin.close()
@@ -159,19 +159,14 @@ def test_a_handler_s_weights_keep_their_host_copy_and_answer_the_same_after_a_sw
     model answers the same after its memory went to the host and back."""
     proc, block = child(tmp_path, "handler", quota, Mode.MANAGED)
 
-    def step() -> dict:
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        return read(proc)
-
     try:
         ready = read(proc)
         held = block.stats()["used_bytes"]
-        trimmed = step()
+        trimmed = step(proc)
         left = block.stats()["used_bytes"]
         out = swap_out(block, timeout_s=60)
         back = swap_in(block, timeout_s=60)
-        after = step()
+        after = step(proc)
     finally:
         proc.stdin.close()
         proc.wait(60)
