@@ -9,11 +9,14 @@ written (a small tensor beside it, an activation later) would fault on every wri
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # (a handler's worker imports this without torch)
     import torch
+
+log = logging.getLogger(__name__)
 
 PAGE = 2 << 20
 
@@ -38,8 +41,8 @@ def page_ranges(tensors: Iterable[torch.Tensor]) -> list[tuple[int, int]]:
 
 
 def declare_read_only(tensors: Iterable[torch.Tensor]) -> int:
-    """Declare the tensors' whole pages read-only to the shim, if it is loaded; returns
-    the bytes declared (0 without the shim)."""
+    """Declare the tensors' whole pages read-only to the shim, if it is loaded (and log
+    how much); returns the bytes declared (0 without the shim)."""
     declare = getattr(ctypes.CDLL(None), "omni_read_only", None)
     if declare is None:
         return 0
@@ -49,4 +52,6 @@ def declare_read_only(tensors: Iterable[torch.Tensor]) -> int:
         if declare(start, size) != 0:
             break  # the shim's table is full: the rest moves as any memory does
         total += size
+    if total:
+        log.info("%.2f GiB of weights declared read-only", total / 2**30)
     return total

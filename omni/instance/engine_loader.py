@@ -62,7 +62,6 @@ def load_engine(settings: InstanceSettings, ckpt: Checkpoint):
         drafter = draft[0] if isinstance(draft, tuple) else draft  # (EAGLE-3: head, taps)
         weights = [*model.parameters(), *(drafter.parameters() if drafter else ())]
         read_only = declare_read_only(weights)
-        log.info("%.2f GiB of weights declared read-only", read_only / 2**30)
     engine = Engine(
         model,
         TextTokenizer(ckpt),

@@ -84,12 +84,10 @@ def declare_weights(handler: Handler, device: str) -> int:
     if not device.startswith("cuda"):
         return 0
     try:
-        declared = declare_read_only(handler.weights())
+        return declare_read_only(handler.weights())
     except Exception:
         log.exception("the handler's weights() failed: its weights are copied at each swap-out")
         return 0
-    log.info("%.2f GiB of weights declared read-only", declared / 2**30)
-    return declared
 
 
 def error(status: int, message: str) -> web.Response:
