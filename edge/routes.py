@@ -101,7 +101,7 @@ def trace_header(incoming: str | None) -> str:
 
 
 class EdgeRoutes:
-    """The edge's handlers and the state they share; see edge_app for the arguments."""
+    """The edge's handlers and the state they share."""
 
     def __init__(
         self,
@@ -115,6 +115,13 @@ class EdgeRoutes:
         etcd: str | None = None,
         location: str | None = None,
     ):
+        """`upstream`: the nodes' (omnid's) inference endpoints; `max_queued`: requests a
+        model's queue holds before shedding; `early_release=False` holds each permit until
+        the client has read the whole answer (the baseline early release is measured
+        against); `deadlines`: default deadline (ms) per model, "*" for the others; `etcd`:
+        HOST:PORT of the cluster's etcd, whose announced nodes join the static ones;
+        `location`: where this edge is, to read its distance to each node's location from
+        the latency map."""
         self.max_body, self.etcd, self.location = max_body, etcd, location
         self.deadlines = deadlines or {}
         self.static = [upstream] if isinstance(upstream, str) else list(upstream)

@@ -26,6 +26,7 @@ import asyncio
 import logging
 import os
 import signal
+from typing import Any
 
 from aiohttp import web
 
@@ -59,34 +60,12 @@ __all__ = [
 
 
 def edge_app(
-    upstream: str | list[str],
-    max_body: int,
-    tenants: Tenants | None = None,
-    queueing: str = "fair",
-    max_queued: int = 1024,
-    early_release: bool = True,
-    deadlines: dict[str, float] | None = None,
-    etcd: str | None = None,
-    location: str | None = None,
+    upstream: str | list[str], max_body: int, tenants: Tenants | None = None, **options: Any
 ) -> web.Application:
-    """`upstream`: the nodes' (omnid's) inference endpoints; `max_queued`: requests a
-    model's queue holds before shedding; `early_release=False` holds each permit until
-    the client has read the whole answer (the baseline early release is measured against);
-    `deadlines`: default deadline (ms) per model, "*" for the others; `etcd`: HOST:PORT
-    of the cluster's etcd, whose announced nodes join the static ones; `location`: where
-    this edge is, to read its distance to each node's location from the latency map."""
+    """The edge's HTTP app; `options` are EdgeRoutes' (queueing, max_queued, early_release,
+    deadlines, etcd, location), which says what each means."""
     app = web.Application(middlewares=[error_middleware, oip_errors], client_max_size=max_body)
-    routes = EdgeRoutes(
-        upstream,
-        max_body,
-        tenants,
-        queueing=queueing,
-        max_queued=max_queued,
-        early_release=early_release,
-        deadlines=deadlines,
-        etcd=etcd,
-        location=location,
-    )
+    routes = EdgeRoutes(upstream, max_body, tenants, **options)
     view = dashboard.EdgeView(routes.admission, routes.nodes, routes.metrics)
     app[dashboard.VIEW] = view  # its own listener
     routes.add_to(app)
