@@ -127,7 +127,7 @@ class Outputs:
     def sample(self, state: Active, logits: torch.Tensor, greedy: int) -> int:
         """The sequence's next token from its row of logits (`greedy`: the device's argmax,
         all a plain greedy pick needs)."""
-        params, seq = state.request.params, state.seq
+        params = state.request.params
         # the device's argmax: of the plain logits, or of the grammar-masked ones (a row
         # that also wants logprobs is not masked on the device: they are the model's own)
         if state.picks_on_device or (
@@ -135,11 +135,8 @@ class Outputs:
         ):
             token = greedy
         else:
-            prompt = seq.token_ids[: seq.num_prompt_tokens]
-            output = seq.token_ids[seq.num_prompt_tokens :]
-            # min_tokens holds back the end; under a grammar, the grammar decides it
-            early = len(output) < params.min_tokens and state.constraint is None
-            banned = state.eos if early else frozenset()
+            prompt, output = state.history()
+            banned = state.held_back(len(output))
             allowed = logits  # logprobs below stay the model's own, unmasked
             if state.constraint is not None:
                 allowed = state.constraint.mask(logits.float().clone())

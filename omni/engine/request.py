@@ -82,6 +82,17 @@ class Active:
         params = self.request.params
         return params.greedy and not params.shaped and params.logprobs is None
 
+    def history(self) -> tuple[list[int], list[int]]:
+        """(prompt, output so far): what sampling's penalties look at."""
+        seq = self.seq
+        return seq.token_ids[: seq.num_prompt_tokens], seq.token_ids[seq.num_prompt_tokens :]
+
+    def held_back(self, generated: int) -> set[int]:
+        """The tokens that may not come next after `generated` output tokens: min_tokens
+        holds back the end; under a grammar, the grammar decides it."""
+        early = generated < self.request.params.min_tokens and self.constraint is None
+        return self.eos if early else set()
+
     def output(self, text: str, tokens: list[int], reason: str | None = None) -> StepOutput:
         seq = self.seq
         wanted = self.request.params.logprobs is not None and tokens and self.logprob

@@ -299,17 +299,14 @@ class SpeculativeStep:
         `picks`: each row's argmax (all a plain greedy request needs, `logits` None)."""
         if logits is None:
             return accept_greedy(picks, guess)
-        params, seq = state.request.params, state.seq
-        prompt = seq.token_ids[: seq.num_prompt_tokens]
-        output = seq.token_ids[seq.num_prompt_tokens :]
+        params = state.request.params
+        prompt, output = state.history()
         if state.constraint is not None:  # each row masked where the grammar is there
             logits = state.constraint.mask_along(logits.clone(), guess)
         rows = []
         for i in range(len(guess) + 1):
             so_far = output + guess[:i]
-            # min_tokens holds back the end; under a grammar, the grammar decides it
-            early = len(so_far) < params.min_tokens and state.constraint is None
-            rows.append(shape(logits[i], params, prompt, so_far, state.eos if early else set()))
+            rows.append(shape(logits[i], params, prompt, so_far, state.held_back(len(so_far))))
         if params.greedy:
             return accept_greedy([int(r.argmax()) for r in rows], guess)
         return accept_sampled([probabilities(r, params) for r in rows], guess, state.generator)
