@@ -149,32 +149,58 @@ def test_random_traffic_over_13_instances_stays_within_the_budget(node):
 
 
 def test_concurrent_requests_for_a_cold_instance_share_one_swap_in(node):
+    """Six requests that reach a swapped-out instance together are served by one swap-in.
+
+    They must overlap: an instance idle for 0.2 s (residency.EVICT_IDLE_S) goes out again,
+    and on a loaded 2-core host (CI runs tests side by side) a thread can start its
+    request after the others have already been answered, even past a barrier (CI once saw
+    two extra swap-ins). So each request records when it was sent and answered, and a
+    round whose requests did not all overlap (one sent after another was answered) says
+    nothing about sharing and is run again; a round that overlapped must show one swap-in.
+    """
     name = node.names[5]
-    with node.omnid.admin() as c:
-        before = c.get("/v1/instances").json()
-        state = {i["name"]: i for i in before["instances"]}[name]
-        if state["residency"] == "resident":
-            r = c.post(f"/v1/instances/{name}/swap-out")
-            assert r.status_code == 200, r.text
-            assert r.json()["residency"] == "swapped"
-    swaps_before = node.omnid.instances()[name]["swaps_in"]
-    # The six must arrive together: an instance idle for 0.2 s (residency.EVICT_IDLE_S)
-    # goes out again. A fresh client in each thread (an SSL context each, under the GIL)
-    # can spread them by more than that on a busy 2-core host: a fresh clone's make test
-    # once saw two swap-ins. So the clients are made first, and a barrier starts them.
-    together = threading.Barrier(6)
+    rounds = []
+    for _ in range(5):
+        with node.omnid.admin() as c:
+            state = {i["name"]: i for i in c.get("/v1/instances").json()["instances"]}[name]
+            if state["residency"] == "resident":
+                r = c.post(f"/v1/instances/{name}/swap-out")
+                assert r.status_code == 200, r.text
+                assert r.json()["residency"] == "swapped"
+        swaps_before = node.omnid.instances()[name]["swaps_in"]
+        together = threading.Barrier(6)
 
-    def complete(client: httpx.Client) -> httpx.Response:
-        together.wait()
-        return node.complete(name, client)
+        def complete(
+            client: httpx.Client, together: threading.Barrier = together
+        ) -> tuple[float, float, httpx.Response]:
+            together.wait()
+            sent = time.monotonic()
+            r = client.post(
+                f"{node.omnid.base_url}/v1/completions",
+                json={
+                    "model": name,
+                    "prompt": "t1 t2 t3 t4",
+                    "max_tokens": 12,
+                    "ignore_eos": True,
+                    "temperature": 0,
+                },
+                timeout=180,
+            )
+            return sent, time.monotonic(), r
 
-    with contextlib.ExitStack() as stack, ThreadPoolExecutor(6) as pool:
-        clients = [stack.enter_context(httpx.Client()) for _ in range(6)]
-        responses = list(pool.map(complete, clients))
-    assert [r.status_code for r in responses] == [200] * 6
-    after = node.omnid.instances()[name]
-    assert after["swaps_in"] == swaps_before + 1
-    assert after["residency"] == "resident"
+        # (clients made first: an SSL context each, under the GIL, spreads the starts)
+        with contextlib.ExitStack() as stack, ThreadPoolExecutor(6) as pool:
+            clients = [stack.enter_context(httpx.Client()) for _ in range(6)]
+            results = list(pool.map(complete, clients))
+        assert [r.status_code for _, _, r in results] == [200] * 6
+        after = node.omnid.instances()[name]
+        assert after["residency"] == "resident"
+        overlapped = max(s for s, _, _ in results) < min(d for _, d, _ in results)
+        rounds.append((overlapped, after["swaps_in"] - swaps_before))
+        if overlapped:
+            assert after["swaps_in"] == swaps_before + 1, rounds
+            return
+    pytest.fail(f"no round of six requests overlapped on this host: {rounds}")
 
 
 def test_omnid_asks_an_instance_to_trim_before_its_swap_out(node):
