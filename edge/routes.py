@@ -18,7 +18,7 @@ import orjson
 from aiohttp import web
 
 from omni.api import images, phased, run_json, transcriptions
-from omni.api.errors import ApiError, json_response
+from omni.api.errors import ApiError, json_object, json_response
 from omni.api.multipart_form import read_bounded
 from omni.api.oip_http import add_model_routes, live, oip_error, server_metadata
 from omni.api.proxy import OUTCOME, relay, relay_headers
@@ -55,12 +55,7 @@ OIP_COST = 1.0
 
 
 def check_inference_body(body: bytes) -> dict:
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise ApiError(400, "Request body is not valid JSON.", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError(400, "Request body must be a JSON object.", code="invalid_value")
+    data = json_object(body)
     model = data.get("model")
     if model is not None and not isinstance(model, str):  # present, of the wrong type
         raise ApiError(

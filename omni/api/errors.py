@@ -69,6 +69,17 @@ def json_response(data, status: int = 200, headers: dict | None = None) -> web.R
     )
 
 
+def json_object(body: bytes, not_object: str = "Request body must be a JSON object.") -> dict:
+    """A request body that must be a JSON object, or the 400 that says why it is not."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise ApiError(400, "Request body is not valid JSON.", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, not_object, code="invalid_value")
+    return data
+
+
 def unavailable(message: str, retry_after: float = 1.0) -> ApiError:
     return ApiError(503, message, code="unavailable", retry_after=retry_after)
 

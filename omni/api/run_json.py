@@ -32,10 +32,9 @@ import binascii
 from dataclasses import dataclass
 
 import numpy as np
-import orjson
 
 from . import oip
-from .errors import ApiError
+from .errors import ApiError, json_object
 from .transcriptions import declared
 
 PATH = "/v1/run/{model}"
@@ -77,13 +76,7 @@ def invalid(message: str, param: str | None) -> ApiError:
 
 
 def parse_body(body: bytes) -> dict:
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise ApiError(400, "Request body is not valid JSON.", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise invalid("Request body must be a JSON object of the model's inputs.", None)
-    return data
+    return json_object(body, "Request body must be a JSON object of the model's inputs.")
 
 
 def infer_request(body: bytes, sig: Signature) -> tuple[bytes, dict[str, str]]:
