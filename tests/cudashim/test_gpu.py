@@ -6,10 +6,12 @@ these tests allocate stays far below half of it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,7 +35,12 @@ def quota() -> int:
     return min(2 * GiB, free // 16) // (1 << 20) * (1 << 20)
 
 
-def child(tmp_path: Path, scenario: str, quota: int, mode: Mode):
+@contextlib.contextmanager
+def child(
+    tmp_path: Path, scenario: str, quota: int, mode: Mode
+) -> Iterator[tuple[subprocess.Popen, ControlBlock]]:
+    """The scenario's process under the shim, and its control block; on leaving, its
+    stdin closed (a scenario waiting for the parent ends), and it must have exited 0."""
     block = ControlBlock.create(tmp_path / f"control-{scenario}-{mode.name}", quota, mode)
     env = {
         **os.environ,
@@ -48,7 +55,12 @@ def child(tmp_path: Path, scenario: str, quota: int, mode: Mode):
         stderr=subprocess.PIPE,
         text=True,
     )
-    return proc, block
+    try:
+        yield proc, block
+    finally:
+        proc.stdin.close()
+        proc.wait(60)
+    assert proc.returncode == 0, proc.stderr.read()
 
 
 def read(proc) -> dict:
@@ -67,10 +79,8 @@ def step(proc) -> dict:
 
 @pytest.mark.parametrize("mode", [Mode.MANAGED, Mode.PASSTHROUGH])
 def test_pytorch_runs_correctly_within_its_quota(tmp_path, quota, mode):
-    proc, block = child(tmp_path, "basics", quota, mode)
-    r = read(proc)
-    proc.wait(60)
-    assert proc.returncode == 0, proc.stderr.read()
+    with child(tmp_path, "basics", quota, mode) as (proc, block):
+        r = read(proc)
     stats = block.stats()
     assert r["gemm_err"] < 1e-1 and r["llama_err"] < 1e-3, r  # TF32 GEMM; fp32 model
     assert r["total"] == quota and r["free"] <= quota, r  # torch.cuda.mem_get_info
@@ -85,9 +95,7 @@ def test_swap_moves_the_memory_off_the_gpu_and_back(tmp_path, quota):
     """What the GPU itself observes. (NVML is no witness here: on this driver it does
     not attribute unified memory to the process, and UVM keeps its freed GPU chunks
     counted as used until another allocation needs them.)"""
-    proc, block = child(tmp_path, "swap", quota, Mode.MANAGED)
-
-    try:
+    with child(tmp_path, "swap", quota, Mode.MANAGED) as (proc, block):
         ready = read(proc)
         out = swap_out(block, timeout_s=60)
         back = swap_in(block, timeout_s=60)
@@ -98,10 +106,6 @@ def test_swap_moves_the_memory_off_the_gpu_and_back(tmp_path, quota):
         rewritten = step(proc)
         swap_out(block, timeout_s=60)
         swapped = step(proc)
-    finally:
-        proc.stdin.close()
-        proc.wait(60)
-    assert proc.returncode == 0, proc.stderr.read()
     assert out.residency == ShimResidency.HOST and back.residency == ShimResidency.GPU
     assert out.bytes >= ready["bytes"]
     # Moving it costs bus time (no faster than 100 GB/s); a move to where it is, little.
@@ -123,8 +127,7 @@ def test_an_engine_s_kv_pool_is_released_at_a_swap_out_not_copied(tmp_path, quot
     (nothing copied) once the idle engine has left the pool, and after the swap-in the
     engine backs what it takes again and answers as before, its cached prefixes
     forgotten (their K/V are gone)."""
-    proc, block = child(tmp_path, "engine", quota, Mode.MANAGED)
-    try:
+    with child(tmp_path, "engine", quota, Mode.MANAGED) as (proc, block):
         ready = read(proc)
         before = block.stats()
         out = swap_out(block, timeout_s=60)
@@ -132,10 +135,6 @@ def test_an_engine_s_kv_pool_is_released_at_a_swap_out_not_copied(tmp_path, quot
         back = swap_in(block, timeout_s=60)
         r = step(proc)
         after = block.stats()
-    finally:
-        proc.stdin.close()
-        proc.wait(60)
-    assert proc.returncode == 0, proc.stderr.read()
     assert ready["pool"] and before["pool_bytes"] >= ready["pool_bytes"] > quota / 2
     # two prompts of 64 tokens take a few blocks: one step of the pool's backing
     assert 0 < before["pool_mapped_bytes"] < before["pool_bytes"] / 4, before
@@ -157,9 +156,7 @@ def test_a_handler_s_weights_keep_their_host_copy_and_answer_the_same_after_a_sw
     and buffers) read-only after load(): their whole pages are declared. Its trim before
     a swap-out frees the allocator's cache, and the shim counts that memory gone. The
     model answers the same after its memory went to the host and back."""
-    proc, block = child(tmp_path, "handler", quota, Mode.MANAGED)
-
-    try:
+    with child(tmp_path, "handler", quota, Mode.MANAGED) as (proc, block):
         ready = read(proc)
         held = block.stats()["used_bytes"]
         trimmed = step(proc)
@@ -167,10 +164,6 @@ def test_a_handler_s_weights_keep_their_host_copy_and_answer_the_same_after_a_sw
         out = swap_out(block, timeout_s=60)
         back = swap_in(block, timeout_s=60)
         after = step(proc)
-    finally:
-        proc.stdin.close()
-        proc.wait(60)
-    assert proc.returncode == 0, proc.stderr.read()
     assert out.residency == ShimResidency.HOST and back.residency == ShimResidency.GPU
     # whole 2 MiB pages of ViT-base-wide layers: most of the weights' bytes
     assert ready["declared"] >= 0.7 * ready["weight_bytes"], ready
