@@ -70,6 +70,21 @@ class Omnid:
         with self.admin() as c:
             return {i["name"]: i for i in c.get("/v1/instances").json()["instances"]}
 
+    def swap_out(self, name: str) -> None:
+        """Out of GPU memory through the admin API (every rank), unless it is out already:
+        an idle instance outside the hot set goes out by itself 0.2 s after its last
+        request when another needs its room, a race a test on a loaded host can lose."""
+        with self.admin() as c:
+            r = c.post(f"/v1/instances/{name}/swap-out")
+        gone = r.status_code == 409 and ("is swapped" in r.text or "is moving" in r.text)
+        assert r.status_code == 200 or gone, r.text
+
+        def out() -> bool:
+            inst = self.instances()[name]
+            return all(rank["residency"] == "swapped" for rank in inst.get("ranks", [inst]))
+
+        wait_until(out, 30, f"{name} swapped out")
+
     def models(self) -> list[str]:
         """The catalog, once the admin API answers."""
 

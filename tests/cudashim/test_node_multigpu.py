@@ -153,9 +153,7 @@ def test_a_killed_omnid_s_gpu_instances_are_adopted_with_their_memory(nodes):
     sandbox's init holds) is opened again, its residency and use read from it, and a
     request swaps the split model in through them."""
     node = nodes[-1]
-    with node.admin() as c:  # out (or going out by itself): it must come back through them
-        r = c.post("/v1/instances/split/swap-out")
-        assert r.status_code == 200 or "is swapped" in r.text or "is moving" in r.text, r.text
+    node.swap_out("split")  # out: it must come back through them
     before = settled(node)
     assert [r["residency"] for r in before["split"]["ranks"]] == ["swapped", "swapped"]
     node.proc.kill()

@@ -70,15 +70,6 @@ class Node:
             timeout=180,
         )
 
-    def swap_out(self, model: str) -> None:
-        """Out through the admin API, unless it is out already (an idle instance outside
-        the hot set goes out by itself 0.2 s after its last request: a race to lose)."""
-        with self.omnid.admin() as c:
-            r = c.post(f"/v1/instances/{model}/swap-out")
-        gone = r.status_code == 409 and ("is swapped" in r.text or "is moving" in r.text)
-        assert r.status_code == 200 or gone, r.text
-        wait_until(lambda: self.omnid.instances()[model]["residency"] == "swapped", 30, "out")
-
     def stop(self) -> None:
         self.omnid.stop()
         shutil.rmtree(self.root, ignore_errors=True)
@@ -170,7 +161,7 @@ def test_concurrent_requests_for_a_cold_instance_share_one_swap_in(node):
     name = node.names[5]
     rounds = []
     for _ in range(5):
-        node.swap_out(name)
+        node.omnid.swap_out(name)
         swaps_before = node.omnid.instances()[name]["swaps_in"]
         together = threading.Barrier(6)
 
@@ -217,11 +208,7 @@ def test_omnid_asks_an_instance_to_trim_before_its_swap_out(node):
     wait_until(lambda: trims() >= 0, 10, "its memory stats")
     before = trims()  # (as of its last health check: the count can only be higher)
     node.complete(name)  # resident now, until it is swapped out below or, idle, for room
-    with node.omnid.admin() as c:
-        r = c.post(f"/v1/instances/{name}/swap-out")
-        # (or, idle, it went out for room first: its trim is counted all the same)
-        gone = r.status_code == 409 and ("is swapped" in r.text or "is moving" in r.text)
-        assert r.status_code == 200 or gone, r.text
+    node.omnid.swap_out(name)  # (or, idle, it went out for room first: trimmed all the same)
     wait_until(lambda: trims() >= before + 1, 10, "the trim in its stats")
 
 
@@ -251,7 +238,7 @@ def test_an_instance_killed_as_it_comes_back_is_restarted_and_no_request_hangs(n
         return httpx.post(f"{node.omnid.base_url}/v1/completions", json=body, timeout=180)
 
     name = node.names[7]
-    node.swap_out(name)
+    node.omnid.swap_out(name)
     pid = node.omnid.instances()[name]["pid"]
     os.kill(pid, signal.SIGSTOP)  # its swap-in can begin but not end: killed in the middle
     with ThreadPoolExecutor(4) as pool:
